@@ -6,14 +6,26 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 __all__ = ["count_params", "census"]
 
 
+def _is_param(leaf) -> bool:
+    """A floating-point array, or its abstract stand-in from `eqx.filter_eval_shape`."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return eqx.is_inexact_array(leaf)
+
+
 def count_params(module) -> int:
-    """Number of trainable scalars: the sizes of all floating-point arrays in `module`."""
-    leaves = jax.tree_util.tree_leaves(eqx.filter(module, eqx.is_inexact_array))
-    return int(sum(leaf.size for leaf in leaves))
+    """Number of trainable scalars: the sizes of all floating-point arrays in `module`.
+
+    Works on abstract modules too (`eqx.filter_eval_shape`), so a census of a
+    large configuration allocates nothing.
+    """
+    leaves = jax.tree_util.tree_leaves(module)
+    return int(sum(leaf.size for leaf in leaves if _is_param(leaf)))
 
 
 def census(module) -> dict[str, int]:
