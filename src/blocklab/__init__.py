@@ -24,6 +24,7 @@ from .functional import (
 )
 from .models import Stack
 from .norms import NORMS, LayerNorm, RMSNorm
+from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
 
 __version__ = "0.1.0"
 
@@ -38,10 +39,12 @@ __all__ = [
     "NORMS",
     "PLACEMENTS",
     "RMSNorm",
+    "SignalStats",
     "Stack",
     "TransformerBlock",
     "attention_entropy",
     "census",
+    "chapter_stack",
     "count_params",
     "ffn_width",
     "functional",
@@ -52,6 +55,9 @@ __all__ = [
     "masked_softmax",
     "relu",
     "rms_norm",
+    "signal_run",
+    "signal_stats",
+    "signal_sweep",
     "silu",
     "token_spread",
 ]
