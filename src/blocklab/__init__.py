@@ -10,6 +10,8 @@ from . import functional, init
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
+from .checkpoint import load, save
+from .data import TimeMachine
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .functional import (
     attention_entropy,
@@ -22,9 +24,20 @@ from .functional import (
     silu,
     token_spread,
 )
-from .models import Stack
+from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
 from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
+from .train import (
+    TrainResult,
+    TrainState,
+    TrainStep,
+    init_state,
+    lm_loss,
+    make_train_step,
+    step_keys,
+    train_lm,
+    validation_loss,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +45,7 @@ __all__ = [
     "ACTS",
     "AttentionTrace",
     "BlockTrace",
+    "CharLM",
     "FeedForward",
     "GATED_ACTS",
     "LayerNorm",
@@ -41,6 +55,10 @@ __all__ = [
     "RMSNorm",
     "SignalStats",
     "Stack",
+    "TimeMachine",
+    "TrainResult",
+    "TrainState",
+    "TrainStep",
     "TransformerBlock",
     "attention_entropy",
     "census",
@@ -50,14 +68,23 @@ __all__ = [
     "functional",
     "gelu",
     "gelu_exact",
+    "generate",
     "init",
+    "init_state",
     "layer_norm",
+    "lm_loss",
+    "load",
+    "make_train_step",
     "masked_softmax",
     "relu",
     "rms_norm",
+    "save",
     "signal_run",
     "signal_stats",
     "signal_sweep",
     "silu",
+    "step_keys",
     "token_spread",
+    "train_lm",
+    "validation_loss",
 ]

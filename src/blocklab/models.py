@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-__all__ = ["Stack"]
+from .block import TransformerBlock
+from .norms import RMSNorm
+
+__all__ = ["Stack", "CharLM", "generate"]
 
 
 class Stack(eqx.Module):
@@ -110,3 +113,176 @@ class Stack(eqx.Module):
         subkey per block.
         """
         return self.scan(x, valid_lens, key=key)[0]
+
+
+class CharLM(eqx.Module):
+    r"""A causal character language model: embeddings, a `Stack` of blocks, a tied head.
+
+    For token ids $t_1, \ldots, t_T$ (with $T \le$ `max_len`),
+    $$h_0 = E[t] + P[1{:}T],\qquad h_N = \mathrm{Stack}(h_0;\ L_i = i),\qquad
+    \text{logits} = \mathrm{RMSNorm}(h_N)\, E^\top,$$
+    where the per-query valid length $L_i = i$ makes every position attend only
+    to itself and the positions before it (causal). The token embedding $E$
+    (`vocab_size x d`) and the learned position embedding $P$ (`max_len x d`)
+    are drawn from $\mathcal N(0, 0.02^2)$; the output head reuses $E$ (weight
+    tying, Press & Wolf, 2017). The blocks are
+    `TransformerBlock(num_hiddens, num_heads, act=act, **block_options)` with
+    their default (Flax NNX-matching) initialization.
+    """
+
+    token_emb: eqx.nn.Embedding
+    pos_emb: eqx.nn.Embedding
+    stack: Stack
+    norm: RMSNorm
+    vocab_size: int = eqx.field(static=True)
+    num_hiddens: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    num_blks: int = eqx.field(static=True)
+    act: str = eqx.field(static=True)
+    max_len: int = eqx.field(static=True)
+    block_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int = 128,
+        num_heads: int = 4,
+        num_blks: int = 2,
+        act: str = "swiglu",
+        max_len: int = 128,
+        *,
+        remat: bool = False,
+        key: PRNGKeyArray,
+        **block_options: Any,
+    ):
+        """Args:
+        vocab_size: number of token ids (28 for `blocklab.data.TimeMachine`).
+        num_hiddens, num_heads, act: the blocks' width, heads and FFN activation.
+        num_blks: depth of the stack.
+        max_len: longest input sequence (rows of the position embedding).
+        remat: rematerialize each block in the backward pass (see `Stack`).
+        key: PRNG key for every weight.
+        **block_options: further `TransformerBlock` options (`norm`,
+            `placement`, `bias`, `qk_norm`, `dropout`, factories).
+        """
+        for name, value in (("vocab_size", vocab_size), ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"CharLM: {name} must be a positive int, got {value!r}."
+                )
+        tok_key, pos_key, stack_key = jax.random.split(key, 3)
+        self.vocab_size, self.num_hiddens = vocab_size, num_hiddens
+        self.num_heads, self.num_blks = num_heads, num_blks
+        self.act, self.max_len = act, max_len
+        self.block_options = tuple(sorted(block_options.items()))
+
+        def embedding(n, k):
+            weight = 0.02 * jax.random.normal(k, (n, num_hiddens), jnp.float32)
+            return eqx.nn.Embedding(weight=weight)
+
+        self.token_emb = embedding(vocab_size, tok_key)
+        self.pos_emb = embedding(max_len, pos_key)
+
+        def make_block(k):
+            return TransformerBlock(
+                num_hiddens, num_heads, act=act, key=k, **block_options
+            )
+
+        # Build one block eagerly so a bad option raises its ValueError here
+        # rather than from inside `filter_vmap`.
+        eqx.filter_eval_shape(make_block, stack_key)
+        self.stack = Stack(make_block, num_blks, remat=remat, key=stack_key)
+        self.norm = RMSNorm(num_hiddens)
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (without `key`) that rebuild this structure."""
+        return dict(
+            vocab_size=self.vocab_size, num_hiddens=self.num_hiddens,
+            num_heads=self.num_heads, num_blks=self.num_blks, act=self.act,
+            max_len=self.max_len, remat=self.stack.remat, **dict(self.block_options),
+        )
+
+    def __call__(
+        self, tokens: Int[ArrayLike, " T"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "T vocab"]:
+        """Next-token logits for one sequence.
+
+        Args:
+            tokens: `(T,)` integer ids in `[0, vocab_size)`, `1 <= T <= max_len`.
+            key: enables dropout (when the blocks have any); `None` evaluates.
+
+        Returns:
+            `(T, vocab_size)` logits; row `i` scores the token after `tokens[i]`.
+
+        Raises:
+            ValueError: `tokens` is not one sequence or is longer than `max_len`.
+            EquinoxRuntimeError (also under `jit`): a token id is outside the
+                vocabulary.
+        """
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= self.max_len:
+            raise ValueError(
+                f"CharLM takes one sequence of 1 to max_len={self.max_len} token ids, "
+                f"got tokens.shape={tuple(tokens.shape)}; use jax.vmap for a batch "
+                "and split longer sequences."
+            )
+        tokens = eqx.error_if(
+            tokens, (tokens < 0) | (tokens >= self.vocab_size),
+            f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}).",
+        )
+        T = tokens.shape[0]
+        h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
+        h = self.stack(h, jnp.arange(1, T + 1), key=key)
+        return self.norm(h) @ self.token_emb.weight.T.astype(h.dtype)
+
+
+def generate(
+    model: CharLM,
+    prompt: str,
+    num_chars: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+) -> str:
+    r"""Continue `prompt` by `num_chars` characters sampled from `model`.
+
+    Each character is drawn from $\mathrm{softmax}(\ell / \tau)$ of the logits
+    $\ell$ at the last position, $\tau$ = `temperature`; the context is the
+    last `max_len` characters. The prompt is preprocessed like the corpus
+    (non-letters to spaces, lower case). The whole loop is one compiled
+    `lax.scan`.
+
+    Returns:
+        The preprocessed prompt followed by the sampled characters.
+    """
+    from .data import decode, encode, preprocess
+
+    if not isinstance(num_chars, int) or num_chars < 0:
+        raise ValueError(f"generate: num_chars must be an int >= 0, got {num_chars!r}.")
+    if not temperature > 0:
+        raise ValueError(f"generate: temperature must be > 0, got {temperature!r}.")
+    text = preprocess(prompt)
+    if not text:
+        raise ValueError("generate: prompt must contain at least one character.")
+    ids = encode(text)[-model.max_len:]
+    buf = jnp.zeros(model.max_len, jnp.int32).at[: len(ids)].set(ids)
+    new = _sample(model, buf, jnp.asarray(len(ids)), key, num_chars, temperature)
+    return text + decode(new)
+
+
+@eqx.filter_jit
+def _sample(model, buf, n, key, num_chars, temperature):
+    """Sample `num_chars` ids; `buf[:n]` is the context, right-padded to max_len."""
+
+    def step(carry, k):
+        buf, n = carry
+        # Causal: the padding after position n - 1 does not affect its logits.
+        logits = model(buf)[n - 1].astype(jnp.float32)
+        c = jax.random.categorical(k, logits / temperature).astype(buf.dtype)
+        full = n == buf.shape[0]
+        buf = jnp.where(full, jnp.roll(buf, -1), buf)
+        pos = jnp.where(full, n - 1, n)
+        return (buf.at[pos].set(c), jnp.minimum(n + 1, buf.shape[0])), c
+
+    _, new = jax.lax.scan(step, (buf, n), jax.random.split(key, num_chars))
+    return new
