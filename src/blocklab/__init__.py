@@ -26,6 +26,7 @@ from .functional import (
 )
 from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
+from .porting import load_state_dict, state_dict
 from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
 from .train import (
     TrainResult,
@@ -74,6 +75,7 @@ __all__ = [
     "layer_norm",
     "lm_loss",
     "load",
+    "load_state_dict",
     "make_train_step",
     "masked_softmax",
     "relu",
@@ -83,6 +85,7 @@ __all__ = [
     "signal_stats",
     "signal_sweep",
     "silu",
+    "state_dict",
     "step_keys",
     "token_spread",
     "train_lm",

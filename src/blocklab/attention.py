@@ -147,8 +147,10 @@ class MultiHeadAttention(eqx.Module):
 
         q, k = heads(self.W_q, self.q_norm), heads(self.W_k, self.k_norm)
         v = heads(self.W_v, None)
+        # float32 logits for low-precision input; float64 input stays float64.
+        stat = jnp.promote_types(q.dtype, jnp.float32)
         logits = jnp.einsum(
-            "hqp,hkp->hqk", q, k, preferred_element_type=jnp.float32
+            "hqp,hkp->hqk", q, k, preferred_element_type=stat
         ) / math.sqrt(p)
         weights = masked_softmax(logits, valid_lens)
         mixed = jnp.einsum(

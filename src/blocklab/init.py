@@ -42,17 +42,23 @@ def _is_weighted(node) -> bool:
     return isinstance(node, (eqx.nn.Linear, eqx.nn.Embedding))
 
 
-def weights(model) -> list[Array]:
-    """Every `Linear` / `Embedding` weight of `model`, in tree order."""
+def _weight_nodes(model):
+    # Unannotated on purpose: `eqx.tree_at` calls it on a tree whose leaves
+    # are placeholders, not arrays, which a run-time return check would reject.
     layers = jax.tree_util.tree_leaves(model, is_leaf=_is_weighted)
     return [layer.weight for layer in layers if _is_weighted(layer)]
+
+
+def weights(model) -> list[Array]:
+    """Every `Linear` / `Embedding` weight of `model`, in tree order."""
+    return _weight_nodes(model)
 
 
 def _replace(model, fn):
     """Apply `fn(index, weight) -> new weight` to every weight of `model`."""
     old = weights(model)
     new = [fn(i, w).astype(w.dtype) for i, w in enumerate(old)]
-    return eqx.tree_at(weights, model, new)
+    return eqx.tree_at(_weight_nodes, model, new)
 
 
 def xavier_uniform(model, *, key: PRNGKeyArray):

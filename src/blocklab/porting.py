@@ -1,0 +1,160 @@
+"""Port weights between blocklab modules and PyTorch-style state dicts.
+
+blocklab keeps the chapter's names (`attention.W_q`, `ffn.W_g`, `norm1`, ...)
+and PyTorch's `(out, in)` weight layout, so a PyTorch `state_dict` of the
+chapter's `TransformerBlock` maps onto ours by name, array for array:
+
+    sd = {k: v.detach().cpu().numpy() for k, v in torch_block.state_dict().items()}
+    block = blocklab.load_state_dict(TransformerBlock(256, 8, key=key), sd)
+
+A parameter's name is the dotted path of attribute names (and sequence
+indices) from the module to the array, e.g. `attention.W_q.weight`. In a
+`Stack` the per-block arrays are stored stacked; they are named per block,
+`blocks.0.norm1.weight`, `blocks.1.norm1.weight`, ..., as a PyTorch
+`nn.ModuleList` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .models import Stack
+
+__all__ = ["state_dict", "load_state_dict"]
+
+
+def _is_param(leaf) -> bool:
+    """A floating-point array (concrete or abstract); ints and keys are not weights."""
+    dtype = getattr(leaf, "dtype", None)
+    return (
+        hasattr(leaf, "shape")
+        and dtype is not None
+        and jnp.issubdtype(dtype, jnp.inexact)
+    )
+
+
+def _key_name(entry) -> str:
+    for attr in ("name", "idx", "key"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _walk(module, fn, prefix: str = ""):
+    """Rebuild `module` with each parameter replaced by `fn(names, leaf)`.
+
+    `names` is the dotted name of an ordinary parameter, or, for an array
+    stacked along a `Stack`'s block axis, the list of its per-block names
+    (`<stack>.blocks.<i>.<rest>`). Every other leaf is kept.
+    """
+
+    def visit(path, leaf):
+        name = prefix + ".".join(_key_name(e) for e in path)
+        if isinstance(leaf, Stack):
+            head = f"{name}.blocks." if name else "blocks."
+
+            def per_block(sub_name, sub_leaf):
+                names = [f"{head}{i}.{sub_name}" for i in range(leaf.num_blks)]
+                return fn(names, sub_leaf)
+
+            return eqx.tree_at(lambda s: s.blocks, leaf, _walk(leaf.blocks, per_block))
+        return fn(name, leaf) if _is_param(leaf) else leaf
+
+    return jax.tree_util.tree_map_with_path(
+        visit, module, is_leaf=lambda n: isinstance(n, Stack)
+    )
+
+
+def _shapes(module) -> dict[str, tuple[int, ...]]:
+    """name -> expected shape of every parameter (per block inside a `Stack`)."""
+    shapes = {}
+
+    def record(names, leaf):
+        if isinstance(names, str):
+            shapes[names] = tuple(leaf.shape)
+        else:
+            shapes.update((n, tuple(leaf.shape[1:])) for n in names)
+        return leaf
+
+    _walk(module, record)
+    return shapes
+
+
+def state_dict(module) -> dict[str, np.ndarray]:
+    """Every floating-point array of `module` as `{dotted name: numpy array}`.
+
+    The inverse of `load_state_dict`: names and shapes are those a PyTorch
+    model with the chapter's attribute names would use, weights `(out, in)`.
+    For a `Stack`, block i's arrays appear under `blocks.<i>.`.
+    """
+    result = {}
+
+    def record(names, leaf):
+        value = np.asarray(leaf)
+        if isinstance(names, str):
+            result[names] = value
+        else:
+            result.update((n, value[i]) for i, n in enumerate(names))
+        return leaf
+
+    _walk(module, record)
+    return result
+
+
+def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
+    """Return a copy of `module` with every parameter taken from `state_dict`.
+
+    Args:
+        module: any blocklab module (concrete, or abstract from
+            `eqx.filter_eval_shape`, which allocates nothing).
+        state_dict: `{dotted name: array}`, e.g. a PyTorch `state_dict` with
+            its tensors converted by `.numpy()`. Keys must match the names of
+            `blocklab.state_dict(module)` exactly.
+        dtype: cast every array to this dtype; `None` keeps the dtype each
+            parameter has in `module` (float32 by default).
+
+    Returns:
+        A new module of the same structure; `module` is unchanged.
+
+    Raises:
+        ValueError: naming every missing key and every unexpected key, or a
+            key whose array has the wrong shape (with both shapes).
+    """
+    expected = _shapes(module)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        raise ValueError(
+            f"load_state_dict: the state dict does not match the "
+            f"{type(module).__name__}: {'; '.join(problems)}. The module's keys "
+            f"are {list(expected)}."
+        )
+    for name, shape in expected.items():
+        got = tuple(np.shape(state_dict[name]))
+        if got != shape:
+            raise ValueError(
+                f"load_state_dict: shape mismatch for key {name!r}: the state "
+                f"dict has shape {got}, the module expects shape {shape} "
+                "(weights are (out_features, in_features), as in PyTorch)."
+            )
+
+    def take(names, leaf):
+        target = leaf.dtype if dtype is None else dtype
+        if isinstance(names, str):
+            return jnp.asarray(np.asarray(state_dict[names]), target)
+        return jnp.stack(
+            [jnp.asarray(np.asarray(state_dict[n]), target) for n in names]
+        )
+
+    return _walk(module, take)

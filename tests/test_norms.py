@@ -1,0 +1,65 @@
+"""RMSNorm and LayerNorm modules against the NumPy reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import blocklab as bl
+from blocklab.norms import make_norm
+
+
+def test_default_parameters_are_unit_gain_and_zero_bias():
+    np.testing.assert_array_equal(bl.RMSNorm(5).weight, np.ones(5))
+    ln = bl.LayerNorm(5)
+    np.testing.assert_array_equal(ln.weight, np.ones(5))
+    np.testing.assert_array_equal(ln.bias, np.zeros(5))
+    assert bl.count_params(bl.RMSNorm(5)) == 5
+    assert bl.count_params(ln) == 10
+
+
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (2, 3, 6)])
+def test_rmsnorm_module_matches_reference_with_learned_gain(shape):
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=shape), 1 + rng.normal(size=6)
+    norm = bl.load_state_dict(bl.RMSNorm(6), {"weight": w}, dtype=jnp.float64)
+    np.testing.assert_allclose(norm(jnp.asarray(x)), ref.rms_norm(x, w), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (2, 3, 6)])
+def test_layernorm_module_matches_reference_with_learned_affine(shape):
+    rng = np.random.default_rng(1)
+    x, w, b = rng.normal(size=shape), rng.normal(size=6), rng.normal(size=6)
+    norm = bl.load_state_dict(
+        bl.LayerNorm(6), {"weight": w, "bias": b}, dtype=jnp.float64
+    )
+    np.testing.assert_allclose(
+        norm(jnp.asarray(x)), ref.layer_norm(x, w, b), rtol=1e-12
+    )
+
+
+@pytest.mark.parametrize("cls", [bl.RMSNorm, bl.LayerNorm])
+def test_norm_module_uses_its_eps(cls):
+    # x = (1, -1): mean square and variance are 1, so y = x / sqrt(1 + eps).
+    y = cls(2, eps=0.5)(jnp.array([1.0, -1.0]))
+    np.testing.assert_allclose(y, np.array([1.0, -1.0]) / np.sqrt(1.5), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("cls", [bl.RMSNorm, bl.LayerNorm])
+def test_norm_module_returns_input_dtype(cls, dtype):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 8)), dtype)
+    y = cls(8)(x)
+    assert y.dtype == dtype
+    want = (
+        ref.rms_norm(np.asarray(x, np.float64))
+        if cls is bl.RMSNorm
+        else (ref.layer_norm(np.asarray(x, np.float64)))
+    )
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_make_norm_builds_the_named_norm():
+    assert isinstance(make_norm("rms", 4), bl.RMSNorm)
+    assert isinstance(make_norm("layer", 4), bl.LayerNorm)
+    assert set(bl.NORMS) == {"rms", "layer"}
