@@ -34,7 +34,8 @@ def linear(
     w = _lecun(key, (out_features, in_features), jnp.float32)
     layer = eqx.tree_at(lambda m: m.weight, layer, w)
     if bias:
-        layer = eqx.tree_at(lambda m: m.bias, layer, jnp.zeros(out_features))
+        bias_init = jnp.zeros(out_features, jnp.float32)
+        layer = eqx.tree_at(lambda m: m.bias, layer, bias_init)
     return layer
 
 

@@ -42,7 +42,7 @@ class RMSNorm(eqx.Module):
         _check_size(num_hiddens, "RMSNorm")
         self.num_hiddens = num_hiddens
         self.eps = eps
-        self.weight = jnp.ones(num_hiddens)
+        self.weight = jnp.ones(num_hiddens, jnp.float32)
 
     def __call__(self, x: Float[Array, "*batch d"]) -> Float[Array, "*batch d"]:
         """Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out."""
@@ -67,8 +67,8 @@ class LayerNorm(eqx.Module):
         _check_size(num_hiddens, "LayerNorm")
         self.num_hiddens = num_hiddens
         self.eps = eps
-        self.weight = jnp.ones(num_hiddens)
-        self.bias = jnp.zeros(num_hiddens)
+        self.weight = jnp.ones(num_hiddens, jnp.float32)
+        self.bias = jnp.zeros(num_hiddens, jnp.float32)
 
     def __call__(self, x: Float[Array, "*batch d"]) -> Float[Array, "*batch d"]:
         """Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out."""
