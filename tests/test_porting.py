@@ -135,6 +135,9 @@ def test_stack_is_named_per_block_like_a_module_list():
     stack = bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 3, key=KEY)
     sd = bl.state_dict(stack)
     assert set(sd) == {f"blocks.{i}.{k}" for i in range(3) for k in TORCH_KEYS_MODERN}
+    # block by block, as a ModuleList's state_dict lists them
+    n = len(TORCH_KEYS_MODERN)
+    assert [int(k.split(".")[1]) for k in sd] == [i for i in range(3) for _ in range(n)]
     np.testing.assert_array_equal(
         sd["blocks.2.attention.W_v.weight"], stack.blocks.attention.W_v.weight[2]
     )

@@ -46,6 +46,12 @@ def _key_name(entry) -> str:
     return str(entry)
 
 
+class _BlockNames(list):
+    """The per-block names of one stacked array; `head` names its `Stack`."""
+
+    head: str = ""
+
+
 def _walk(module, fn, prefix: str = ""):
     """Rebuild `module` with each parameter replaced by `fn(names, leaf)`.
 
@@ -60,7 +66,10 @@ def _walk(module, fn, prefix: str = ""):
             head = f"{name}.blocks." if name else "blocks."
 
             def per_block(sub_name, sub_leaf):
-                names = [f"{head}{i}.{sub_name}" for i in range(leaf.num_blks)]
+                names = _BlockNames(
+                    f"{head}{i}.{sub_name}" for i in range(leaf.num_blks)
+                )
+                names.head = head
                 return fn(names, sub_leaf)
 
             return eqx.tree_at(lambda s: s.blocks, leaf, _walk(leaf.blocks, per_block))
@@ -93,18 +102,25 @@ def state_dict(module) -> dict[str, np.ndarray]:
     model with the chapter's attribute names would use, weights `(out, in)`.
     For a `Stack`, block i's arrays appear under `blocks.<i>.`.
     """
-    result = {}
+    # Ordinary arrays in tree order; a Stack's arrays block by block, as a
+    # PyTorch ModuleList lists them (blocks.0.*, then blocks.1.*, ...).
+    entries: list = []
+    stacks: dict[str, list[list]] = {}
 
     def record(names, leaf):
         value = np.asarray(leaf)
         if isinstance(names, str):
-            result[names] = value
+            entries.append([(names, value)])
         else:
-            result.update((n, value[i]) for i, n in enumerate(names))
+            if names.head not in stacks:
+                stacks[names.head] = [[] for _ in names]
+                entries.extend(stacks[names.head])
+            for i, n in enumerate(names):
+                stacks[names.head][i].append((n, value[i]))
         return leaf
 
     _walk(module, record)
-    return result
+    return {name: value for group in entries for name, value in group}
 
 
 def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
