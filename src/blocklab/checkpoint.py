@@ -142,7 +142,7 @@ def load(path: str | Path, like: Any = None) -> Any:
     )
     try:
         return eqx.tree_deserialise_leaves(io.BytesIO(payload), skeleton, _read_leaf)
-    except (ValueError, EOFError, OSError) as err:
+    except Exception as err:  # equinox wraps reader errors in its own types
         raise ValueError(
             f"load: the weights in {path} do not fit a {name}({config}): {err}. "
             "The file is corrupted or was written by an incompatible version."

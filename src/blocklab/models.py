@@ -115,6 +115,28 @@ class Stack(eqx.Module):
         return self.scan(x, valid_lens, key=key)[0]
 
 
+@eqx.filter_jit
+def _build_charlm(
+    key, vocab_size, num_hiddens, num_heads, num_blks, act, max_len, remat, options
+):
+    """CharLM's random arrays, drawn in one compiled program.
+
+    Drawing them op by op compiles dozens of tiny kernels (tens of seconds on
+    a busy 2-core machine); one jitted builder compiles once per configuration.
+    """
+    tok_key, pos_key, stack_key = jax.random.split(key, 3)
+
+    def embedding(n, k):
+        weight = 0.02 * jax.random.normal(k, (n, num_hiddens), jnp.float32)
+        return eqx.nn.Embedding(weight=weight)
+
+    def make_block(k):
+        return TransformerBlock(num_hiddens, num_heads, act=act, key=k, **dict(options))
+
+    stack = Stack(make_block, num_blks, remat=remat, key=stack_key)
+    return embedding(vocab_size, tok_key), embedding(max_len, pos_key), stack
+
+
 class CharLM(eqx.Module):
     r"""A causal character language model: embeddings, a `Stack` of blocks, a tied head.
 
@@ -170,28 +192,14 @@ class CharLM(eqx.Module):
                 raise ValueError(
                     f"CharLM: {name} must be a positive int, got {value!r}."
                 )
-        tok_key, pos_key, stack_key = jax.random.split(key, 3)
         self.vocab_size, self.num_hiddens = vocab_size, num_hiddens
         self.num_heads, self.num_blks = num_heads, num_blks
         self.act, self.max_len = act, max_len
         self.block_options = tuple(sorted(block_options.items()))
-
-        def embedding(n, k):
-            weight = 0.02 * jax.random.normal(k, (n, num_hiddens), jnp.float32)
-            return eqx.nn.Embedding(weight=weight)
-
-        self.token_emb = embedding(vocab_size, tok_key)
-        self.pos_emb = embedding(max_len, pos_key)
-
-        def make_block(k):
-            return TransformerBlock(
-                num_hiddens, num_heads, act=act, key=k, **block_options
-            )
-
-        # Build one block eagerly so a bad option raises its ValueError here
-        # rather than from inside `filter_vmap`.
-        eqx.filter_eval_shape(make_block, stack_key)
-        self.stack = Stack(make_block, num_blks, remat=remat, key=stack_key)
+        self.token_emb, self.pos_emb, self.stack = _build_charlm(
+            key, vocab_size, num_hiddens, num_heads, num_blks, act, max_len, remat,
+            self.block_options,
+        )
         self.norm = RMSNorm(num_hiddens)
 
     def config(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ The pieces, from the inside out:
   chapter's experiment runs: compiled chunks of fused steps, tqdm progress, a
   stop with a message on a non-finite loss.
 
-A non-finite loss (or gradient) never corrupts a state: the step that sees it
+A non-finite loss (or update) never corrupts a state: the step that sees it
 leaves the state unchanged and clears `finite`; once cleared, later steps are
 no-ops that report NaN. So a diverged run keeps its last finite model, also
 inside a vmapped sweep.
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 from tqdm.auto import tqdm
 
 from .data import TimeMachine
@@ -97,9 +97,10 @@ class TrainStep(eqx.Module):
 
     Calling it, `step(state, key) -> (state, loss)`: draws `batch_size`
     training windows from `key`, computes `lm_loss` and its gradient, and
-    applies one optimizer update. If the loss or the gradient norm is not
-    finite, or `state.finite` is already `False`, the state is returned
-    unchanged (with `finite=False`) and the loss is reported as NaN.
+    applies one optimizer update. If the loss or the update is not finite, or
+    `state.finite` is already `False`, the update is skipped: the state is
+    returned unchanged except `finite=False`, and the loss is reported as NaN
+    (so a reported loss is always that of an applied step).
     """
 
     data: TimeMachine
@@ -116,8 +117,11 @@ class TrainStep(eqx.Module):
             return lm_loss(eqx.combine(p, static), X, Y)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        ok = state.finite & jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        # The updates are finite only if the gradients (and the optimizer's
+        # arithmetic) are.
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
+        ok = state.finite & finite
         stepped = TrainState(
             eqx.apply_updates(state.model, updates), opt_state, state.step + 1, ok
         )
@@ -125,10 +129,10 @@ class TrainStep(eqx.Module):
         new = jax.tree_util.tree_map(
             lambda a, b: jnp.where(ok, a, b) if eqx.is_array(a) else a, stepped, kept
         )
-        return new, jnp.where(state.finite, loss, jnp.nan)
+        return new, jnp.where(ok, loss, jnp.nan)
 
     def scan(
-        self, state: TrainState, keys: PRNGKeyArray
+        self, state: TrainState, keys: Key[Array, " n"]
     ) -> tuple[TrainState, Float[Array, " n"]]:
         """`len(keys)` steps fused in one `lax.scan`: `(final state, (n,) losses)`."""
         return jax.lax.scan(lambda s, k: self(s, k), state, keys)
@@ -148,7 +152,9 @@ def make_train_step(
     return TrainStep(data, optimizer, batch_size)
 
 
-def step_keys(key: PRNGKeyArray, start: int | Int[Array, ""], num: int) -> PRNGKeyArray:
+def step_keys(
+    key: PRNGKeyArray, start: int | Int[Array, ""], num: int
+) -> Key[Array, " num"]:
     """The keys of steps `start .. start + num - 1`: `fold_in(key, s)` for step `s`."""
     steps = jnp.arange(num) + start
     return jax.vmap(lambda s: jax.random.fold_in(key, s))(steps)
@@ -180,7 +186,7 @@ def validation_loss(
 
 
 @eqx.filter_jit(donate="all-except-first")
-def _run_chunk(step: TrainStep, state: TrainState, keys: PRNGKeyArray):
+def _run_chunk(step: TrainStep, state: TrainState, keys: Key[Array, " n"]):
     return step.scan(state, keys)
 
 
@@ -266,8 +272,9 @@ def train_lm(
                 first = int(np.argmax(bad))
                 losses.append(chunk[:first])
                 stopped = (
-                    f"non-finite training loss at step {start + done + first + 1}; "
-                    f"stopped and kept the model after step {start + done + first}."
+                    f"non-finite training loss or update at step "
+                    f"{start + done + first + 1}; stopped and kept the model "
+                    f"after step {start + done + first}."
                 )
                 bar.update(first)
                 break

@@ -1,0 +1,113 @@
+"""CharLM: its forward pass, causality, tied head, init, errors, and `generate`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blocklab import CharLM, count_params, ffn_width, generate
+from blocklab.data import decode, encode
+
+V, D, H, L = 28, 16, 2, 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CharLM(V, D, H, 2, act="swiglu", max_len=L, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (6,), 0, V)
+
+
+def test_logits_equal_hand_composition(model, tokens):
+    """Embeddings + causal loop over the blocks + RMS norm + E^T, written out."""
+    T = tokens.shape[0]
+    E = np.asarray(model.token_emb.weight, np.float64)
+    h = np.asarray(model.token_emb.weight[tokens] + model.pos_emb.weight[:T])
+    for i in range(model.num_blks):
+        h = np.asarray(model.stack.block(i)(jnp.asarray(h), jnp.arange(1, T + 1)))
+    h = h.astype(np.float64)
+    gain = np.asarray(model.norm.weight, np.float64)
+    normed = h / np.sqrt(np.mean(h**2, axis=-1, keepdims=True) + 1e-6) * gain
+    np.testing.assert_allclose(model(tokens), normed @ E.T, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_a_token_changes_only_later_logits(model, tokens):
+    fn = eqx.filter_jit(model)
+    changed = tokens.at[3].set((tokens[3] + 1) % V)
+    a, b = fn(tokens), fn(changed)
+    np.testing.assert_allclose(a[:3], b[:3], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a[3], b[3])
+
+
+def test_parameter_count_is_tied_head_plus_parts(model):
+    ffn = 3 * D * ffn_width(D, "swiglu")  # gate, up, down; no bias
+    block = 4 * D * D + ffn + 2 * D  # attention, FFN, two RMSNorm gains
+    expected = V * D + L * D + 2 * block + D  # no separate output matrix
+    assert count_params(model) == expected
+
+
+def test_embeddings_are_normal_002():
+    lm = CharLM(V, 128, 4, 1, max_len=512, key=jax.random.key(3))
+    pos = np.asarray(lm.pos_emb.weight)
+    assert abs(pos.mean()) < 3 * 0.02 / np.sqrt(pos.size)
+    np.testing.assert_allclose(pos.std(), 0.02, rtol=0.02)  # 65536 draws
+
+
+def test_too_long_input_raises(model):
+    with pytest.raises(
+        ValueError, match="1 to max_len=8 token ids, got tokens.shape=\\(9,\\)"
+    ):
+        model(jnp.zeros(9, jnp.int32))
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit"])
+@pytest.mark.parametrize("bad", [28, -1])
+def test_token_outside_vocab_raises(model, transform, bad):
+    fn = model if transform == "eager" else eqx.filter_jit(model)
+    with pytest.raises(
+        eqx.EquinoxRuntimeError, match="token ids must lie in \\[0, vocab_size=28\\)"
+    ):
+        fn(jnp.array([1, bad, 2]))
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="vocab_size must be a positive int, got 0"):
+        CharLM(0, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="act must be one of"):
+        CharLM(V, D, H, act="tanh", key=jax.random.key(0))
+
+
+def greedy_reference(model, prompt, n):
+    """Python loop: full forward on the last max_len ids, argmax of the last row."""
+    ids, fn = list(encode(prompt)), eqx.filter_jit(model)
+    for _ in range(n):
+        ctx = jnp.asarray(ids[-model.max_len :])
+        ids.append(int(jnp.argmax(fn(ctx)[-1])))
+    return decode(ids)
+
+
+@pytest.mark.parametrize("prompt", ["the ", "the time machine"])  # 16 > max_len
+def test_generate_near_zero_temperature_is_greedy(model, prompt):
+    out = generate(model, prompt, 3, key=jax.random.key(0), temperature=1e-6)
+    assert out == greedy_reference(model, prompt, 3)
+
+
+def test_generate_samples_from_the_vocab_and_is_keyed(model):
+    a = generate(model, "It was", 20, key=jax.random.key(1))
+    assert a.startswith("it was") and len(a) == 26
+    assert set(a) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert a == generate(model, "It was", 20, key=jax.random.key(1))
+    assert a != generate(model, "It was", 20, key=jax.random.key(2))
+
+
+def test_generate_bad_arguments(model):
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        generate(model, "a", 3, key=jax.random.key(0), temperature=0.0)
+    with pytest.raises(ValueError, match="num_chars must be an int >= 0, got -1"):
+        generate(model, "a", -1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="prompt must contain at least one character"):
+        generate(model, "", 3, key=jax.random.key(0))

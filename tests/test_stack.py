@@ -1,0 +1,119 @@
+"""Stack: a scanned stack equals a Python loop over its blocks (forward, gradients)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blocklab import Stack, TransformerBlock
+
+D, H, N, T = 16, 2, 3, 5
+CAUSAL = jnp.arange(1, T + 1)
+
+
+def make_stack(remat=False, **options):
+    return Stack(
+        lambda k: TransformerBlock(D, H, key=k, **options),
+        N,
+        remat=remat,
+        key=jax.random.key(1),
+    )
+
+
+def loop(blocks, x, valid_lens):
+    for blk in blocks:
+        x = blk(x, valid_lens)
+    return x
+
+
+@pytest.fixture
+def x():
+    return jax.random.normal(jax.random.key(2), (T, D), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "options, transform",
+    [({}, "eager"), (dict(act="gelu", placement="post", norm="layer"), "jit")],
+)
+def test_forward_equals_python_loop(x, options, transform):
+    stack = make_stack(**options)
+    fn = stack if transform == "eager" else eqx.filter_jit(stack)
+    expected = loop([stack.block(i) for i in range(N)], x, CAUSAL)
+    np.testing.assert_allclose(fn(x, CAUSAL), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_differ_and_index_like_a_sequence():
+    stack = make_stack()
+    w = [stack[i].attention.W_q.weight for i in range(N)]
+    assert not np.allclose(w[0], w[1])
+    np.testing.assert_array_equal(stack[-1].attention.W_q.weight, w[-1])
+    assert len(stack) == N
+    assert isinstance(stack.block(0), TransformerBlock)
+
+
+def test_per_block_gradients_come_out_stacked(x):
+    stack = make_stack()
+    r = jax.random.normal(jax.random.key(3), (T, D), jnp.float32)
+
+    def stack_loss(s):
+        return jnp.sum(s(x, CAUSAL) * r)
+
+    def loop_loss(blocks):
+        return jnp.sum(loop(blocks, x, CAUSAL) * r)
+
+    g_stack = eqx.filter_jit(eqx.filter_grad(stack_loss))(stack)
+    g_loop = eqx.filter_jit(eqx.filter_grad(loop_loss))(
+        [stack.block(i) for i in range(N)]
+    )
+    for i in range(N):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(g_stack.block(i)),
+            jax.tree_util.tree_leaves(g_loop[i]),
+            strict=True,
+        ):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(
+                a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max())
+            )
+    # every array of the gradient has the leading block axis
+    assert all(g.shape[0] == N for g in jax.tree_util.tree_leaves(g_stack.blocks))
+
+
+def test_remat_gives_the_same_numbers(x):
+    plain, remat = make_stack(), make_stack(remat=True)
+
+    def loss(s):
+        return jnp.sum(s(x, CAUSAL) ** 2)
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    (l_remat, g_remat), (l_plain, g_plain) = grad(remat), grad(plain)
+    np.testing.assert_allclose(l_remat, l_plain, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(g_remat),
+        jax.tree_util.tree_leaves(g_plain),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_scan_collects_per_block_stats(x):
+    stack = make_stack()
+
+    def collect(blk, h, key):
+        out = blk(h, CAUSAL, key=key)
+        return out, jnp.sqrt(jnp.mean(out**2))
+
+    _, rms = eqx.filter_jit(lambda s: s.scan(x, CAUSAL, collect=collect))(stack)
+    h, expected = x, []
+    for i in range(N):
+        h = stack.block(i)(h, CAUSAL)
+        expected.append(float(jnp.sqrt(jnp.mean(h**2))))
+    np.testing.assert_allclose(rms, expected, rtol=1e-5)
+
+
+def test_bad_depth_and_index_raise():
+    with pytest.raises(ValueError, match="num_blks must be a positive int, got 0"):
+        Stack(lambda k: TransformerBlock(D, H, key=k), 0, key=jax.random.key(0))
+    with pytest.raises(IndexError, match="block index 3 out of range for a Stack of 3"):
+        make_stack().block(3)
