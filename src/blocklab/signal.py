@@ -149,7 +149,7 @@ def _collect(block, h, key):
 def signal_stats(
     stack: Stack,
     X: Float[Array, "B T d"],
-    readout: Float[Array, "B T d"] | PRNGKeyArray | None = None,
+    readout: Float[Array, "..."] | PRNGKeyArray | None = None,
 ) -> SignalStats:
     r"""Per-block signal statistics of `stack` on `X`: one forward, one backward pass.
 
@@ -174,7 +174,14 @@ def signal_stats(
         A `SignalStats` with arrays of length N = `stack.num_blks`.
     """
     R = _readout_array(readout, X.shape, X.dtype)
-    params, static = eqx.partition(stack, eqx.is_inexact_array)
+    # Differentiate only the four projection weights, so that no other weight
+    # gradient is ever formed (the input gradients are needed anyway).
+    wrt = eqx.tree_at(
+        lambda s: [getattr(s.blocks.attention, n).weight for n in PROJECTIONS],
+        jax.tree_util.tree_map(lambda _: False, stack),
+        replace=[True] * len(PROJECTIONS),
+    )
+    params, static = eqx.partition(stack, wrt)
 
     def loss(params):
         model = eqx.combine(params, static)
@@ -207,6 +214,7 @@ class _ZeroFFN(eqx.Module):
         return jnp.zeros_like(x)
 
 
+@eqx.filter_jit
 def chapter_stack(
     placement: str = "pre",
     *,
@@ -235,6 +243,9 @@ def chapter_stack(
         alpha: scale of every weight matrix after the Xavier draw.
         ffn: `False` replaces the FFN by a sublayer that returns zeros.
         key: PRNG key (split into a build key and an initialization key).
+
+    Jitted (`eqx.filter_jit`; the options are static), so building a deep
+    stack eagerly costs one compilation rather than thousands of small ops.
     """
     if placement not in PLACEMENTS:
         raise ValueError(
@@ -270,6 +281,20 @@ def chapter_stack(
     return stack if alpha == 1.0 else init.scale(stack, alpha)
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "placement",
+        "batch_size",
+        "seq_len",
+        "num_blks",
+        "num_hiddens",
+        "num_heads",
+        "qk_norm",
+        "alpha",
+        "ffn",
+    ),
+)
 def signal_run(
     key: PRNGKeyArray,
     placement: str = "pre",
@@ -284,6 +309,8 @@ def signal_run(
     ffn: bool = True,
 ) -> SignalStats:
     """One seed of the chapter's experiment: stack, input and readout drawn from `key`.
+
+    Jitted (the options are static), so a warm call builds nothing eagerly.
 
     `key` is split into the stack's key (`chapter_stack`), the key of the
     standard-normal input `X` of shape `(batch_size, seq_len, num_hiddens)`
@@ -353,7 +380,9 @@ def variance_budget(stats: SignalStats) -> tuple[Array, Array]:
 
 
 def fit_power_law(
-    y: Sequence[float] | Array, first: int = 1, last: int | None = None
+    y: Float[Array | np.ndarray, " K"] | Sequence[float],
+    first: int = 1,
+    last: int | None = None,
 ) -> tuple[float, float]:
     r"""Least-squares fit $y_k \approx a\,k^b$ over blocks `first..last` (1-based).
 
