@@ -1,0 +1,193 @@
+"""`blocklab.sweep`: a vmapped sweep equals sequential runs; divergence is contained."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from blocklab import CharLM, TimeMachine, train_lm
+from blocklab.sweep import (
+    member_mesh,
+    pad_members,
+    sharded_map,
+    sweep_optimizer,
+    train_sweep,
+)
+
+STEPS, SPC, BATCH = 10, 5, 4
+SEEDS = [0, 1, 2, 3]
+LRS = [1e-3, 3e-3, 1e-2, 3e-2]
+
+
+@pytest.fixture(scope="module")
+def data():
+    return TimeMachine(num_steps=16, num_train=2000, num_val=40)
+
+
+def make_model(key):
+    return CharLM(28, 16, 2, 1, max_len=16, key=key)
+
+
+def _sweep(data, lrs, steps=STEPS, **kw):
+    return train_sweep(
+        make_model,
+        data,
+        steps,
+        model_keys=SEEDS[: len(lrs)],
+        data_keys=[s + 100 for s in SEEDS[: len(lrs)]],
+        learning_rates=lrs,
+        batch_size=BATCH,
+        steps_per_call=SPC,
+        progress=False,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def sweep(data):
+    return _sweep(data, LRS)
+
+
+def test_sweep_of_four_members_equals_four_sequential_train_lm_runs(data, sweep):
+    for k, (seed, lr) in enumerate(zip(SEEDS, LRS, strict=True)):
+        ref = train_lm(
+            make_model(jax.random.key(seed)),
+            data,
+            optax.adamw(lr, weight_decay=0.0),
+            STEPS,
+            key=jax.random.key(seed + 100),
+            batch_size=BATCH,
+            steps_per_call=SPC,
+            progress=False,
+        )
+        rel = np.abs(sweep.losses[k] - ref.losses) / np.abs(ref.losses)
+        assert rel.max() <= 1e-5, (k, rel.max())
+        assert abs(sweep.val_loss[k] - ref.val_loss) <= 1e-5 * abs(ref.val_loss)
+    np.testing.assert_array_equal(sweep.diverged_at, 0)
+    np.testing.assert_allclose(sweep.learning_rates, np.float32(LRS))
+
+
+def test_learning_rates_live_in_the_optimizer_state(sweep):
+    lr = sweep.state.opt_state.hyperparams["learning_rate"]
+    np.testing.assert_array_equal(np.asarray(lr), np.float32(LRS))
+
+
+def test_runs_unstack_the_members(sweep):
+    runs = sweep.runs()
+    assert len(runs) == 4
+    for k, run in enumerate(runs):
+        np.testing.assert_array_equal(run.losses, sweep.losses[k])
+        assert run.stopped is None
+        w = run.model.token_emb.weight
+        np.testing.assert_array_equal(w, sweep.state.model.token_emb.weight[k])
+
+
+def test_divergent_member_is_frozen_and_leaves_the_others_bit_identical(data):
+    good = _sweep(data, [1e-2, 1e-2, 3e-2])
+    bad = _sweep(data, [1e-2, 1e30, 3e-2])
+    for k in (0, 2):
+        np.testing.assert_array_equal(bad.losses[k], good.losses[k])
+        np.testing.assert_array_equal(
+            bad.state.model.token_emb.weight[k], good.state.model.token_emb.weight[k]
+        )
+    d = int(bad.diverged_at[1])
+    assert 1 <= d <= STEPS
+    assert np.all(np.isfinite(bad.losses[1, : d - 1]))
+    assert np.all(np.isnan(bad.losses[1, d - 1 :]))
+    finite = np.asarray(bad.state.finite)
+    assert not finite[1] and finite[0] and finite[2]
+    assert int(bad.state.step[1]) == d - 1
+    # Frozen: the diverged member holds exactly the model of a run stopped
+    # after step d - 1 (a fresh sweep of the same members for d - 1 steps).
+    if d > 1:
+        stopped = _sweep(data, [1e-2, 1e30, 3e-2], steps=d - 1)
+        np.testing.assert_array_equal(
+            bad.state.model.token_emb.weight[1], stopped.state.model.token_emb.weight[1]
+        )
+    run = bad.runs()[1]
+    assert run.stopped is not None and f"step {d}" in run.stopped
+    assert len(run.losses) == d - 1
+
+
+def test_probe_is_recorded_at_init_and_after_every_chunk(data):
+    def probe(model):
+        return jnp.max(jnp.abs(model.token_emb.weight))
+
+    res = _sweep(data, [1e-2, 3e-2], probe=probe, validate=False)
+    np.testing.assert_array_equal(res.probe_steps, [0, 5, 10])
+    assert res.probes.shape == (2, 3)
+    for k, seed in enumerate(SEEDS[:2]):
+        w0 = np.asarray(make_model(jax.random.key(seed)).token_emb.weight)
+        assert res.probes[k, 0] == pytest.approx(np.abs(w0).max(), rel=1e-7)
+        w_end = np.asarray(res.state.model.token_emb.weight[k])
+        assert res.probes[k, -1] == pytest.approx(np.abs(w_end).max(), rel=1e-7)
+    assert np.all(np.isnan(res.val_loss))
+
+
+def test_sharded_map_equals_a_python_loop():
+    def fn(key, scale):
+        return {"x": scale * jax.random.normal(key, (3,), jnp.float32)}
+
+    seeds = [3, 1, 4, 1, 5]
+    scales = np.arange(5, dtype=np.float32)
+    out = sharded_map(fn, seeds, scales)
+    for i, s in enumerate(seeds):
+        ref = np.asarray(fn(jax.random.key(s), scales[i])["x"])
+        np.testing.assert_allclose(out["x"][i], ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("members", "devices", "padded"), [(1, 1, 1), (4, 4, 4), (5, 4, 8), (7, 2, 8)]
+)
+def test_pad_members_rounds_up_to_a_multiple_of_the_devices(members, devices, padded):
+    assert pad_members(members, devices) == padded
+
+
+def test_member_mesh_spans_the_visible_devices():
+    mesh = member_mesh()
+    assert mesh.axis_names == ("members",)
+    assert mesh.devices.size == len(jax.devices())
+
+
+def test_mismatched_keys_raise(data):
+    with pytest.raises(ValueError, match="same length, got 2 and 3"):
+        train_sweep(
+            make_model,
+            data,
+            1,
+            model_keys=[0, 1],
+            data_keys=[0, 1, 2],
+            learning_rates=1e-3,
+        )
+
+
+def test_optimizer_without_injected_learning_rate_raises(data):
+    with pytest.raises(ValueError, match="inject_hyperparams"):
+        train_sweep(
+            make_model,
+            data,
+            1,
+            model_keys=[0],
+            data_keys=[0],
+            learning_rates=1e-3,
+            optimizer=optax.adamw(1e-3),
+        )
+
+
+def test_bad_learning_rates_raise(data):
+    with pytest.raises(ValueError, match="learning_rates must be"):
+        train_sweep(
+            make_model,
+            data,
+            1,
+            model_keys=[0, 1],
+            data_keys=[0, 1],
+            learning_rates=[1e-3, float("nan")],
+        )
+
+
+def test_sweep_optimizer_injects_float32_learning_rate():
+    opt = sweep_optimizer(optax.sgd)
+    state = opt.init({"w": jnp.zeros(2, jnp.float32)})
+    assert state.hyperparams["learning_rate"].dtype == jnp.float32

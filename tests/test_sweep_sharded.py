@@ -1,0 +1,89 @@
+"""The sharded sweep on 4 simulated CPU devices gives the numbers of 1 device."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+# Runs in a subprocess: the device count is fixed when JAX starts.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    import numpy as np
+    from blocklab import CharLM, TimeMachine
+    from blocklab.sweep import sharded_map, train_sweep
+
+    data = TimeMachine(num_steps=16, num_train=2000, num_val=40)
+    K = 6  # not a multiple of 4: padded to 8, padding dropped
+    res = train_sweep(
+        lambda k: CharLM(28, 16, 2, 1, max_len=16, key=k), data, 6,
+        model_keys=list(range(K)), data_keys=list(range(10, 10 + K)),
+        learning_rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e30, 1e-2], batch_size=4,
+        steps_per_call=3, progress=False,
+    )
+    mapped = sharded_map(
+        lambda key, s: s * jax.random.normal(key, (3,)), [5, 6, 7], np.ones(3)
+    )
+    w = res.state.model.token_emb.weight
+    print(json.dumps({
+        "devices": len(jax.devices()),
+        "state_devices": len(w.sharding.device_set),
+        "losses": res.losses.tolist(),
+        "diverged_at": res.diverged_at.tolist(),
+        "val_loss": res.val_loss.tolist(),
+        "emb": np.asarray(w).tolist(),
+        "mapped": np.asarray(mapped).tolist(),
+    }))
+    """
+)
+
+
+def _run(devices: int) -> dict:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(1), _run(4)
+
+
+def test_four_devices_are_visible_and_hold_the_members(runs):
+    one, four = runs
+    assert (one["devices"], one["state_devices"]) == (1, 1)
+    # K = 6 is padded to 8 members over 4 devices; the result keeps 6.
+    assert (four["devices"], four["state_devices"]) == (4, 4)
+    assert np.asarray(four["losses"]).shape == (6, 6)
+    assert np.asarray(four["emb"]).shape[0] == 6
+
+
+def test_four_devices_give_the_numbers_of_one(runs):
+    one, four = runs
+    # Different devices batch the matmuls differently: float32 rounding only.
+    tolerances = {"losses": 1e-5, "val_loss": 1e-5, "mapped": 1e-6}
+    for name, rtol in tolerances.items():
+        a = np.asarray(one[name], np.float64)
+        b = np.asarray(four[name], np.float64)
+        np.testing.assert_allclose(b, a, rtol=rtol, equal_nan=True, err_msg=name)
+    # Weights of size ~0.02 after a few Adam steps: absolute float32 rounding.
+    np.testing.assert_allclose(four["emb"], one["emb"], rtol=0, atol=1e-6)
+    assert four["diverged_at"] == one["diverged_at"]
+    # Only the member with the absurd learning rate diverges.
+    assert [d > 0 for d in one["diverged_at"]] == [False] * 4 + [True, False]
