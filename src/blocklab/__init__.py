@@ -28,6 +28,14 @@ from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
 from .porting import load_state_dict, state_dict
 from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
+from .sweep import (
+    SweepResult,
+    member_mesh,
+    pad_members,
+    sharded_map,
+    sweep_optimizer,
+    train_sweep,
+)
 from .train import (
     TrainResult,
     TrainState,
@@ -90,4 +98,10 @@ __all__ = [
     "token_spread",
     "train_lm",
     "validation_loss",
+    "SweepResult",
+    "member_mesh",
+    "pad_members",
+    "sharded_map",
+    "sweep_optimizer",
+    "train_sweep",
 ]
