@@ -1,0 +1,159 @@
+"""Throughput of a K-member vmapped sweep vs K sequential runs; memory per member.
+
+Both sides train the same K = 8 CharLMs (different init and data keys) for the
+same number of steps in this process, each after a warm-up that compiles it:
+
+- sequential: `blocklab.train_lm` once per member (one compiled chunk, reused);
+- sweep: `blocklab.train_sweep` over the 8 members (one compiled program).
+
+The ratio of the two wall times is the speed-up. Memory per member comes from
+XLA's compiled memory analysis of one chunk of fused steps (arguments +
+outputs + temporaries, minus aliased donated buffers) at K = 1 and K = 8.
+
+Run: `python benchmarks/sweep.py [--steps 50] [--members 8] [--json]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from blocklab import CharLM, TimeMachine, train_lm, train_sweep
+from blocklab.sweep import (
+    _global,
+    _init_states,
+    _key_data,
+    _pad,
+    _run_chunk,
+    _sharding_of,
+    member_mesh,
+    pad_members,
+    sweep_optimizer,
+)
+from blocklab.train import make_train_step
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--members", type=int, default=8)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--num-hiddens", type=int, default=64)
+    p.add_argument("--num-blks", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args()
+
+
+def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
+    """Compiled memory of one chunk of `steps` fused steps for K members (bytes)."""
+    mesh = member_mesh()
+    sharding = _sharding_of(mesh)
+    size = pad_members(K, mesh.devices.size)
+    opt = sweep_optimizer(optax.adamw, weight_decay=0.0)
+    keys = _global(_pad(_key_data(list(range(K))), size), mesh)
+    lrs = _global(_pad(np.full(K, 1e-3, np.float32), size), mesh)
+    states = _init_states(make_model, opt, sharding, keys, lrs)
+    step = make_train_step(opt, data, batch_size=batch_size)
+    fixed = (step, keys, jnp.asarray(0, jnp.int32))
+    m = _run_chunk.lower(fixed, states, steps, sharding).compile().memory_analysis()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    return {
+        "total": int(total),
+        "temp": int(m.temp_size_in_bytes),
+        "arguments": int(m.argument_size_in_bytes),
+    }
+
+
+def main() -> None:
+    a = parse()
+    data = TimeMachine(num_steps=a.seq_len)
+    K = a.members
+
+    def make_model(key):
+        return CharLM(
+            data.vocab_size, a.num_hiddens, 4, a.num_blks, max_len=a.seq_len, key=key
+        )
+
+    def sequential():
+        for k in range(K):
+            train_lm(
+                make_model(jax.random.key(k)),
+                data,
+                optax.adamw(1e-3, weight_decay=0.0),
+                a.steps,
+                key=jax.random.key(100 + k),
+                batch_size=a.batch_size,
+                steps_per_call=a.steps,
+                progress=False,
+            )
+
+    def sweep():
+        train_sweep(
+            make_model,
+            data,
+            a.steps,
+            model_keys=list(range(K)),
+            data_keys=list(range(100, 100 + K)),
+            learning_rates=1e-3,
+            batch_size=a.batch_size,
+            steps_per_call=a.steps,
+            validate=False,
+            progress=False,
+        )
+
+    times = {}
+    for name, fn in (("sequential", sequential), ("sweep", sweep)):
+        fn()  # compile
+        t0 = time.perf_counter()
+        fn()
+        times[name] = time.perf_counter() - t0
+    mem1 = chunk_memory(make_model, data, 1, a.steps, a.batch_size)
+    memK = chunk_memory(make_model, data, K, a.steps, a.batch_size)
+    out = {
+        "devices": f"{len(jax.devices())} x {jax.devices()[0].device_kind}",
+        "config": vars(a),
+        "sequential_s": times["sequential"],
+        "sweep_s": times["sweep"],
+        "member_steps_per_s": {n: K * a.steps / t for n, t in times.items()},
+        "speedup": times["sequential"] / times["sweep"],
+        "memory_per_member_MiB": {
+            "K=1": mem1["total"] / 2**20,
+            f"K={K}": memK["total"] / K / 2**20,
+        },
+    }
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(
+        f"{out['devices']}; CharLM d={a.num_hiddens}, {a.num_blks} blocks, batch "
+        f"{a.batch_size} x {a.seq_len}, {a.steps} steps, K={K}\n"
+    )
+    print("| run | wall (s) | member-steps/s | memory per member (MiB) |")
+    print("|---|---:|---:|---:|")
+    print(
+        f"| {K} sequential train_lm | {times['sequential']:.2f} | "
+        f"{out['member_steps_per_s']['sequential']:.1f} | "
+        f"{out['memory_per_member_MiB']['K=1']:.1f} |"
+    )
+    print(
+        f"| train_sweep, K={K} | {times['sweep']:.2f} | "
+        f"{out['member_steps_per_s']['sweep']:.1f} | "
+        f"{out['memory_per_member_MiB'][f'K={K}']:.1f} |"
+    )
+    print(f"\nspeed-up of the sweep: {out['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
