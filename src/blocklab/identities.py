@@ -121,6 +121,46 @@ def _cosine(a, b):
     return jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b))
 
 
+# Each side is computed by one jitted program per shape: one XLA compilation
+# instead of dozens of eagerly compiled small ops.
+@eqx.filter_jit
+def _rms_scaled(x, weight, alpha):
+    return rms_norm(alpha * x, weight, eps=0.0), rms_norm(x, weight, eps=0.0)
+
+
+@eqx.filter_jit
+def _ln_shifted(x, weight, bias, shift):
+    return layer_norm(x + shift, weight, bias, eps=0.0), layer_norm(
+        x, weight, bias, eps=0.0
+    )
+
+
+@eqx.filter_jit
+def _rms_jacobians(x, weight, eps):
+    d = x.shape[-1]
+    lhs = jax.jacfwd(lambda z: rms_norm(z, weight, eps))(x)
+    s = jnp.sqrt(jnp.mean(x * x) + eps)
+    gain = jnp.ones(d, x.dtype) if weight is None else weight
+    return lhs, gain[:, None] / s * (jnp.eye(d) - jnp.outer(x, x) / (d * s * s))
+
+
+@eqx.filter_jit
+def _ln_jacobians(x, weight, eps):
+    d = x.shape[-1]
+    lhs = jax.jacfwd(lambda z: layer_norm(z, weight, None, eps))(x)
+    centred = x - jnp.mean(x)
+    s = jnp.sqrt(jnp.mean(centred * centred) + eps)
+    z = centred / s
+    gain = jnp.ones(d, x.dtype) if weight is None else weight
+    proj = jnp.eye(d) - jnp.ones((d, d)) / d
+    return lhs, gain[:, None] / s * (proj - jnp.outer(z, z) / d)
+
+
+@eqx.filter_jit
+def _rms_grad_cosine(x, weight, loss):
+    return _cosine(x, jax.grad(lambda z: loss(rms_norm(z, weight, eps=0.0)))(x))
+
+
 # ------------------------------------------------------------- norms (ex. 1)
 def rms_norm_scale_invariance(
     x: Float[ArrayLike, "*batch d"],
@@ -140,8 +180,7 @@ def rms_norm_scale_invariance(
         x, weight = _f64((jnp.asarray(x), weight))
         return _identity(
             "RMSNorm(alpha x) = RMSNorm(x), alpha > 0 (ex. 1a)",
-            rms_norm(alpha * x, weight, eps=0.0),
-            rms_norm(x, weight, eps=0.0),
+            *_rms_scaled(x, weight, alpha),
         )
 
 
@@ -162,8 +201,7 @@ def layer_norm_shift_invariance(
         x, weight, bias = _f64((jnp.asarray(x), weight, bias))
         return _identity(
             "LayerNorm(x + beta 1) = LayerNorm(x) (ex. 1a)",
-            layer_norm(x + shift, weight, bias, eps=0.0),
-            layer_norm(x, weight, bias, eps=0.0),
+            *_ln_shifted(x, weight, bias, shift),
         )
 
 
@@ -183,11 +221,7 @@ def rms_norm_jacobian(
     """
     with _float64():
         x, weight = _f64((jnp.asarray(x), weight))
-        d = x.shape[-1]
-        lhs = jax.jacfwd(lambda z: rms_norm(z, weight, eps))(x)
-        s = jnp.sqrt(jnp.mean(x * x) + eps)
-        gain = jnp.ones(d) if weight is None else weight
-        rhs = gain[:, None] / s * (jnp.eye(d) - jnp.outer(x, x) / (d * s * s))
+        lhs, rhs = _rms_jacobians(x, weight, eps)
         return _identity(
             "jacfwd RMSNorm(x) = diag(gamma) r(x)^-1 (I - x_hat x_hat^T) (ex. 1b)",
             lhs,
@@ -210,14 +244,7 @@ def layer_norm_jacobian(
     """
     with _float64():
         x, weight = _f64((jnp.asarray(x), weight))
-        d = x.shape[-1]
-        lhs = jax.jacfwd(lambda z: layer_norm(z, weight, None, eps))(x)
-        centred = x - jnp.mean(x)
-        s = jnp.sqrt(jnp.mean(centred * centred) + eps)
-        z = centred / s
-        gain = jnp.ones(d) if weight is None else weight
-        proj = jnp.eye(d) - jnp.ones((d, d)) / d
-        rhs = gain[:, None] / s * (proj - jnp.outer(z, z) / d)
+        lhs, rhs = _ln_jacobians(x, weight, eps)
         return _identity(
             "jacfwd LayerNorm(x) = diag(gamma) s^-1 (I - 11^T/d - z z^T/d) (ex. 1b)",
             lhs,
@@ -249,10 +276,9 @@ def rms_norm_gradient_orthogonality(
     """
     with _float64():
         x, weight = _f64((jnp.asarray(x), weight))
-        f = _default_loss if loss is None else loss
-        g = jax.grad(lambda z: f(rms_norm(z, weight, eps=0.0)))(x)
+        cosine = _rms_grad_cosine(x, weight, _default_loss if loss is None else loss)
         return _identity(
-            "<x, grad_x l(RMSNorm(x))> = 0 (cosine; ex. 1b)", [_cosine(x, g)], [0.0]
+            "<x, grad_x l(RMSNorm(x))> = 0 (cosine; ex. 1b)", [cosine], [0.0]
         )
 
 
@@ -286,26 +312,40 @@ def _head_loss(attn, x, projection, head, readout, owner):
             f"{owner}: head must be in [0, {attn.num_heads}), got head={head!r}."
         )
     p = attn.head_dim
-    rows = slice(head * p, (head + 1) * p)
     attn, x = _f64((attn, jnp.asarray(x)))
     R = (
         jax.random.normal(jax.random.key(0), x.shape, jnp.float64)
         if readout is None
         else _f64(jnp.asarray(readout))
     )
+    W = getattr(attn, projection).weight[head * p : (head + 1) * p]
+    grad = functools.partial(_head_grad, attn, x, R, projection, head)
+    output = functools.partial(_head_output, attn, x, projection, head)
+    return grad, output, W
+
+
+def _with_head(attn, projection, head, W_h):
+    """`attn` with the rows of head `head` of `projection` replaced by `W_h`."""
+    p = attn.head_dim
 
     def weight_of(a):
         return getattr(a, projection).weight
 
     full = weight_of(attn)
+    return eqx.tree_at(weight_of, attn, full.at[head * p : (head + 1) * p].set(W_h))
 
-    def output(W_h):
-        return eqx.tree_at(weight_of, attn, full.at[rows].set(W_h))(x)
 
-    def loss(W_h):
-        return jnp.mean(R * output(W_h))
+@eqx.filter_jit
+def _head_output(attn, x, projection, head, W_h):
+    return _with_head(attn, projection, head, W_h)(x)
 
-    return loss, output, full[rows]
+
+@eqx.filter_jit
+def _head_grad(attn, x, R, projection, head, W_h):
+    def loss(w):
+        return jnp.mean(R * _with_head(attn, projection, head, w)(x))
+
+    return jax.grad(loss)(W_h)
 
 
 _HEAD_DOC = """
@@ -363,10 +403,10 @@ def qk_norm_weight_orthogonality(
     between $W$ and `jax.grad` of the loss; rhs: 0.
     """
     with _float64():
-        loss, _, W = _head_loss(
+        grad, _, W = _head_loss(
             attn, x, projection, head, readout, "qk_norm_weight_orthogonality"
         )
-        g = jax.grad(loss)(W)
+        g = grad(W)
         return _identity(
             f"<W, grad_W l> = 0 for W = {projection}[head] (cosine; ex. 2a)",
             [_cosine(W, g)],
@@ -391,10 +431,9 @@ def qk_norm_gradient_scaling(
     """
     _check_positive("qk_norm_gradient_scaling", "alpha", alpha)
     with _float64():
-        loss, _, W = _head_loss(
+        grad, _, W = _head_loss(
             attn, x, projection, head, readout, "qk_norm_gradient_scaling"
         )
-        grad = jax.grad(loss)
         return _identity(
             f"grad l(alpha W) = grad l(W) / alpha for W = {projection}[head] (ex. 2b)",
             grad(alpha * W),
@@ -420,10 +459,10 @@ def qk_norm_step_growth(
     subtraction on the left loses no digits.
     """
     with _float64():
-        loss, _, W = _head_loss(
+        grad, _, W = _head_loss(
             attn, x, projection, head, readout, "qk_norm_step_growth"
         )
-        g = jax.grad(loss)(W)
+        g = grad(W)
         eta = jnp.linalg.norm(W) / jnp.linalg.norm(g) if lr is None else lr
         stepped = W - eta * g
         return _identity(
@@ -454,12 +493,12 @@ def qk_norm_step_angle(
     """
     _check_positive("qk_norm_step_angle", "alpha", alpha)
     with _float64():
-        loss, _, W = _head_loss(
+        grad, _, W = _head_loss(
             attn, x, projection, head, readout, "qk_norm_step_angle"
         )
 
         def tan_angle(w):
-            return lr * jnp.linalg.norm(jax.grad(loss)(w)) / jnp.linalg.norm(w)
+            return lr * jnp.linalg.norm(grad(w)) / jnp.linalg.norm(w)
 
         return _identity(
             f"tan(angle of one step) at alpha W = tan(angle at W) / alpha^2, "
@@ -516,18 +555,42 @@ def pre_ln_stream_sum(
     """
     blks = _block_list(blocks, "pre", "pre_ln_stream_sum")
     with _float64():
-        blks = _f64(blks)
-        x = _f64(jnp.asarray(x))
-        out = x
-        for b in blks:
-            out = b(out)
-        h, total = x, x
-        for branch in _pre_branches(blks):
-            f = branch(h)
-            h, total = h + f, total + f
+        out, total = _pre_stream(_f64(blks), _f64(jnp.asarray(x)))
         return _identity(
             "x_2N = x_0 + sum_j F_j(Norm_j(x_{j-1})) (pre-LN; ex. 3a)", out, total
         )
+
+
+@eqx.filter_jit
+def _pre_stream(blks, x):
+    out = x
+    for b in blks:
+        out = b(out)
+    h, total = x, x
+    for branch in _pre_branches(blks):
+        f = branch(h)
+        h, total = h + f, total + f
+    return out, total
+
+
+@eqx.filter_jit
+def _pre_jacobians(blks, x):
+    """Jacobian of the whole stack and of each branch at the stream it reads (flat)."""
+    shape = x.shape
+
+    def flat(f):
+        return lambda v: f(v.reshape(shape)).ravel()
+
+    def stack(h):
+        for b in blks:
+            h = b(h)
+        return h
+
+    jacs, h = [], x
+    for branch in _pre_branches(blks):
+        jacs.append(jax.jacfwd(flat(branch))(h.ravel()))
+        h = h + branch(h)
+    return jax.jacfwd(flat(stack))(x.ravel()), jacs
 
 
 def pre_ln_jacobian_expansion(
@@ -553,33 +616,25 @@ def pre_ln_jacobian_expansion(
             f"got {len(blks)}."
         )
     with _float64():
-        blks = _f64(blks)
-        x = _f64(jnp.asarray(x))
-        shape = x.shape
-
-        def flat(f):
-            return lambda v: f(v.reshape(shape)).ravel()
-
-        def stack(h):
-            for b in blks:
-                h = b(h)
-            return h
-
-        lhs = jax.jacfwd(flat(stack))(x.ravel())
-        terms = [jnp.eye(x.size, dtype=x.dtype)]
-        h = x
-        for branch in _pre_branches(blks):
-            J = jax.jacfwd(flat(branch))(h.ravel())
+        lhs, jacs = _pre_jacobians(_f64(blks), _f64(jnp.asarray(x)))
+        terms = [np.eye(lhs.shape[0])]
+        for J in map(np.asarray, jacs):
             terms = terms + [J @ t for t in terms]
-            h = h + branch(h)
         return _identity(
             "d x_2N / d x_0 = I + sum over nonempty S of prod_{j in S} J_j "
             "(pre-LN; ex. 3a)",
             lhs,
-            sum(terms),
+            np.sum(terms, axis=0),
         )
 
 
+@jax.jit
+def _rms_norm_jacobians(U):
+    """`jax.jacfwd` of RMSNorm (unit gain, eps = 0) at every row of `U`."""
+    return jax.vmap(jax.jacfwd(lambda u: rms_norm(u, eps=0.0)))(U)
+
+
+@eqx.filter_jit
 def _post_unroll(blks, x):
     """Streams $u_j = x_{j-1} + F_j(x_{j-1})$ and branch outputs of a post-LN stack."""
     us, branches, h = [], [], x
@@ -636,10 +691,9 @@ def post_ln_norm_product(
         )
         v = v0 - q @ (q.T @ v0)
         v = v / jnp.linalg.norm(v)
-        jac = jax.jacfwd(lambda u: rms_norm(u, eps=0.0))
         lhs = v
-        for u in U:
-            lhs = jac(u) @ lhs
+        for J in _rms_norm_jacobians(U):
+            lhs = J @ lhs
         r = jnp.sqrt(jnp.mean(U * U, axis=-1))
         return _identity(
             "prod_j J_Norm(u_j) v = prod_j r(u_j)^-1 v for v orthogonal to every u_j "
