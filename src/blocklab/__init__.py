@@ -6,7 +6,7 @@ pytrees acting on one sequence `(T, d)`; batches and seeds come from
 `jax.vmap`.
 """
 
-from . import functional, init
+from . import functional, identities, init, theory
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
@@ -24,6 +24,7 @@ from .functional import (
     silu,
     token_spread,
 )
+from .identities import Identity
 from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
 from .porting import load_state_dict, state_dict
@@ -35,6 +36,13 @@ from .sweep import (
     sharded_map,
     sweep_optimizer,
     train_sweep,
+)
+from .theory import (
+    block_param_count,
+    collapse_spread,
+    gelu_second_moment,
+    llama_ffn_width,
+    qk_logit_bound,
 )
 from .train import (
     TrainResult,
@@ -104,4 +112,12 @@ __all__ = [
     "sharded_map",
     "sweep_optimizer",
     "train_sweep",
+    "Identity",
+    "block_param_count",
+    "collapse_spread",
+    "gelu_second_moment",
+    "identities",
+    "llama_ffn_width",
+    "qk_logit_bound",
+    "theory",
 ]
