@@ -191,3 +191,14 @@ def test_sweep_optimizer_injects_float32_learning_rate():
     opt = sweep_optimizer(optax.sgd)
     state = opt.init({"w": jnp.zeros(2, jnp.float32)})
     assert state.hyperparams["learning_rate"].dtype == jnp.float32
+
+
+def test_train_seeds_of_the_train_command_equal_train_one(data):
+    from blocklab.commands import train as cmd
+
+    opts = dict(num_hiddens=16, num_heads=2, num_blks=1, batch_size=BATCH, lr=1e-2)
+    runs = cmd.train_seeds("relu", [0, 1], 4, data=data, progress=False, **opts)
+    for seed, run in zip([0, 1], runs, strict=True):
+        ref = cmd.train_one("relu", seed, 4, data=data, progress=False, **opts)
+        np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+        assert run.val_loss == pytest.approx(ref.val_loss, rel=1e-5)
