@@ -45,6 +45,7 @@ from .block import PLACEMENTS, TransformerBlock
 from .ffn import FeedForward
 from .functional import attention_entropy, token_spread
 from .models import Stack
+from .sweep import sharded_map
 
 __all__ = [
     "SignalStats",
@@ -331,9 +332,9 @@ def signal_run(
     return signal_stats(stack, X, r_key)
 
 
-@functools.partial(jax.jit, static_argnames=("placement", "options"))
-def _sweep(keys, placement, options):
-    return jax.vmap(lambda k: signal_run(k, placement, **dict(options)))(keys)
+@functools.lru_cache(maxsize=64)
+def _seed_fn(placement, options):
+    return functools.partial(signal_run, placement=placement, **dict(options))
 
 
 def signal_sweep(
@@ -342,6 +343,9 @@ def signal_sweep(
     **options,
 ) -> SignalStats:
     """`signal_run` over many seeds as one compiled, vmapped program.
+
+    The seed axis goes through `blocklab.sweep.sharded_map`: vmapped, and
+    sharded over every visible device (padded to a multiple of their number).
 
     Args:
         placement: as for `chapter_stack`.
@@ -361,7 +365,7 @@ def signal_sweep(
     )
     if not is_keys:
         seeds = jax.vmap(jax.random.key)(jnp.asarray(list(seeds), jnp.uint32))
-    return _sweep(seeds, placement, tuple(sorted(options.items())))
+    return sharded_map(_seed_fn(placement, tuple(sorted(options.items()))), seeds)
 
 
 def variance_budget(stats: SignalStats) -> tuple[Array, Array]:
@@ -445,27 +449,38 @@ def logit_growth(
 
 
 def head_input_rms(
-    depths: Sequence[int], seeds: int = 1, **options
+    stream_rms: Float[Array | np.ndarray, "*seeds N"],
+    depths: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Exercise 3c: what a tied output head would read without a final norm (pre-LN).
 
-    The top of a depth-D pre-LN stack is its stream after block D, so one
-    `signal_sweep` of depth `max(depths)` gives the RMS of the head's input at
-    every depth. A final RMSNorm would hand the head unit RMS whatever D; without
-    it the head's logits grow with the stream, roughly as $\sqrt{D}$.
+    The top of a depth-D stack is its stream after block D, so the `stream_rms`
+    of one run of depth N (from `signal_stats` / `signal_sweep`, any leading
+    seed axes) gives the RMS of the head's input at every depth D <= N. A final
+    RMSNorm would hand the head unit RMS whatever D; without it the head's
+    logits grow with the stream, roughly as $\sqrt{D}$ for pre-LN.
+
+    Args:
+        stream_rms: `(..., N)` stream RMS per block.
+        depths: the depths D to read (1-based); default the powers of two <= N.
 
     Returns:
-        `{"depth": (D,), "rms": (D,), "rms_min": (D,), "rms_max": (D,)}` with the
-        mean and min/max over seeds.
+        `{"depth": (D,), "rms": (D,), "rms_min": (D,), "rms_max": (D,)}`: the
+        mean and min/max over the leading (seed) axes.
     """
-    depths = sorted(set(int(d) for d in depths))
-    if not depths or depths[0] < 1:
-        raise ValueError(f"head_input_rms: depths must be positive ints, got {depths}.")
-    stats = signal_sweep("pre", seeds, **{**options, "num_blks": depths[-1]})
-    rms = np.asarray(stats.stream_rms)[:, np.asarray(depths) - 1]
+    rms = np.asarray(stream_rms, np.float64)
+    n = rms.shape[-1]
+    if depths is None:
+        depths = [2**i for i in range(n.bit_length()) if 2**i <= n]
+    depths = np.asarray(sorted({int(d) for d in depths}))
+    if depths.size == 0 or depths[0] < 1 or depths[-1] > n:
+        raise ValueError(
+            f"head_input_rms: depths must lie in 1..{n}, got {depths.tolist()}."
+        )
+    at = rms.reshape(-1, n)[:, depths - 1]
     return {
-        "depth": np.asarray(depths),
-        "rms": rms.mean(0),
-        "rms_min": rms.min(0),
-        "rms_max": rms.max(0),
+        "depth": depths,
+        "rms": at.mean(0),
+        "rms_min": at.min(0),
+        "rms_max": at.max(0),
     }
