@@ -440,7 +440,7 @@ def init_alpha(num_hiddens: int, std: float) -> float:
 
 
 def post_ln_identity_factor(
-    c: float | Sequence[float], num_blocks: int | None = None
+    c: float | Sequence[float] | Float[ArrayLike, " n"], num_blocks: int | None = None
 ) -> float:
     r"""Post-LN's stand-in for pre-LN's identity term: $\prod_j (1 + c_j)^{-1/2}$.
 
