@@ -43,6 +43,7 @@ continue bit for bit as if it were not there. No error is raised.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Key, PRNGKeyArray, UInt32
 from tqdm.auto import tqdm
 
 from .data import TimeMachine
@@ -72,6 +73,9 @@ __all__ = [
 
 #: The name of the mesh axis that carries the members.
 AXIS = "members"
+
+#: Per-member keys: `(K,)` typed PRNG keys, `(K, 2)` raw uint32 keys, or K int seeds.
+MemberKeys = Key[Array, " K"] | UInt32[Array, "K _"] | Sequence[int]
 
 
 def member_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -118,7 +122,7 @@ def _host(x: Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _key_data(keys: PRNGKeyArray | Sequence[int]) -> np.ndarray:
+def _key_data(keys: MemberKeys) -> np.ndarray:
     """Raw key data `(K, ...)` of typed keys, legacy uint32 keys or int seeds."""
     if isinstance(keys, (list, tuple, range)) and all(
         isinstance(s, (int, np.integer)) for s in keys
@@ -140,7 +144,7 @@ def _sharding_of(mesh: Mesh):
 
 def sharded_map(
     fn: Callable[..., Any],
-    keys: PRNGKeyArray | Sequence[int],
+    keys: MemberKeys,
     *args: ArrayLike,
     mesh: Mesh | None = None,
 ) -> Any:
@@ -159,7 +163,8 @@ def sharded_map(
         mesh: a 1-D mesh with axis `"members"`.
 
     Returns:
-        `fn`'s pytree with a leading axis K on every leaf, as NumPy arrays.
+        `fn`'s pytree with a leading axis K on every leaf (gathered onto the
+        default device; the padding dropped).
     """
     mesh = member_mesh() if mesh is None else mesh
     data = _key_data(keys)
@@ -173,10 +178,13 @@ def sharded_map(
     size = pad_members(K, mesh.devices.size)
     inputs = [_global(_pad(np.asarray(a), size), mesh) for a in (data, *args)]
     out = _mapped(fn, _sharding_of(mesh))(*inputs)
-    return jax.tree_util.tree_map(lambda x: _host(x)[:K], out)
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(_host(x)[:K]), out)
 
 
+@functools.lru_cache(maxsize=64)
 def _mapped(fn, sharding):
+    # Cached on (fn, sharding): calling again with the same function reuses
+    # the compiled program.
     def run(data, *args):
         out = jax.vmap(lambda k, *a: fn(_wrap(k), *a))(data, *args)
         return jax.lax.with_sharding_constraint(out, sharding)
@@ -268,8 +276,8 @@ def train_sweep(
     data: TimeMachine,
     num_steps: int,
     *,
-    model_keys: PRNGKeyArray | Sequence[int],
-    data_keys: PRNGKeyArray | Sequence[int],
+    model_keys: MemberKeys,
+    data_keys: MemberKeys,
     learning_rates: float | Sequence[float] | Float[ArrayLike, " K"],
     optimizer: optax.GradientTransformationExtraArgs | None = None,
     batch_size: int = 64,
