@@ -82,6 +82,12 @@ def test_exact_rows_hold():
         assert row["holds"], row
 
 
+def test_post_ln_factor_in_branch_mean_squares_holds():
+    per_c, common = check.post_ln_factor_rows(2)
+    assert per_c["holds"], per_c
+    assert common["closed_form"] <= per_c["closed_form"]  # Jensen
+
+
 def test_seeds_are_validated():
     with pytest.raises(ValueError, match="seeds must be >= 2"):
         check.check_rows(seeds=1)
