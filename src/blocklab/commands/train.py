@@ -62,7 +62,7 @@ def checkpoints(steps: int) -> tuple[list[int], int]:
 
 
 def loss_at(losses: np.ndarray, steps: int) -> dict[str, float]:
-    """Mean training loss over the window before each checkpoint (NaN if not reached)."""
+    """Mean training loss over the window before each checkpoint (NaN: not reached)."""
     points, window = checkpoints(steps)
     return {
         str(k): float(np.mean(losses[k - window : k]))
@@ -85,7 +85,7 @@ def train_one(
     lr: float = PROTOCOL["lr"],
     progress: bool = True,
 ) -> TrainResult:
-    """One run of the protocol: `CharLM(act)` from `seed`, AdamW(lr, wd 0), `steps` steps.
+    """One run of the protocol: `CharLM(act)` from `seed`, AdamW(lr, wd 0), `steps`.
 
     `seed` gives the weights and the batches (`split(key(seed))`), so runs of
     different acts with one seed see the same batches.
@@ -144,7 +144,7 @@ def _mean_std(values) -> str:
 
 
 def table(results: dict) -> str:
-    """Markdown table: mean ± std over seeds of each checkpoint loss and the val loss."""
+    """Markdown table: mean ± std over seeds of each checkpoint loss and val loss."""
     points = list(next(iter(results.values()))["loss_at"])
     head = " | ".join(f"loss @ {k}" for k in points)
     lines = [f"| act | {head} | val loss |", "|---|" + "---:|" * (len(points) + 1)]
@@ -162,15 +162,19 @@ def plot(path, curves: dict[str, np.ndarray], window: int = 20) -> Path:
         return np.convolve(y, kernel, mode="valid") if len(y) >= window else y
 
     window = max(1, window)
-    ys = {a: smooth(np.nanmean(c, axis=0)) for a, c in curves.items()}
+    ys = {a: smooth(np.nanmean(c, axis=0)).tolist() for a, c in curves.items()}
     bands = {
-        a: (smooth(np.nanmin(c, axis=0)), smooth(np.nanmax(c, axis=0)))
+        a: (
+            smooth(np.nanmin(c, axis=0)).tolist(),
+            smooth(np.nanmax(c, axis=0)).tolist(),
+        )
         for a, c in curves.items()
         if len(c) > 1
     }
+    # a smoothed value is plotted at the last step of its window
     x = {
-        a: np.arange(len(y)) + (len(c[0]) - len(y)) + 1
-        for (a, y), c in zip(ys.items(), curves.values(), strict=True)
+        a: [float(curves[a].shape[1] - len(y) + 1 + i) for i in range(len(y))]
+        for a, y in ys.items()
     }
     return line_plot(
         path,
