@@ -76,14 +76,12 @@ def test_identity_rows_all_hold():
 
 
 def test_exact_rows_hold():
-    for row in (
-        check.count_rows(quick=True) + check.qk_rows() + check.post_ln_factor_rows(2)
-    ):
+    for row in check.count_rows(quick=True) + check.qk_rows():
         assert row["holds"], row
 
 
 def test_post_ln_factor_in_branch_mean_squares_holds():
-    per_c, common = check.post_ln_factor_rows(2)
+    per_c, common = check.post_ln_factor_rows(2, seeds=4)
     assert per_c["holds"], per_c
     assert common["closed_form"] <= per_c["closed_form"]  # Jensen
 

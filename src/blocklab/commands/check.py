@@ -198,44 +198,52 @@ def identity_rows() -> list[dict[str, Any]]:
     return [_identity_row(r) for r in results]
 
 
-def post_ln_factor_rows(num_blks: int = 8) -> list[dict[str, Any]]:
+def post_ln_factor_rows(num_blks: int = 8, seeds: int = 6) -> list[dict[str, Any]]:
     r"""Exercise 3b: the closed forms in $c_j$ against a post-LN stack's factor.
 
     `num_blks` post-LN RMSNorm blocks of width 256 (4 heads, tanh-GELU MLP),
-    Xavier-uniform, on 64 standard-normal tokens; the per-token factors are
-    compared in the mean of their logs, within 3 standard errors over tokens.
+    Xavier-uniform, on 64 standard-normal tokens, for `seeds` weight draws.
+    Per draw, the mean over tokens of $\log\prod_j r(u_j)^{-1}$ minus that of
+    the closed form; the noise is over draws, not tokens: for one draw the
+    cross terms $2\langle x_{j-1}, F_j\rangle/d$ have a weight-dependent mean
+    of order $1/d$ that averaging over tokens does not remove.
     """
-    keys = jax.random.split(jax.random.key(3), num_blks + 2)
-    blocks = [
-        TransformerBlock(256, 4, placement="post", act="gelu", key=kb)
-        for kb in keys[:num_blks]
-    ]
-    blocks = init.xavier_uniform(blocks, key=keys[-2])
-    f = ids.post_ln_norm_factors(blocks, jax.random.normal(keys[-1], (64, 256)))
-    logm = np.log(f["measured"])
-    c_common = float(np.mean(f["c"]))
+    logm, logc, logcommon, cs = [], [], [], []
+    for seed in range(seeds):
+        keys = jax.random.split(jax.random.key(100 + seed), num_blks + 2)
+        blocks = [
+            TransformerBlock(256, 4, placement="post", act="gelu", key=kb)
+            for kb in keys[:num_blks]
+        ]
+        blocks = init.xavier_uniform(blocks, key=keys[-2])
+        f = ids.post_ln_norm_factors(blocks, jax.random.normal(keys[-1], (64, 256)))
+        logm.append(np.mean(np.log(f["measured"])))
+        logc.append(np.mean(np.log(f["closed_form"])))
+        logcommon.append(-num_blks * math.log1p(float(np.mean(f["c"]))))
+        cs.append(float(np.mean(f["c"])))
+    logm = np.asarray(logm)
     rows = []
-    for claim, closed_tokens, note in (
+    for claim, closed, note in (
         (
             f"ex. 3b: prod_j r(u_j)^-1 = prod_j (1 + c_j)^-1/2 "
             f"(post-LN, {2 * num_blks} sublayers, geo. mean over tokens)",
-            np.log(f["closed_form"]),
+            np.asarray(logc),
             "",
         ),
         (
             "ex. 3b: prod_j r(u_j)^-1 = (1 + c)^-N, common c = mean c_j = "
-            f"{c_common:.3f}",
-            np.full_like(logm, -num_blks * math.log1p(c_common)),
+            f"{np.mean(cs):.3f}",
+            np.asarray(logcommon),
             "the c_j are not common: c_attn grows with depth as the tokens "
             "collapse, and (1+c)^-N < prod (1+c_j)^-1/2 by Jensen",
         ),
     ):
-        diff = logm - closed_tokens
+        diff = logm - closed
         disc, tol = abs(float(np.mean(diff))), _noise(diff)
         rows.append(
             _row(
                 claim,
-                math.exp(float(np.mean(closed_tokens))),
+                math.exp(float(np.mean(closed))),
                 math.exp(float(np.mean(logm))),
                 disc,
                 tol,
