@@ -101,7 +101,7 @@ def test_post_ln_factors_closed_form_is_product_over_c():
 
 
 def test_post_ln_factor_matches_c_closed_form_on_average():
-    # at d = 128, 64 tokens the cross terms 2<x, F>/d average out over tokens
+    # at d = 128 the cross terms 2<x, F>/d are small next to the c_j
     keys = jax.random.split(jax.random.key(7), 5)
     blocks = [
         TransformerBlock(128, 4, placement="post", act="gelu", key=k) for k in keys[:4]
@@ -109,8 +109,8 @@ def test_post_ln_factor_matches_c_closed_form_on_average():
     blocks = init.xavier_uniform(blocks, key=keys[4])
     f = ids.post_ln_norm_factors(blocks, _x(7, (64, 128)))
     diff = np.log(f["measured"]) - np.log(f["closed_form"])
-    se = diff.std(ddof=1) / np.sqrt(diff.size)
-    assert abs(diff.mean()) <= 4 * se
+    # for one weight draw each of the 2N cross terms keeps a mean of order 1/d
+    assert abs(diff.mean()) <= 8 / 128
     assert diff.std() > 1e-3  # token by token they differ: it is not an identity
 
 

@@ -715,8 +715,9 @@ def post_ln_norm_factors(
     `"c"` of shape `(2N, T)` the mean square of branch $j$'s output for each
     token. The closed form assumes a unit-RMS stream and branch outputs
     uncorrelated with it; their cross terms $2\langle x_{j-1}, F_j\rangle/d$
-    average to zero over tokens, so the two agree in the mean of their logs
-    up to token-to-token noise, not token by token.
+    vanish on average over weight draws, so the two agree on average, not
+    token by token (for one draw the cross terms keep a weight-dependent mean
+    of order $1/d$ per sublayer).
     """
     blks = _block_list(blocks, "post", "post_ln_norm_factors")
     with _float64():
