@@ -34,12 +34,12 @@ def _central_jacobian(f, x, h=1e-6):
 
 
 @given(
-    rows=st.integers(1, 5),
-    d=st.integers(2, 96),
+    rows=st.sampled_from([1, 3]),
+    d=st.sampled_from([2, 7, 96]),
     alpha=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_rms_norm_scale_invariance_over_shapes_and_scales(rows, d, alpha, seed):
     x = _x(seed, (rows, d))
     gain = _x(seed + 1, (d,))
@@ -47,11 +47,11 @@ def test_rms_norm_scale_invariance_over_shapes_and_scales(rows, d, alpha, seed):
 
 
 @given(
-    d=st.integers(2, 96),
+    d=st.sampled_from([2, 7, 96]),
     shift=st.floats(-1e3, 1e3),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_layer_norm_shift_invariance_over_shapes_and_shifts(d, shift, seed):
     x = _x(seed, (3, d))
     result = ids.layer_norm_shift_invariance(
@@ -116,15 +116,21 @@ def test_rms_norm_jacobian_eps0_is_the_chapter_form():
     )
 
 
-@given(d=st.integers(2, 64), seed=st.integers(0, 2**16), scale=st.floats(1e-2, 1e2))
+def _exp_loss(y):
+    return jnp.sum(jnp.exp(0.3 * y) * jnp.cos(jnp.arange(y.shape[-1]) * y))
+
+
+@given(
+    d=st.sampled_from([2, 5, 64]),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(1e-2, 1e2),
+)
 @settings(max_examples=30, deadline=None)
 def test_gradient_orthogonal_to_x_for_any_loss(d, seed, scale):
     x = scale * _x(seed, (d,))
     w = _x(seed + 1, (d,))
     assert ids.rms_norm_gradient_orthogonality(x, weight=w).holds(TOL)
-    assert ids.rms_norm_gradient_orthogonality(
-        x, loss=lambda y: jnp.sum(jnp.exp(0.3 * y) * w)
-    ).holds(TOL)
+    assert ids.rms_norm_gradient_orthogonality(x, loss=_exp_loss).holds(TOL)
 
 
 def test_gradient_through_layer_norm_is_not_orthogonal_to_x():
