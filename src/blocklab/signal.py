@@ -83,16 +83,19 @@ class SignalStats(eqx.Module):
             projection's weight in block k.
     """
 
-    stream_rms: Float[Array, "*seeds N"]
-    token_spread: Float[Array, "*seeds N"]
-    c_attn: Float[Array, "*seeds N"]
-    c_ffn: Float[Array, "*seeds N"]
-    attn_entropy: Float[Array, "*seeds N"]
-    max_logit: Float[Array, "*seeds N"]
-    grad_norms: dict[str, Float[Array, "*seeds N"]]
+    stream_rms: Float[Array | np.ndarray, "*seeds N"]
+    token_spread: Float[Array | np.ndarray, "*seeds N"]
+    c_attn: Float[Array | np.ndarray, "*seeds N"]
+    c_ffn: Float[Array | np.ndarray, "*seeds N"]
+    attn_entropy: Float[Array | np.ndarray, "*seeds N"]
+    max_logit: Float[Array | np.ndarray, "*seeds N"]
+    grad_norms: dict[str, Float[Array | np.ndarray, "*seeds N"]]
 
-    def as_dict(self) -> dict[str, Array]:
-        """The fields as a flat dict (`grad_norms` entries as `grad_W_q`, ...)."""
+    def as_dict(self) -> dict[str, Array | np.ndarray]:
+        """The fields as a flat dict (`grad_norms` entries as `grad_W_q`, ...).
+
+        Fields may hold NumPy arrays once converted for printing or plotting.
+        """
         out = {
             name: getattr(self, name)
             for name in (

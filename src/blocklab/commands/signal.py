@@ -109,7 +109,7 @@ def _cell(values: np.ndarray, fmt: str) -> str:
     return f"{mean} [{lo}, {hi}]"
 
 
-def table(results: dict[str, dict[str, np.ndarray]]) -> str:
+def table(results: dict[str, SignalStats]) -> str:
     """The chapter's table: mean [min, max] over seeds per placement."""
     n = next(iter(results.values())).stream_rms.shape[-1]
     ks = checkpoints(n)
@@ -130,12 +130,10 @@ def table(results: dict[str, dict[str, np.ndarray]]) -> str:
     return "\n".join(lines)
 
 
-def plot(
-    out_dir: Path, results: dict[str, dict[str, np.ndarray]], *, suffix: str = ""
-) -> list[Path]:
+def plot(out_dir: Path, results: dict[str, SignalStats]) -> list[Path]:
     """The four figures (one line per placement, min-max band over seeds)."""
     n = next(iter(results.values())).stream_rms.shape[-1]
-    k = np.arange(1, n + 1)
+    k = [float(i) for i in range(1, n + 1)]
     seq_len = 64
     specs = [
         ("grad_W_q", "query-projection gradient norm", True, "signal_grad_wq", None),
@@ -152,11 +150,11 @@ def plot(
     paths = []
     for field, ylabel, logy, stem, hlines in specs:
         values = {p: r.as_dict()[field] for p, r in results.items()}
-        ys = {p: v.mean(0) for p, v in values.items()}
-        bands = {p: (v.min(0), v.max(0)) for p, v in values.items()}
+        ys = {p: v.mean(0).tolist() for p, v in values.items()}
+        bands = {p: (v.min(0).tolist(), v.max(0).tolist()) for p, v in values.items()}
         paths.append(
             line_plot(
-                Path(out_dir) / f"{stem}{suffix}.png",
+                Path(out_dir) / f"{stem}.png",
                 k,
                 ys,
                 xlabel="block index k",
