@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference as ref
 
 import blocklab as bl
 
-D, H, T = 16, 4, 7
+D, H, T = 16, 4, 6
 CAUSAL = jnp.arange(1, T + 1)
 
 
@@ -22,8 +21,10 @@ def _dependence(fn, x):
     return np.abs(jac).max(axis=(1, 3))
 
 
-@pytest.mark.parametrize("placement", ref.ALL_PLACEMENTS)
-@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize(
+    ("placement", "norm"),
+    [("post", "layer"), ("pre", "rms"), ("output", "layer"), ("sandwich", "rms")],
+)
 def test_block_output_has_zero_gradient_wrt_later_inputs(placement, norm):
     blk = bl.TransformerBlock(
         D, H, placement=placement, norm=norm, bias=True, key=jax.random.key(1)
@@ -35,21 +36,22 @@ def test_block_output_has_zero_gradient_wrt_later_inputs(placement, norm):
     assert np.all(dep[~later] > 1e-6)  # every earlier position matters
 
 
-@pytest.mark.parametrize("t", [0, 3, T - 1])
-def test_grad_of_one_position_is_zero_after_it(t):
+def test_grad_of_one_position_is_zero_after_it():
     blk = bl.TransformerBlock(
         D, H, placement="pre", qk_norm=True, key=jax.random.key(2)
     )
     x = _x().astype(jnp.float32)
-    g = np.asarray(jax.grad(lambda x: blk(x, CAUSAL)[t].sum())(x))
-    assert np.all(g[t + 1 :] == 0.0)
-    assert np.abs(g[: t + 1]).min(axis=1).max() > 0  # earlier rows are reached
+    grad = jax.jit(jax.grad(lambda x, t: blk(x, CAUSAL)[t].sum()))
+    for t in (0, 3, T - 1):
+        g = np.asarray(grad(x, t))
+        assert np.all(g[t + 1 :] == 0.0)
+        assert np.abs(g[: t + 1]).min(axis=1).max() > 0  # earlier rows are reached
 
 
 def test_stack_is_causal_through_every_block():
     stack = bl.Stack(
-        lambda k: bl.TransformerBlock(D, H, placement="sandwich", key=k),
-        3,
+        lambda k: bl.TransformerBlock(D, H, key=k),
+        2,
         key=jax.random.key(3),
     )
     dep = _dependence(lambda x: stack(x, CAUSAL), _x().astype(jnp.float32))

@@ -12,8 +12,7 @@ def _abstract(make):
 
 
 def test_chapter_block_census():
-    blk = bl.TransformerBlock(256, 8, key=jax.random.key(0))
-    c = bl.census(blk)
+    c = bl.census(_abstract(lambda: bl.TransformerBlock(256, 8, key=jax.random.key(0))))
     assert c["attention"] == 262144  # 4 d^2
     assert c["ffn"] == 524544  # 3 d round(8d/3) = 3 * 256 * 683
     assert c["total"] == 787200
@@ -28,9 +27,17 @@ def test_chapter_block_census():
 
 
 def test_chapter_ffn_counts():
-    assert bl.count_params(bl.FeedForward(256, "gelu", key=jax.random.key(0))) == 524288
     assert (
-        bl.count_params(bl.FeedForward(256, "swiglu", key=jax.random.key(0))) == 524544
+        bl.count_params(
+            _abstract(lambda: bl.FeedForward(256, "gelu", key=jax.random.key(0)))
+        )
+        == 524288
+    )
+    assert (
+        bl.count_params(
+            _abstract(lambda: bl.FeedForward(256, "swiglu", key=jax.random.key(0)))
+        )
+        == 524544
     )
 
 
@@ -57,15 +64,12 @@ def test_2017_block_census_matches_hand_formula(d):
 
 
 def test_2017_block_census_at_chapter_size():
-    blk = bl.TransformerBlock(
-        256,
-        8,
-        norm="layer",
-        act="gelu",
-        placement="post",
-        bias=True,
-        key=jax.random.key(0),
-    )
+    blk = _abstract(
+        lambda: bl.TransformerBlock(
+            256, 8, norm="layer", act="gelu", placement="post", bias=True,
+            key=jax.random.key(0),
+        )
+    )  # fmt: skip
     assert bl.census(blk)["total"] == 789760  # 12 * 65536 + 13 * 256
 
 
@@ -83,9 +87,19 @@ def test_sandwich_adds_two_output_norms_and_qk_norm_two_head_gains():
     assert c["total"] == 4 * d + 4 * d * d + 2 * (d // h) + 3 * d * round(8 * d / 3)
 
 
-def test_census_of_abstract_and_concrete_modules_agree():
-    make = lambda: bl.TransformerBlock(64, 4, act="geglu", key=jax.random.key(0))  # noqa: E731
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"norm": "layer", "act": "gelu", "placement": "post", "bias": True}],
+    ids=["modern", "2017"],
+)
+def test_census_of_abstract_and_concrete_modules_agree(options):
+    def make():
+        return bl.TransformerBlock(16, 4, key=jax.random.key(0), **options)
+
     assert bl.census(_abstract(make)) == bl.census(make())
+    assert bl.count_params(make()) == sum(
+        a.size for a in bl.state_dict(make()).values()
+    )
 
 
 def test_count_params_of_a_stack_is_depth_times_block():

@@ -22,17 +22,12 @@ MODULES = {
     "rmsnorm": lambda: bl.RMSNorm(D),
     "layernorm": lambda: bl.LayerNorm(D),
     "attention": lambda: bl.MultiHeadAttention(D, H, bias=True, qk_norm=True, key=KEY),
-    **{
-        f"ffn-{a}": (lambda a=a: bl.FeedForward(D, a, bias=True, key=KEY))
-        for a in bl.ACTS
-    },
+    "ffn-gelu": lambda: bl.FeedForward(D, "gelu", bias=True, key=KEY),
+    "ffn-swiglu": lambda: bl.FeedForward(D, "swiglu", key=KEY),
     **{
         f"block-{p}": (lambda p=p: bl.TransformerBlock(D, H, placement=p, key=KEY))
         for p in ref.ALL_PLACEMENTS
     },
-    "stack": lambda: bl.Stack(
-        lambda k: bl.TransformerBlock(D, H, norm="layer", act="gelu", key=k), 2, key=KEY
-    ),
 }
 
 
@@ -42,12 +37,19 @@ def _call(module, x, valid_lens=None):
     return module(x, valid_lens)
 
 
-@pytest.mark.parametrize("dtype", [*LOW, jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [*LOW, jnp.float32])
 @pytest.mark.parametrize("name", MODULES)
 def test_output_dtype_equals_input_dtype_with_float32_weights(name, dtype):
     y = _call(MODULES[name](), _x(dtype), jnp.arange(1, T + 1))
     assert y.dtype == dtype and y.shape == (T, D)
     assert np.isfinite(np.asarray(y, np.float64)).all()
+
+
+def test_stack_output_dtype_equals_input_dtype():
+    stack = bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 2, key=KEY)
+    for dtype in (jnp.bfloat16, jnp.float64):
+        y = stack(_x(dtype), jnp.arange(1, T + 1))
+        assert y.dtype == dtype and np.isfinite(np.asarray(y, np.float64)).all()
 
 
 @pytest.mark.parametrize("dtype", LOW)

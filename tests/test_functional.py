@@ -72,10 +72,10 @@ def test_norm_float32_weights_keep_low_precision_input_dtype():
     assert F.layer_norm(x, jnp.ones(4), jnp.zeros(4)).dtype == jnp.bfloat16
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    d=st.integers(2, 33),
+    d=st.sampled_from([2, 5, 16, 33]),
     log_scale=st.floats(-6.0, 6.0),
 )
 def test_rms_norm_is_invariant_to_positive_scaling(seed, d, log_scale):
@@ -87,10 +87,10 @@ def test_rms_norm_is_invariant_to_positive_scaling(seed, d, log_scale):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    d=st.integers(2, 33),
+    d=st.sampled_from([2, 5, 16, 33]),
     log_scale=st.floats(-3.0, 3.0),
     shift=st.floats(-100.0, 100.0),
 )

@@ -32,7 +32,7 @@ def test_default_linear_is_lecun_truncated_normal():
 
 
 def test_default_biases_zero_and_gains_one():
-    blk = bl.TransformerBlock(32, 4, norm="layer", bias=True, key=jax.random.key(0))
+    blk = bl.TransformerBlock(16, 4, norm="layer", bias=True, key=jax.random.key(0))
     for lin in (blk.attention.W_q, blk.attention.W_o, blk.ffn.W_1, blk.ffn.W_2):
         np.testing.assert_array_equal(lin.bias, 0.0)
     np.testing.assert_array_equal(blk.norm1.weight, 1.0)
@@ -42,7 +42,7 @@ def test_default_biases_zero_and_gains_one():
 def _random_block():
     """A block whose biases and gains differ from the defaults."""
     rng = np.random.default_rng(0)
-    d = 48
+    d = 16
     sd = ref.random_state_dict(rng, d, norm_kind="layer", act="geglu", bias=True)
     blk = bl.TransformerBlock(
         d, 4, norm="layer", act="geglu", bias=True, key=jax.random.key(0)
@@ -89,7 +89,7 @@ def test_xavier_uniform_bounds_and_variance_use_both_fans():
 
 
 def test_normal_std():
-    ffn = bl.FeedForward(256, "swiglu", key=jax.random.key(0))
+    ffn = bl.FeedForward(256, "gelu", key=jax.random.key(0))
     new = init.normal(ffn, 0.02, key=jax.random.key(3))
     for w in init.weights(new):
         assert float(jnp.std(w)) == pytest.approx(0.02, rel=0.02)
@@ -108,15 +108,15 @@ def test_scale_multiplies_every_weight_exactly():
 
 def test_reinit_of_a_stack_draws_every_block_independently():
     stack = bl.Stack(
-        lambda k: bl.TransformerBlock(32, 4, key=k), 3, key=jax.random.key(0)
+        lambda k: bl.TransformerBlock(16, 4, key=k), 2, key=jax.random.key(0)
     )
     new = init.xavier_uniform(stack, key=jax.random.key(4))
     wq = np.asarray(new.blocks.attention.W_q.weight)
-    assert wq.shape == (3, 32, 32)
-    a = math.sqrt(6 / 64)
+    assert wq.shape == (2, 16, 16)
+    a = math.sqrt(6 / 32)
     assert np.abs(wq).max() <= a
-    assert wq.var() == pytest.approx(1 / 32, rel=0.1)
-    assert not np.array_equal(wq[0], wq[1]) and not np.array_equal(wq[1], wq[2])
+    assert wq.var() == pytest.approx(1 / 16, rel=0.15)  # 512 draws
+    assert not np.array_equal(wq[0], wq[1])
     np.testing.assert_array_equal(new.blocks.norm1.weight, stack.blocks.norm1.weight)
     scaled = init.scale(stack, 2.0)
     np.testing.assert_array_equal(
@@ -125,6 +125,6 @@ def test_reinit_of_a_stack_draws_every_block_independently():
 
 
 def test_weights_lists_every_linear_weight():
-    blk = bl.TransformerBlock(32, 4, act="swiglu", key=jax.random.key(0))
+    blk = bl.TransformerBlock(16, 4, act="swiglu", key=jax.random.key(0))
     shapes = [w.shape for w in init.weights(blk)]
-    assert shapes.count((32, 32)) == 4 and len(shapes) == 7
+    assert shapes.count((16, 16)) == 4 and len(shapes) == 7

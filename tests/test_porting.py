@@ -9,7 +9,7 @@ import reference as ref
 
 import blocklab as bl
 
-D, H, T = 32, 4, 7
+D, H, T = 16, 4, 6
 KEY = jax.random.key(0)
 
 # The keys of the chapter's PyTorch TransformerBlock(32, 4) state_dict, written
@@ -114,7 +114,7 @@ def test_shape_mismatch_names_the_key_and_both_shapes():
     with pytest.raises(
         ValueError,
         match=r"shape mismatch for key 'ffn.W_2.weight': the state dict has shape "
-        r"\(85, 32\), the module expects shape \(32, 85\)",
+        r"\(43, 16\), the module expects shape \(16, 43\)",
     ):
         bl.load_state_dict(bl.TransformerBlock(D, H, key=KEY), sd)
 
@@ -131,23 +131,26 @@ def test_sandwich_and_qk_norm_parameters_port_too():
     np.testing.assert_allclose(ported(jnp.asarray(x)), want, rtol=1e-10, atol=1e-10)
 
 
-def test_stack_is_named_per_block_like_a_module_list():
-    stack = bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 3, key=KEY)
+@pytest.fixture(scope="module")
+def stack():
+    return bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 2, key=KEY)
+
+
+def test_stack_is_named_per_block_like_a_module_list(stack):
     sd = bl.state_dict(stack)
-    assert set(sd) == {f"blocks.{i}.{k}" for i in range(3) for k in TORCH_KEYS_MODERN}
+    assert set(sd) == {f"blocks.{i}.{k}" for i in range(2) for k in TORCH_KEYS_MODERN}
     # block by block, as a ModuleList's state_dict lists them
     n = len(TORCH_KEYS_MODERN)
-    assert [int(k.split(".")[1]) for k in sd] == [i for i in range(3) for _ in range(n)]
+    assert [int(k.split(".")[1]) for k in sd] == [i for i in range(2) for _ in range(n)]
     np.testing.assert_array_equal(
-        sd["blocks.2.attention.W_v.weight"], stack.blocks.attention.W_v.weight[2]
+        sd["blocks.1.attention.W_v.weight"], stack.blocks.attention.W_v.weight[1]
     )
 
 
-def test_stack_loads_each_block_from_its_own_keys():
+def test_stack_loads_each_block_from_its_own_keys(stack):
     rng = np.random.default_rng(3)
     per_block = [ref.random_state_dict(rng, D, dtype=np.float64) for _ in range(2)]
     sd = {f"blocks.{i}.{k}": v for i, b in enumerate(per_block) for k, v in b.items()}
-    stack = bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 2, key=KEY)
     stack = bl.load_state_dict(stack, sd, dtype=jnp.float64)
     x = rng.normal(size=(T, D))
     h = x
@@ -175,11 +178,11 @@ def test_load_into_an_abstract_module_allocates_only_the_given_arrays():
 
 
 def test_char_lm_names_its_stack_blocks():
-    lm = bl.CharLM(11, num_hiddens=D, num_heads=H, num_blks=2, max_len=T, key=KEY)
+    lm = bl.CharLM(11, num_hiddens=16, num_heads=H, num_blks=2, max_len=T, key=KEY)
     names = set(bl.state_dict(lm))
     assert {"token_emb.weight", "pos_emb.weight", "norm.weight"} <= names
     assert "stack.blocks.1.ffn.W_g.weight" in names
-    assert bl.state_dict(lm)["stack.blocks.0.norm1.weight"].shape == (D,)
+    assert bl.state_dict(lm)["stack.blocks.0.norm1.weight"].shape == (16,)
     again = bl.load_state_dict(lm, bl.state_dict(lm))
     tokens = jnp.arange(T) % 11
     np.testing.assert_array_equal(again(tokens), lm(tokens))

