@@ -19,17 +19,23 @@ Usage: `python benchmarks/signal.py [--depths 8 32 128] [--seeds 16] [--json]`.
 Prints Markdown tables.
 """
 
-from __future__ import annotations
+import os
+import sys
 
-import argparse
-import json
-import time
+# Run as a script, this file's folder comes first on sys.path and its name
+# would shadow the standard library's `signal` module (imported by jax).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import jax
-import jax.numpy as jnp
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
 
-from blocklab import chapter_stack, signal_run, signal_stats, signal_sweep
-from blocklab.timing import matmul_peak_flops, time_call
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from blocklab import chapter_stack, signal_run, signal_stats, signal_sweep  # noqa: E402
+from blocklab.timing import matmul_peak_flops, time_call  # noqa: E402
 
 #: The chapter's implementations on this project's 2-core CPUs (seconds).
 PEERS = {"PyTorch (eager), warm": 0.5, "Flax NNX as written, warm": 3.9}
