@@ -177,12 +177,29 @@ def test_load_into_an_abstract_module_allocates_only_the_given_arrays():
     np.testing.assert_array_equal(blk(x), concrete(x))
 
 
-def test_char_lm_names_its_stack_blocks():
-    lm = bl.CharLM(11, num_hiddens=16, num_heads=H, num_blks=2, max_len=T, key=KEY)
-    names = set(bl.state_dict(lm))
-    assert {"token_emb.weight", "pos_emb.weight", "norm.weight"} <= names
-    assert "stack.blocks.1.ffn.W_g.weight" in names
-    assert bl.state_dict(lm)["stack.blocks.0.norm1.weight"].shape == (16,)
-    again = bl.load_state_dict(lm, bl.state_dict(lm))
-    tokens = jnp.arange(T) % 11
-    np.testing.assert_array_equal(again(tokens), lm(tokens))
+def test_chapter_char_lm_ports_after_renaming_blks():
+    # The chapter's PyTorch CharLM: token_emb, pos_emb, blks.<i>.*, norm (head
+    # tied to token_emb). Ours keeps its blocks in `stack`: rename the prefix.
+    V, N = 11, 2
+    rng = np.random.default_rng(4)
+    torch_sd = {
+        "token_emb.weight": rng.normal(0, 0.5, (V, D)),
+        "pos_emb.weight": rng.normal(0, 0.5, (T, D)),
+        "norm.weight": 1 + rng.normal(0, 0.2, D),
+    }
+    for i in range(N):
+        for k, v in ref.random_state_dict(rng, D, dtype=np.float64).items():
+            torch_sd[f"blks.{i}.{k}"] = v
+    sd = {k.replace("blks.", "stack.blocks.", 1): v for k, v in torch_sd.items()}
+    lm = bl.CharLM(V, num_hiddens=D, num_heads=H, num_blks=N, max_len=T, key=KEY)
+    assert set(bl.state_dict(lm)) == set(sd)
+    lm = bl.load_state_dict(lm, sd, dtype=jnp.float64)
+    tokens = np.array([3, 1, 4, 1, 5, 9])
+    h = torch_sd["token_emb.weight"][tokens] + torch_sd["pos_emb.weight"][:T]
+    for i in range(N):
+        blk = {k[len(f"blks.{i}.") :]: v for k, v in torch_sd.items()
+               if k.startswith(f"blks.{i}.")}  # fmt: skip
+        h = ref.block(blk, h, H, norm_kind="rms", act="swiglu", placement="pre",
+                      valid_lens=np.arange(1, T + 1))  # fmt: skip
+    want = ref.rms_norm(h, torch_sd["norm.weight"]) @ torch_sd["token_emb.weight"].T
+    np.testing.assert_allclose(lm(jnp.asarray(tokens)), want, rtol=1e-10, atol=1e-10)
