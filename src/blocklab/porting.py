@@ -11,7 +11,12 @@ A parameter's name is the dotted path of attribute names (and sequence
 indices) from the module to the array, e.g. `attention.W_q.weight`. In a
 `Stack` the per-block arrays are stored stacked; they are named per block,
 `blocks.0.norm1.weight`, `blocks.1.norm1.weight`, ..., as a PyTorch
-`nn.ModuleList` names them.
+`nn.ModuleList` names them; the chapter's PyTorch `CharLM` (blocks in `blks`)
+ports into `CharLM` after renaming the prefix `blks.` to `stack.blocks.`.
+
+PyTorch's norms use other epsilons (`nn.LayerNorm`: 1e-5; `nn.RMSNorm()`: the
+float32 machine epsilon) than blocklab's 1e-6, a relative output difference
+of a few 1e-6 at unit-scale activations.
 """
 
 from __future__ import annotations
