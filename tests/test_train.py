@@ -161,3 +161,5 @@ def test_bad_arguments(model, data):
         train_lm(
             model, data, optax.sgd(0.1), 3, key=jax.random.key(0), steps_per_call=0
         )
+    with pytest.raises(ValueError, match="num_steps must be an int >= 0, got -1"):
+        train_lm(model, data, optax.sgd(0.1), -1, key=jax.random.key(0))

@@ -248,9 +248,12 @@ def train_lm(
         a warning, and the result holds the model and losses up to the last
         finite step (nothing is lost).
     """
-    for name, value in (("num_steps", num_steps), ("steps_per_call", steps_per_call)):
-        if not isinstance(value, int) or value < (0 if name == "num_steps" else 1):
-            raise ValueError(f"train_lm: {name} must be a positive int, got {value!r}.")
+    if not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f"train_lm: num_steps must be an int >= 0, got {num_steps!r}.")
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+        raise ValueError(
+            f"train_lm: steps_per_call must be a positive int, got {steps_per_call!r}."
+        )
     step = make_train_step(optimizer, data, batch_size=batch_size)
     state = init_state(model, optimizer) if state is None else state
     # The state is donated chunk by chunk: work on a copy so the caller's
