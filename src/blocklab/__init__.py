@@ -6,7 +6,7 @@ pytrees acting on one sequence `(T, d)`; batches and seeds come from
 `jax.vmap`.
 """
 
-from . import functional, identities, init, theory
+from . import functional, identities, init, inplace, theory
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
@@ -25,6 +25,7 @@ from .functional import (
     token_spread,
 )
 from .identities import Identity
+from .inplace import layer_norm_, rms_norm_
 from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
 from .porting import load_state_dict, state_dict
@@ -87,8 +88,10 @@ __all__ = [
     "gelu_exact",
     "generate",
     "init",
+    "inplace",
     "init_state",
     "layer_norm",
+    "layer_norm_",
     "lm_loss",
     "load",
     "load_state_dict",
@@ -96,6 +99,7 @@ __all__ = [
     "masked_softmax",
     "relu",
     "rms_norm",
+    "rms_norm_",
     "save",
     "signal_run",
     "signal_stats",

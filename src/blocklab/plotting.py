@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["line_plot"]
+__all__ = ["line_plot", "bar_plot"]
 
 
 def line_plot(
@@ -59,6 +59,43 @@ def line_plot(
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if len(ys) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def bar_plot(
+    path: str | Path,
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    ylabel: str,
+    title: str | None = None,
+) -> Path:
+    """Write a PNG of grouped bars and return its path.
+
+    Args:
+        path: the PNG file to write (parent folders are created).
+        groups: group label (on the x axis) -> series label -> value; a series
+            missing from a group leaves a gap.
+        ylabel, title: the y-axis label and an optional title.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    series = list(dict.fromkeys(s for values in groups.values() for s in values))
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(groups)), 4.0), dpi=120)
+    pos = np.arange(len(groups))
+    for i, name in enumerate(series):
+        vals = [values.get(name, np.nan) for values in groups.values()]
+        ax.bar(pos + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+    ax.set_xticks(pos, list(groups), rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -13,4 +13,4 @@ Every command module defines:
 
 #: Subcommand modules, in the order the report presents them (the final order:
 #: census, norms, train, signal, check, lr_sweep).
-COMMANDS = ("census", "train", "signal", "check", "lr_sweep")
+COMMANDS = ("census", "norms", "train", "signal", "check", "lr_sweep")
