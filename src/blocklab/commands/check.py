@@ -558,6 +558,18 @@ def signal_rows(*, seeds: int = 6, quick: bool = False) -> list[dict[str, Any]]:
                     note=note,
                 )
             )
+    if not quick:
+        uniform = _measure(seeds, ffn=False, uniform=True)
+        rows.append(
+            _seed_row(
+                "ex. 5a: post-LN spread at k=16, alpha=1, attention only with "
+                "W_q = W_k = 0 (exactly uniform attention)",
+                theory.collapse_spread(16, 1.0, n),
+                uniform.token_spread[:, 15],
+                log=True,
+                note=edge_note,
+            )
+        )
     for alpha in () if quick else (0.7, 0.5):
         stats = _measure(seeds, ffn=False, alpha=alpha)
         rows.append(
