@@ -192,6 +192,13 @@ def _mapped(fn, sharding):
     return jax.jit(run)
 
 
+@functools.cache
+def _chapter_optimizer() -> optax.GradientTransformationExtraArgs:
+    # One object, so that repeated sweeps hit the compilation cache (the
+    # optimizer is a static part of the compiled step).
+    return sweep_optimizer(optax.adamw, weight_decay=0.0)
+
+
 def sweep_optimizer(
     optimizer: Callable[..., optax.GradientTransformation] = optax.adamw, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -337,11 +344,7 @@ def train_sweep(
             f"train_sweep: learning_rates must be one finite rate or {K}, got "
             f"{learning_rates!r}."
         )
-    optimizer = (
-        sweep_optimizer(optax.adamw, weight_decay=0.0)
-        if optimizer is None
-        else optimizer
-    )
+    optimizer = _chapter_optimizer() if optimizer is None else optimizer
     probe_opt = optimizer.init(
         eqx.filter(jax.eval_shape(make_model, jax.random.key(0)), eqx.is_inexact_array)
     )

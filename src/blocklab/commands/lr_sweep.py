@@ -26,12 +26,14 @@ explains it if the no-QK-norm model's largest |output logit| is at least
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,33 +117,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def logit_probe(tokens: Int[Array, "B T"]):
+class LogitProbe(eqx.Module):
     """`probe(model) -> {"attn", "out"}`: largest |attention| and |output| logits.
 
-    Both are measured on the fixed batch `tokens`.
-
-    The attention logits $q^\\top k/\\sqrt p$ are read, block by block, from
+    Both are measured on the fixed batch `tokens` (`(B, T)` token ids). The
+    attention logits $q^\\top k/\\sqrt p$ are read, block by block, from
     `TransformerBlock.trace` inside `Stack.scan(..., collect=...)`, over the
     causal (query, key) pairs only; the output logits are `model(tokens)`.
+    A module (the batch is an array field), so repeated sweeps reuse one
+    compiled probe.
     """
-    T = tokens.shape[1]
-    causal = jnp.arange(1, T + 1)
-    visible = jnp.tril(jnp.ones((T, T), bool))
 
-    def collect(block, h, key):
-        tr = block.trace(h, causal, key=key)
-        return tr.output, jnp.max(jnp.where(visible, jnp.abs(tr.attention.logits), 0.0))
+    tokens: Int[Array, "B T"]
 
-    def one(model: CharLM, t):
+    def _one(self, model: CharLM, t):
+        T = self.tokens.shape[1]
+        causal = jnp.arange(1, T + 1)
+        visible = jnp.tril(jnp.ones((T, T), bool))
+
+        def collect(block, h, key):
+            tr = block.trace(h, causal, key=key)
+            logits = jnp.abs(tr.attention.logits)
+            return tr.output, jnp.max(jnp.where(visible, logits, 0.0))
+
         h = model.token_emb.weight[t] + model.pos_emb.weight[:T]
         _, attn = model.stack.scan(h, causal, collect=collect)
         return jnp.max(attn), jnp.max(jnp.abs(model(t)))
 
-    def probe(model: CharLM) -> dict[str, Float[Array, ""]]:
-        attn, out = jax.vmap(lambda t: one(model, t))(tokens)
+    def __call__(self, model: CharLM) -> dict[str, Float[Array, ""]]:
+        attn, out = jax.vmap(lambda t: self._one(model, t))(self.tokens)
         return {"attn": jnp.max(attn), "out": jnp.max(out)}
 
-    return probe
+
+@functools.cache
+def _model_factory(vocab_size, num_hiddens, num_heads, num_blks, max_len, qk_norm):
+    # One function per configuration, so that repeated sweeps reuse compilations.
+    def make_model(key):
+        return CharLM(
+            vocab_size, num_hiddens, num_heads, num_blks, max_len=max_len,
+            qk_norm=qk_norm, key=key,
+        )  # fmt: skip
+
+    return make_model
 
 
 def lr_sensitivity(
@@ -180,23 +197,14 @@ def run_study(
     data = TimeMachine(num_steps=p["seq_len"]) if data is None else data
     stride = max(1, data.num_train // p["probe_batch"])
     tokens = data.windows(jnp.arange(p["probe_batch"]) * stride)[0]
-    probe = logit_probe(tokens)
+    probe = LogitProbe(tokens)
     K = len(lrs)
     results: dict[str, SweepResult] = {}
     for name in MODELS:
-        qk = name == "qk_norm"
-
-        def make_model(key, qk=qk):
-            return CharLM(
-                data.vocab_size,
-                p["num_hiddens"],
-                p["num_heads"],
-                p["num_blks"],
-                max_len=p["seq_len"],
-                qk_norm=qk,
-                key=key,
-            )
-
+        make_model = _model_factory(
+            data.vocab_size, p["num_hiddens"], p["num_heads"], p["num_blks"],
+            p["seq_len"], name == "qk_norm",
+        )  # fmt: skip
         results[name] = train_sweep(
             make_model,
             data,
