@@ -83,6 +83,7 @@ def test_runs_unstack_the_members(sweep):
         np.testing.assert_array_equal(w, sweep.state.model.token_emb.weight[k])
 
 
+@pytest.mark.slow
 def test_divergent_member_is_frozen_and_leaves_the_others_bit_identical(data):
     good = _sweep(data, [1e-2, 1e-2, 3e-2])
     bad = _sweep(data, [1e-2, 1e30, 3e-2])
@@ -193,6 +194,7 @@ def test_sweep_optimizer_injects_float32_learning_rate():
     assert state.hyperparams["learning_rate"].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_train_seeds_of_the_train_command_equal_train_one(data):
     from blocklab.commands import train as cmd
 

@@ -9,6 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # two fresh JAX processes, each compiling a sweep
+
 # Runs in a subprocess: the device count is fixed when JAX starts.
 SCRIPT = textwrap.dedent(
     """
