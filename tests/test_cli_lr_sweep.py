@@ -110,9 +110,11 @@ def test_cli_json_schema(tmp_path, capsys):
         )
     assert r["steps"] == [0, 2, 4]
     assert sorted(p.name for p in out.iterdir()) == [
-        "lr_attn_logits.png",
+        "lr_attn_logits_no_qk_norm.png",
+        "lr_attn_logits_qk_norm.png",
         "lr_final_loss.png",
-        "lr_output_logits.png",
+        "lr_output_logits_no_qk_norm.png",
+        "lr_output_logits_qk_norm.png",
     ]
 
 

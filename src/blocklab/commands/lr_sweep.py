@@ -341,7 +341,7 @@ def explanation(result: dict[str, Any]) -> str:
 
 
 def plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Final loss vs lr (both models); attention- and output-logit growth over steps."""
+    """Final loss vs lr (both models); attention- and output-logit growth, per model."""
     out_dir = Path(out_dir)
     lrs = result["lrs"]
     nan = float("nan")
@@ -361,26 +361,27 @@ def plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
             hlines={"loss at init": result["initial_loss"]["no_qk_norm"]},
         )
     ]
-    for key, label, fname in (
-        ("max_attn_logit", "largest |attention logit|", "lr_attn_logits.png"),
-        ("max_output_logit", "largest |output logit|", "lr_output_logits.png"),
+    # One figure per quantity and model: seven rates keep distinct colours.
+    for key, label, stem in (
+        ("max_attn_logit", "largest |attention logit|", "lr_attn_logits"),
+        ("max_output_logit", "largest |output logit|", "lr_output_logits"),
     ):
-        ys = {
-            f"{'QK' if m == 'qk_norm' else 'no QK'}, lr {lr:.0e}": nums(r)
-            for m in MODELS
-            for lr, r in zip(lrs, result[key][m], strict=True)
-        }
-        paths.append(
-            line_plot(
-                out_dir / fname,
-                [float(s) for s in result["steps"]],
-                ys,
-                xlabel="step",
-                ylabel=label,
-                logy=True,
-                title=f"{label} on a fixed batch",
+        for m in MODELS:
+            ys = {
+                f"lr {lr:.0e}": nums(r)
+                for lr, r in zip(lrs, result[key][m], strict=True)
+            }
+            paths.append(
+                line_plot(
+                    out_dir / f"{stem}_{m}.png",
+                    [float(s) for s in result["steps"]],
+                    ys,
+                    xlabel="step",
+                    ylabel=label,
+                    logy=True,
+                    title=f"{label} on a fixed batch, {m.replace('_', ' ')}",
+                )
             )
-        )
     return paths
 
 
