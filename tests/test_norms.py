@@ -1,5 +1,6 @@
 """RMSNorm and LayerNorm modules against the NumPy reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,3 +64,18 @@ def test_make_norm_builds_the_named_norm():
     assert isinstance(make_norm("rms", 4), bl.RMSNorm)
     assert isinstance(make_norm("layer", 4), bl.LayerNorm)
     assert set(bl.NORMS) == {"rms", "layer"}
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_block_norm_eps_reaches_every_norm(norm):
+    """`norm_eps` sets eps on every norm of the block (porting PyTorch's 1e-5)."""
+    blk = bl.TransformerBlock(
+        16, 4, norm=norm, placement="sandwich", norm_eps=1e-5, key=jax.random.key(0)
+    )
+    eps = [n.eps for n in (blk.norm1, blk.norm2, blk.out_norm1, blk.out_norm2)]
+    assert eps == [1e-5] * 4
+    # and eps is used: a constant-free input of tiny scale sees eps in the denominator
+    x = np.full((3, 16), 1e-3)
+    x[:, ::2] *= -1
+    expected = x / np.sqrt(1e-6 + 1e-5)  # mean square 1e-6 (rms and layer agree here)
+    np.testing.assert_allclose(blk.norm1(jnp.asarray(x)), expected, rtol=1e-6)

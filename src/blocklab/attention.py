@@ -52,7 +52,9 @@ def check_config(owner: str, num_hiddens: int, num_heads: int, dropout: float) -
             f"among the divisors of {num_hiddens}."
         )
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{owner}: dropout must be in [0, 1), got dropout={dropout!r}.")
+        raise ValueError(
+            f"{owner}: dropout must be in [0, 1), got dropout={dropout!r}."
+        )
 
 
 class MultiHeadAttention(eqx.Module):

@@ -82,6 +82,7 @@ class TransformerBlock(eqx.Module):
         placement: str = "pre",
         bias: bool = False,
         qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         attn_factory: Callable[..., Any] | None = None,
         ffn_factory: Callable[..., Any] | None = None,
         key: PRNGKeyArray,
@@ -96,6 +97,8 @@ class TransformerBlock(eqx.Module):
         placement: `"post"`, `"pre"`, `"output"` or `"sandwich"`.
         bias: biases in the attention and FFN projections.
         qk_norm: RMS-normalize queries and keys per head (default attention).
+        norm_eps: the $\\epsilon$ of the block's norms (PyTorch's LayerNorm uses
+            1e-5: set it when porting such weights exactly).
         attn_factory: `attn_factory(key=...)` returns the attention module,
             called as `attn(x, valid_lens, key=...)`; replaces the default.
         ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
@@ -118,16 +121,29 @@ class TransformerBlock(eqx.Module):
                 f"got placement={placement!r}."
             )
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
-        self.norm, self.act, self.placement, self.dropout = norm, act, placement, dropout
+        self.norm, self.act, self.placement, self.dropout = (
+            norm,
+            act,
+            placement,
+            dropout,
+        )
         attn_key, ffn_key = jax.random.split(key)
-        self.norm1, self.norm2 = make_norm(norm, num_hiddens), make_norm(norm, num_hiddens)
+
+        def new_norm():
+            return make_norm(norm, num_hiddens, norm_eps)
+
+        self.norm1, self.norm2 = new_norm(), new_norm()
         sandwich = placement == "sandwich"
-        self.out_norm1 = make_norm(norm, num_hiddens) if sandwich else None
-        self.out_norm2 = make_norm(norm, num_hiddens) if sandwich else None
+        self.out_norm1 = new_norm() if sandwich else None
+        self.out_norm2 = new_norm() if sandwich else None
         self.attention = (
             MultiHeadAttention(
-                num_hiddens, num_heads, bias=bias, qk_norm=qk_norm,
-                dropout=dropout, key=attn_key,
+                num_hiddens,
+                num_heads,
+                bias=bias,
+                qk_norm=qk_norm,
+                dropout=dropout,
+                key=attn_key,
             )
             if attn_factory is None
             else attn_factory(key=attn_key)
@@ -169,7 +185,9 @@ class TransformerBlock(eqx.Module):
                 f"num_hiddens={self.num_hiddens}), got x.shape={tuple(x.shape)}; "
                 "use jax.vmap for a batch."
             )
-        k_attn, k_drop1, k_drop2 = (None,) * 3 if key is None else jax.random.split(key, 3)
+        k_attn, k_drop1, k_drop2 = (
+            (None,) * 3 if key is None else jax.random.split(key, 3)
+        )
         attn_trace = None
 
         def attend(y):

@@ -1,4 +1,4 @@
-"""The `blocklab` console script: `blocklab report` and one subcommand per experiment."""
+"""The `blocklab` console script: `blocklab report` and one command per experiment."""
 
 from __future__ import annotations
 
@@ -26,11 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in [report, *_command_modules()]:
-        p = sub.add_parser(module.NAME.replace("_", "-"), help=module.HELP,
-                           description=module.HELP)
+        p = sub.add_parser(
+            module.NAME.replace("_", "-"), help=module.HELP, description=module.HELP
+        )
         module.add_arguments(p)
-        p.add_argument("--json", action="store_true",
-                       help="print the results as one JSON object instead of a table")
+        p.add_argument(
+            "--json",
+            action="store_true",
+            help="print the results as one JSON object instead of a table",
+        )
         p.set_defaults(_run=module.run)
     return parser
 

@@ -101,7 +101,9 @@ class FeedForward(eqx.Module):
         if width is None:
             width = ffn_width(num_hiddens, act, multiple_of)
         elif not isinstance(width, int) or width < 1:
-            raise ValueError(f"FeedForward: width must be a positive int, got {width!r}.")
+            raise ValueError(
+                f"FeedForward: width must be a positive int, got {width!r}."
+            )
         self.num_hiddens, self.act, self.width = num_hiddens, act, width
         k1, k2, kg = jax.random.split(key, 3)
         self.W_1 = init.linear(num_hiddens, width, bias=bias, key=k1)

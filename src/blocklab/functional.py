@@ -127,7 +127,7 @@ ACTIVATIONS = {"relu": relu, "gelu": gelu, "gelu_exact": gelu_exact, "silu": sil
 def dropout(
     x: Float[Array, "*shape"], rate: float, key: PRNGKeyArray | None
 ) -> Float[Array, "*shape"]:
-    r"""Inverted dropout: $x_i\,m_i / (1 - p)$ with $m_i \sim \mathrm{Bernoulli}(1 - p)$.
+    r"""Inverted dropout: $x_i m_i / (1 - p)$, $m_i \sim \mathrm{Bernoulli}(1 - p)$.
 
     With `key=None` or `rate == 0` this is the identity (inference), so the
     same call serves training (pass a key) and evaluation (pass none).

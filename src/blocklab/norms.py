@@ -80,10 +80,8 @@ class LayerNorm(eqx.Module):
 NORMS = {"rms": RMSNorm, "layer": LayerNorm}
 
 
-def make_norm(norm: str, num_hiddens: int) -> RMSNorm | LayerNorm:
-    """Build the norm named by `norm` (`"rms"` or `"layer"`)."""
+def make_norm(norm: str, num_hiddens: int, eps: float = 1e-6) -> RMSNorm | LayerNorm:
+    """Build the norm named by `norm` (`"rms"` or `"layer"`) with epsilon `eps`."""
     if norm not in NORMS:
-        raise ValueError(
-            f"norm must be one of {sorted(NORMS)}, got norm={norm!r}."
-        )
-    return NORMS[norm](num_hiddens)
+        raise ValueError(f"norm must be one of {sorted(NORMS)}, got norm={norm!r}.")
+    return NORMS[norm](num_hiddens, eps)

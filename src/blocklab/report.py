@@ -1,4 +1,4 @@
-"""`blocklab report`: every experiment of the chapter, as one Markdown report with PNGs."""
+"""`blocklab report`: the chapter's experiments as one Markdown report with PNGs."""
 
 from __future__ import annotations
 
@@ -19,16 +19,29 @@ __all__ = ["write_report"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="blocklab-report", metavar="DIR",
-                        help="output folder (default: ./blocklab-report/)")
-    parser.add_argument("--quick", action="store_true",
-                        help="reduced sizes and step counts (minutes on a laptop CPU)")
-    parser.add_argument("--only", nargs="+", choices=COMMANDS, metavar="SECTION",
-                        help=f"only these sections, from {list(COMMANDS)}")
+    parser.add_argument(
+        "--out",
+        default="blocklab-report",
+        metavar="DIR",
+        help="output folder (default: ./blocklab-report/)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced sizes and step counts (minutes on a laptop CPU)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=COMMANDS,
+        metavar="SECTION",
+        help=f"only these sections, from {list(COMMANDS)}",
+    )
 
 
-def write_report(out_dir: str | Path, *, quick: bool = False,
-                 only: list[str] | None = None) -> Path:
+def write_report(
+    out_dir: str | Path, *, quick: bool = False, only: list[str] | None = None
+) -> Path:
     """Run the report's sections and write `out_dir/report.md`; returns its path.
 
     Sections are written as they finish, so an interrupted run keeps every

@@ -33,7 +33,10 @@ class Timing:
 
 
 def time_call(
-    fn: Callable, *args, reps: int = 20, warmup: int = 2,
+    fn: Callable,
+    *args,
+    reps: int = 20,
+    warmup: int = 2,
     make_args: Callable[[], tuple] | None = None,
 ) -> Timing:
     """Time `fn(*args)` (blocking on its result) `reps` times after `warmup` calls.
@@ -42,6 +45,7 @@ def time_call(
     that is how donated inputs (`donate_argnums`) are timed, since a donated
     buffer cannot be used twice.
     """
+
     def once() -> float:
         call_args = make_args() if make_args is not None else args
         jax.block_until_ready(call_args)
