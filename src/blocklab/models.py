@@ -51,7 +51,10 @@ class Stack(eqx.Module):
         if not isinstance(num_blks, int) or num_blks < 1:
             raise ValueError(f"Stack: num_blks must be a positive int, got {num_blks!r}.")
         self.num_blks, self.remat = num_blks, remat
-        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(key, num_blks))
+        # One compiled program for all N initializations: much faster to build
+        # than dispatching every random draw of every block eagerly.
+        build = eqx.filter_jit(eqx.filter_vmap(make_block))
+        self.blocks = build(jax.random.split(key, num_blks))
 
     def block(self, i: int):
         """Block `i` (0-based; negative counts from the top) as an ordinary module."""
