@@ -62,7 +62,8 @@ def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
     states = _init_states(make_model, opt, sharding, keys, lrs)
     step = make_train_step(opt, data, batch_size=batch_size)
     fixed = (step, keys, jnp.asarray(0, jnp.int32))
-    m = _run_chunk.lower(fixed, states, steps, sharding).compile().memory_analysis()
+    compiled = _run_chunk.lower(fixed, states, steps, sharding).compile()
+    m = compiled.compiled.memory_analysis()
     total = (
         m.argument_size_in_bytes
         + m.output_size_in_bytes
@@ -86,12 +87,15 @@ def main() -> None:
             data.vocab_size, a.num_hiddens, 4, a.num_blks, max_len=a.seq_len, key=key
         )
 
+    # One optimizer object: train_lm's compiled chunk is reused across runs.
+    optimizer = optax.adamw(1e-3, weight_decay=0.0)
+
     def sequential():
         for k in range(K):
             train_lm(
                 make_model(jax.random.key(k)),
                 data,
-                optax.adamw(1e-3, weight_decay=0.0),
+                optimizer,
                 a.steps,
                 key=jax.random.key(100 + k),
                 batch_size=a.batch_size,
@@ -109,16 +113,19 @@ def main() -> None:
             learning_rates=1e-3,
             batch_size=a.batch_size,
             steps_per_call=a.steps,
-            validate=False,
+            validate=True,
             progress=False,
         )
 
     times = {}
     for name, fn in (("sequential", sequential), ("sweep", sweep)):
         fn()  # compile
-        t0 = time.perf_counter()
-        fn()
-        times[name] = time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(2):  # best of two: the machine is shared
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        times[name] = best
     mem1 = chunk_memory(make_model, data, 1, a.steps, a.batch_size)
     memK = chunk_memory(make_model, data, K, a.steps, a.batch_size)
     out = {
