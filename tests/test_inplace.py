@@ -131,9 +131,10 @@ def test_input_buffer_is_donated(fn):
     assert not y.is_deleted() and y.shape == (10, 32)
 
 
-def test_default_block_rows_is_about_1_mib():
-    assert default_block_rows(1024) == 256
-    assert default_block_rows(1024, 2) == 512
+def test_default_block_rows_is_about_128_kib():
+    assert default_block_rows(1024) == 32
+    assert default_block_rows(1024, 2) == 64
+    assert default_block_rows(48) == 682
     assert default_block_rows(10**6) == 1
 
 

@@ -58,11 +58,14 @@ from .functional import layer_norm, rms_norm
 
 __all__ = ["rms_norm_", "layer_norm_", "default_block_rows"]
 
-#: Bytes per block of rows: small enough to stay in cache (L2/L3) between the
-#: statistic and the scaling, large enough that the per-step loop overhead (a
-#: few microseconds) is negligible next to moving the block. 1 MiB was the
-#: fastest of 32 KiB ... 16 MiB on the development machine (benchmarks/norms.py).
-BLOCK_BYTES = 1024 * 1024
+#: Bytes per block of rows: small enough that the block, and the temporary the
+#: statistic needs, stay in a core's L2 cache between the statistic and the
+#: scaling; large enough that the per-step loop overhead (about a microsecond)
+#: is small next to moving the block. 128 KiB (32 rows at d = 1024) used the
+#: least CPU time of 32 KiB ... 8 MiB on the 2-core development machine, with
+#: wall-clock times within the noise of each other from 32 KiB to 8 MiB
+#: (`python benchmarks/norms.py --block-rows ...`).
+BLOCK_BYTES = 128 * 1024
 
 
 def default_block_rows(d: int, itemsize: int = 4) -> int:
@@ -75,7 +78,8 @@ def _blockwise(norm, x, args, block_rows):
 
     `x` is viewed as `(rows, d)`; `rows // block_rows` full blocks go through a
     `fori_loop` and the remaining rows (if any) through one final block of
-    their own size, so no row is normalized twice.
+    their own size, so no row is normalized twice. (`lax.scan` over the block
+    index compiles to the same XLA while loop as this `fori_loop`.)
     """
     d = x.shape[-1]
     flat = x.reshape(-1, d)
@@ -146,7 +150,7 @@ def rms_norm_(
         x: any leading axes, features last; its buffer is reused for the result.
         weight: the gain $\gamma$ of shape `(d,)`; `None` means $\gamma = 1$.
         eps: added to the mean square before the square root.
-        block_rows: rows normalized per loop step; `None` picks about 1 MiB
+        block_rows: rows normalized per loop step; `None` picks about 128 KiB
             per block (`default_block_rows`).
 
     Returns:
@@ -181,7 +185,7 @@ def layer_norm_(
         weight: the gain $\gamma$ of shape `(d,)`, or `None` for 1.
         bias: the shift $\beta$ of shape `(d,)`, or `None` for 0.
         eps: added to the (biased) variance before the square root.
-        block_rows: rows normalized per loop step; `None` picks about 1 MiB
+        block_rows: rows normalized per loop step; `None` picks about 128 KiB
             per block (`default_block_rows`).
 
     Returns:
