@@ -17,16 +17,24 @@ Prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
-import time
+import os
+import sys
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import optax
+# Run as a script, this folder comes first on sys.path, where its signal.py
+# would shadow the standard library's `signal` (imported by jax).
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
-import blocklab as bl
-from blocklab.timing import matmul_peak_flops, time_call
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import blocklab as bl  # noqa: E402
+from blocklab.timing import matmul_peak_flops, time_call  # noqa: E402
 
 
 def step_flops(

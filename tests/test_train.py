@@ -30,6 +30,9 @@ def model():
     return CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
 
 
+jit_lm_loss = eqx.filter_jit(lm_loss)
+
+
 def params(m):
     return jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array))
 
@@ -41,10 +44,12 @@ def assert_models_close(a, b, rtol=1e-6, atol=1e-7):
 
 def test_lm_loss_is_mean_cross_entropy(model, data):
     X, Y = data.train_batch(jax.random.key(1), 4)
-    logits = np.asarray(jax.vmap(model)(X), np.float64)
+    logits = np.asarray(eqx.filter_jit(jax.vmap(model))(X), np.float64)
     logz = np.log(np.exp(logits).sum(-1))
     picked = np.take_along_axis(logits, np.asarray(Y)[..., None], -1)[..., 0]
-    np.testing.assert_allclose(lm_loss(model, X, Y), np.mean(logz - picked), rtol=1e-6)
+    np.testing.assert_allclose(
+        jit_lm_loss(model, X, Y), np.mean(logz - picked), rtol=1e-6
+    )
 
 
 def test_lm_loss_of_uniform_logits_is_log_vocab():
@@ -62,7 +67,7 @@ def test_step_equals_a_hand_written_optax_step(model, data):
 
     X, Y = data.train_batch(key, 4)
     p = eqx.filter(model, eqx.is_inexact_array)
-    ref_loss, grads = eqx.filter_value_and_grad(lm_loss)(model, X, Y)
+    ref_loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, X, Y)
     updates, _ = opt.update(grads, opt.init(p), p)
     expected = eqx.apply_updates(model, updates)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -116,7 +121,7 @@ def test_train_lm_is_independent_of_chunking_and_keeps_the_input(model, data):
     assert_models_close(a.model, b.model, rtol=1e-5, atol=1e-6)
     # validation: the mean loss over the fixed validation windows
     np.testing.assert_allclose(
-        a.val_loss, lm_loss(a.model, *data.val_batch()), rtol=1e-5
+        a.val_loss, jit_lm_loss(a.model, *data.val_batch()), rtol=1e-5
     )
     # the caller's model is still usable (train_lm donates a copy, not it)
     assert np.isfinite(params(model)[0]).all()
@@ -129,7 +134,7 @@ def test_train_lm_is_independent_of_chunking_and_keeps_the_input(model, data):
 
 
 def test_validation_loss_with_uneven_chunks(model, data):
-    expected = lm_loss(model, *data.val_batch())  # 20 windows at once
+    expected = jit_lm_loss(model, *data.val_batch())  # 20 windows at once
     np.testing.assert_allclose(
         validation_loss(model, data, chunk=7), expected, rtol=1e-5
     )
