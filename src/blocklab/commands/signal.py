@@ -22,6 +22,7 @@ from ..signal import (
     signal_sweep,
     variance_budget,
 )
+from ..theory import c_attn_1, c_ffn_1, collapse_spread
 
 NAME = "signal"
 HELP = "signal propagation at initialization: stream RMS, token spread, gradients"
@@ -237,7 +238,12 @@ def exercise_4_table(ex4: dict) -> str:
     fits = "; ".join(
         f"blocks {r}: RMS ~ {a:.2f} k^{b:.3f}" for r, (b, a) in ex4["fits"].items()
     )
-    return "\n".join(lines) + f"\n\nPower-law fits of the stream RMS: {fits}."
+    return (
+        "\n".join(lines)
+        + f"\n\nBlock 1 predicted by `blocklab.theory`: c_attn = {c_attn_1(64):.4f} "
+        f"(large-n limit e/64), c_ffn = {c_ffn_1():.4f}."
+        + f"\n\nPower-law fits of the stream RMS: {fits}."
+    )
 
 
 def exercise_5(
@@ -257,7 +263,9 @@ def exercise_5(
     return out
 
 
-def exercise_5_table(rows: dict[str, np.ndarray], num_blks: int) -> str:
+def exercise_5_table(
+    rows: dict[str, np.ndarray], num_blks: int, alphas=(1.0, 0.7, 0.5)
+) -> str:
     ks = checkpoints(num_blks)
     lines = [
         "| post-LN | " + " | ".join(f"spread k={k}" for k in ks) + " |",
@@ -265,6 +273,13 @@ def exercise_5_table(rows: dict[str, np.ndarray], num_blks: int) -> str:
     ]
     for name, v in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{x:.1e}" for x in v) + " |")
+    for alpha in alphas:
+        pred = [collapse_spread(k, alpha, 64) for k in ks]
+        lines.append(
+            f"| alpha={alpha:g}, formula (no FFN, n = 64) | "
+            + " | ".join(f"{x:.1e}" for x in pred)
+            + " |"
+        )
     return "\n".join(lines)
 
 
