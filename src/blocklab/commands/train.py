@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -14,6 +15,7 @@ from ..data import TimeMachine
 from ..ffn import ACTS
 from ..models import CharLM
 from ..plotting import line_plot
+from ..sweep import train_sweep
 from ..train import TrainResult, train_lm
 
 NAME = "train"
@@ -112,6 +114,39 @@ def train_one(
     )
 
 
+def train_seeds(
+    act: str,
+    seeds: list[int],
+    steps: int,
+    *,
+    data: TimeMachine,
+    num_hiddens: int = PROTOCOL["num_hiddens"],
+    num_heads: int = PROTOCOL["num_heads"],
+    num_blks: int = PROTOCOL["num_blks"],
+    batch_size: int = PROTOCOL["batch_size"],
+    lr: float = PROTOCOL["lr"],
+    progress: bool = True,
+) -> list[TrainResult]:
+    """`train_one` for every seed at once: one `blocklab.sweep.train_sweep`.
+
+    The seeds are the members of one vmapped program, sharded over the
+    devices; run k equals `train_one(act, seeds[k], ...)` up to float rounding.
+    """
+    keys = [jax.random.split(jax.random.key(s)) for s in seeds]
+
+    def make_model(key):
+        return CharLM(
+            data.vocab_size, num_hiddens, num_heads, num_blks, act,
+            max_len=data.num_steps, key=key,
+        )  # fmt: skip
+
+    return train_sweep(
+        make_model, data, steps, model_keys=jnp.stack([k[0] for k in keys]),
+        data_keys=jnp.stack([k[1] for k in keys]), learning_rates=lr,
+        batch_size=batch_size, progress=progress,
+    ).runs()  # fmt: skip
+
+
 def compare(acts, seeds, steps, *, data=None, progress=True, **options):
     """Train every (act, seed); returns `({act: {"loss_at", "val_loss"}}, curves)`.
 
@@ -120,10 +155,7 @@ def compare(acts, seeds, steps, *, data=None, progress=True, **options):
     data = TimeMachine() if data is None else data
     results, curves = {}, {}
     for act in acts:
-        runs = [
-            train_one(act, s, steps, data=data, progress=progress, **options)
-            for s in seeds
-        ]
+        runs = train_seeds(act, seeds, steps, data=data, progress=progress, **options)
         per_seed = [loss_at(r.losses, steps) for r in runs]
         results[act] = {
             "loss_at": {k: [p[k] for p in per_seed] for k in per_seed[0]},
