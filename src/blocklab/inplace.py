@@ -79,7 +79,8 @@ def _blockwise(norm, x, args, block_rows):
     `x` is viewed as `(rows, d)`; `rows // block_rows` full blocks go through a
     `fori_loop` and the remaining rows (if any) through one final block of
     their own size, so no row is normalized twice. (`lax.scan` over the block
-    index compiles to the same XLA while loop as this `fori_loop`.)
+    index compiles to the same XLA while loop as this `fori_loop`; unrolling
+    it 2 or 8 times made no measurable difference.)
     """
     d = x.shape[-1]
     flat = x.reshape(-1, d)
