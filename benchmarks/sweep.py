@@ -79,7 +79,8 @@ def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
 
 def main() -> None:
     a = parse()
-    data = TimeMachine(num_steps=a.seq_len)
+    # No validation windows: both sides time training only.
+    data = TimeMachine(num_steps=a.seq_len, num_val=0)
     K = a.members
 
     def make_model(key):
@@ -113,7 +114,7 @@ def main() -> None:
             learning_rates=1e-3,
             batch_size=a.batch_size,
             steps_per_call=a.steps,
-            validate=True,
+            validate=False,
             progress=False,
         )
 
