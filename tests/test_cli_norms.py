@@ -82,6 +82,13 @@ def test_ratios_are_bandwidth_ratios(result):
     rows, ratios = result["rows"], result["ratios"]
     r = rows["blocklab rms_norm"]["donated_gbps"] / rows["X -> 2X"]["donated_gbps"]
     assert ratios["blocklab rms_norm donated / 2X donated"] == pytest.approx(r)
+    best = (
+        rows["X -> 2X"]["donated_best_ms"]
+        / rows["blocklab rms_norm"]["donated_best_ms"]
+    )
+    assert ratios[
+        "blocklab rms_norm donated / 2X donated (best rounds)"
+    ] == pytest.approx(best)
     assert all(v > 0 for v in ratios.values())
 
 

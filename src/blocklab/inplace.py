@@ -23,7 +23,9 @@ jitted norm and that limit on CPU:
 The functions here loop (`lax.fori_loop`) over blocks of `block_rows` rows
 that fit in the processor's cache: each step slices one block out of the
 donated buffer, normalizes it with the very same `blocklab.functional` code
-(so the statistics are float32 or wider and the result is identical), and
+(statistics in float32 or wider; the result agrees with the out-of-place
+norm to float32 rounding, about 1e-6, since only the summation order of the
+statistic may differ), and
 writes it back with `dynamic_update_slice`, which XLA performs in place on a
 loop-carried buffer. The input is thus read from memory once and written
 once; the second read of each block (statistic, then scaling) hits the cache.
@@ -37,6 +39,14 @@ memory saving is lost, and JAX may warn that the donation was not usable.
 Inside another `jax.jit`, call `blocklab.rms_norm` instead: the outer
 computation decides about buffers, and donation applies only to top-level
 calls.
+
+Measured (`benchmarks/norms.py`, X of shape (64, 512, 1024) float32, a
+shared and loaded 2-core CPU): donated, `rms_norm_` reaches about 0.7 and
+`layer_norm_` about 0.5 of the bandwidth of donated `X -> 2X`, and both are
+5-7 times faster than the peers' donated calls (which copy). What is left:
+XLA on CPU never splits an in-place `dynamic_update_slice` over threads, so
+the loop runs on one core while `2X` uses both, and the per-row reductions
+cost about as much CPU time as the memory traffic.
 
 Recipe::
 

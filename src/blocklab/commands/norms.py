@@ -235,6 +235,10 @@ def _ratios(rows: dict) -> dict[str, float]:
         out[f"{ours} donated / 2X donated"] = (
             rows[ours]["donated_gbps"] / rows[TWO_X]["donated_gbps"]
         )
+        # Best rounds: the least disturbed by other processes on a shared machine.
+        out[f"{ours} donated / 2X donated (best rounds)"] = (
+            rows[TWO_X]["donated_best_ms"] / rows[ours]["donated_best_ms"]
+        )
         peers = [
             label
             for label in rows
@@ -320,15 +324,19 @@ def report_section(out_dir: Path, *, quick: bool) -> str:
         title="Normalizers vs X -> 2X, " + "x".join(map(str, shape)) + " float32",
     )
     ratios = result["ratios"]
-    target = min(ratios[f"{o} donated / 2X donated"] for o in OURS)
+    median = min(ratios[f"{o} donated / 2X donated"] for o in OURS)
+    best = min(ratios[f"{o} donated / 2X donated (best rounds)"] for o in OURS)
     return (
         "## Normalization cost (section 11.1.2.3, exercise 9)\n\n"
         f"{table(result)}\n\n"
         "```\n" + _summary(result) + "\n```\n\n"
-        f"Donated, blocklab's in-place norms reach {target:.2f} x the bandwidth of "
-        "donated X -> 2X (target: 0.8). Fresh outputs cost a new "
-        f"{math.prod(shape) * 4 / 2**20:.0f} MiB buffer per call, whose allocation and "
-        "first touch dominate every row; a plain jit with donation copies the "
+        "Donated, the slower of blocklab's in-place norms reaches "
+        f"{median:.2f} x the bandwidth of donated X -> 2X at the median "
+        f"({best:.2f} x over the best rounds; target: 0.8). The loop runs on one "
+        "core (XLA on CPU never splits an in-place update over threads) while 2X "
+        "uses all of them. Fresh outputs cost a new "
+        f"{math.prod(shape) * 4 / 2**20:.0f} MiB buffer per call, whose allocation "
+        "and first touch dominate every row; a plain jit with donation copies the "
         "result into the donated buffer, so it is no faster.\n\n"
         f"![achieved bandwidth]({png.name})\n"
     )
