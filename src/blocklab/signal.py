@@ -45,7 +45,7 @@ from .block import PLACEMENTS, TransformerBlock
 from .ffn import FeedForward
 from .functional import attention_entropy, token_spread
 from .models import Stack
-from .sweep import sharded_map
+from .sharding import sharded_map
 
 __all__ = [
     "SignalStats",
