@@ -15,8 +15,14 @@ ENV = {**os.environ, "BLOCKLAB_TINY": "1", "MPLBACKEND": "Agg"}
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
-    result = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(path)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -27,8 +33,17 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     for name, value in (("BLOCKLAB_TINY", "1"), ("MPLBACKEND", "Agg")):
         monkeypatch.setenv(name, value)
     nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code"
-              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors

@@ -17,7 +17,7 @@ __all__ = ["Stack", "CharLM", "generate"]
 
 
 class Stack(eqx.Module):
-    r"""N blocks of one structure, stored as one stacked pytree and applied by `lax.scan`.
+    r"""N blocks of one structure as one stacked pytree, applied by `lax.scan`.
 
     $$h_0 = x,\qquad h_k = B_k(h_{k-1}),\quad k = 1, \ldots, N.$$
 
@@ -49,7 +49,9 @@ class Stack(eqx.Module):
         key: PRNG key; block k is built from the k-th of `num_blks` subkeys.
         """
         if not isinstance(num_blks, int) or num_blks < 1:
-            raise ValueError(f"Stack: num_blks must be a positive int, got {num_blks!r}.")
+            raise ValueError(
+                f"Stack: num_blks must be a positive int, got {num_blks!r}."
+            )
         self.num_blks, self.remat = num_blks, remat
         # One compiled program for all N initializations: much faster to build
         # than dispatching every random draw of every block eagerly.
@@ -59,7 +61,9 @@ class Stack(eqx.Module):
     def block(self, i: int):
         """Block `i` (0-based; negative counts from the top) as an ordinary module."""
         if not -self.num_blks <= i < self.num_blks:
-            raise IndexError(f"block index {i} out of range for a Stack of {self.num_blks}.")
+            raise IndexError(
+                f"block index {i} out of range for a Stack of {self.num_blks}."
+            )
         return jax.tree_util.tree_map(
             lambda leaf: leaf[i] if eqx.is_array(leaf) else leaf, self.blocks
         )
@@ -200,7 +204,14 @@ class CharLM(eqx.Module):
         self.act, self.max_len = act, max_len
         self.block_options = tuple(sorted(block_options.items()))
         self.token_emb, self.pos_emb, self.stack = _build_charlm(
-            key, vocab_size, num_hiddens, num_heads, num_blks, act, max_len, remat,
+            key,
+            vocab_size,
+            num_hiddens,
+            num_heads,
+            num_blks,
+            act,
+            max_len,
+            remat,
             self.block_options,
         )
         self.norm = RMSNorm(num_hiddens)
@@ -208,9 +219,14 @@ class CharLM(eqx.Module):
     def config(self) -> dict[str, Any]:
         """The constructor arguments (without `key`) that rebuild this structure."""
         return dict(
-            vocab_size=self.vocab_size, num_hiddens=self.num_hiddens,
-            num_heads=self.num_heads, num_blks=self.num_blks, act=self.act,
-            max_len=self.max_len, remat=self.stack.remat, **dict(self.block_options),
+            vocab_size=self.vocab_size,
+            num_hiddens=self.num_hiddens,
+            num_heads=self.num_heads,
+            num_blks=self.num_blks,
+            act=self.act,
+            max_len=self.max_len,
+            remat=self.stack.remat,
+            **dict(self.block_options),
         )
 
     def __call__(
@@ -238,7 +254,8 @@ class CharLM(eqx.Module):
                 "and split longer sequences."
             )
         tokens = eqx.error_if(
-            tokens, (tokens < 0) | (tokens >= self.vocab_size),
+            tokens,
+            (tokens < 0) | (tokens >= self.vocab_size),
             f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}).",
         )
         T = tokens.shape[0]
@@ -275,7 +292,7 @@ def generate(
     text = preprocess(prompt)
     if not text:
         raise ValueError("generate: prompt must contain at least one character.")
-    ids = encode(text)[-model.max_len:]
+    ids = encode(text)[-model.max_len :]
     buf = jnp.zeros(model.max_len, jnp.int32).at[: len(ids)].set(ids)
     new = _sample(model, buf, jnp.asarray(len(ids)), key, num_chars, temperature)
     return text + decode(new)

@@ -15,24 +15,10 @@ run, so member $k$ of a sweep follows the same trajectory as
 `train_lm(model_k, ..., key=kappa_k)` (up to float rounding of the batched
 matmuls).
 
-**Sharding.** The K axis is laid out over a 1-D `jax.sharding.Mesh` of all
-visible devices (axis name `"members"`) with
-`NamedSharding(mesh, PartitionSpec("members"))`; the corpus and the step
-count are replicated. K is padded up to a multiple of the device count by
-repeating the last member, and the padding is dropped from every result.
-Members never communicate, so each device runs its own members and XLA
-inserts no collectives. The same code runs on one CPU, a multi-GPU host or a
-TPU slice (`member_mesh()` takes `jax.devices()`). To test many devices on a
-CPU, set `XLA_FLAGS=--xla_force_host_platform_device_count=4` before JAX starts.
-
-**Many hosts.** Call `jax.distributed.initialize()` first on every process
-(coordinator address, process count and id come from the arguments or the
-cluster environment: SLURM, TPU pods, ...); `jax.devices()` then lists the
-devices of *all* hosts and `member_mesh()` spans them. Every process runs the
-same program with the same arguments; the member arrays are built with
-`jax.make_array_from_callback`, so each process only materializes its own
-members, and results are gathered with
-`jax.experimental.multihost_utils.process_allgather`.
+**Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
+and padded to a multiple of the device count (`blocklab.sharding`, which also
+says how `jax.distributed.initialize()` extends the mesh over many hosts).
+Members never communicate, so XLA inserts no collectives.
 
 **Divergence.** `TrainStep` skips any update whose loss or update is not
 finite and clears the member's `finite` flag, after which that member is a
