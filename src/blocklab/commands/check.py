@@ -699,6 +699,8 @@ def norm_rows(*, quick: bool = False) -> list[dict[str, Any]]:
                 max(0.0, 2.0 - passes) / 2.0,
                 0.2,
                 passes >= 2.0 * 0.8,
+                note="a wall-clock ratio: on a shared or loaded machine both "
+                "timings move, so this row is indicative, not a proof",
             )
         )
     return rows
