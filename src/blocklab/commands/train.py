@@ -74,6 +74,18 @@ def loss_at(losses: np.ndarray, steps: int) -> dict[str, float]:
     }
 
 
+def _model_factory(data: TimeMachine, act, num_hiddens, num_heads, num_blks):
+    """`key -> CharLM` for the protocol (shared by `train_one` and `train_seeds`)."""
+
+    def make_model(key):
+        return CharLM(
+            data.vocab_size, num_hiddens, num_heads, num_blks, act,
+            max_len=data.num_steps, key=key,
+        )  # fmt: skip
+
+    return make_model
+
+
 def train_one(
     act: str,
     seed: int,
@@ -93,15 +105,7 @@ def train_one(
     different acts with one seed see the same batches.
     """
     model_key, data_key = jax.random.split(jax.random.key(seed))
-    model = CharLM(
-        data.vocab_size,
-        num_hiddens,
-        num_heads,
-        num_blks,
-        act,
-        max_len=data.num_steps,
-        key=model_key,
-    )
+    model = _model_factory(data, act, num_hiddens, num_heads, num_blks)(model_key)
     optimizer = optax.adamw(lr, weight_decay=0.0)
     return train_lm(
         model,
@@ -133,13 +137,7 @@ def train_seeds(
     devices; run k equals `train_one(act, seeds[k], ...)` up to float rounding.
     """
     keys = [jax.random.split(jax.random.key(s)) for s in seeds]
-
-    def make_model(key):
-        return CharLM(
-            data.vocab_size, num_hiddens, num_heads, num_blks, act,
-            max_len=data.num_steps, key=key,
-        )  # fmt: skip
-
+    make_model = _model_factory(data, act, num_hiddens, num_heads, num_blks)
     return train_sweep(
         make_model, data, steps, model_keys=jnp.stack([k[0] for k in keys]),
         data_keys=jnp.stack([k[1] for k in keys]), learning_rates=lr,
