@@ -56,6 +56,7 @@ def test_header_stores_the_hyperparameters(model, tmp_path):
         act="gelu",
         max_len=8,
         remat=False,
+        unroll=2,  # the default, min(num_blks, 4)
         **OPTIONS,
     )
 

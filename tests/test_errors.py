@@ -110,14 +110,15 @@ def test_make_norm_rejects_unknown_norm():
 )
 def test_wrong_input_width_or_rank(module, owner, plain_python):
     pattern = (
-        rf"{owner} acts on one sequence x of shape \(T, num_hiddens=16\), got x.shape="
+        rf"{owner} acts on a sequence x of shape \(T, num_hiddens=16\) \(or a "
+        r"batch \(\.\.\., T, num_hiddens\)\), got x.shape="
     )
     with pytest.raises(ValueError, match=pattern + r"\(5, 12\)"):
         module(jnp.ones((5, 12)))
-    with pytest.raises(
-        ValueError, match=pattern + r"\(2, 5, 16\); use jax.vmap for a batch"
-    ):
-        module(jnp.ones((2, 5, 16)))
+    with pytest.raises(ValueError, match=pattern + r"\(2, 5, 12\)"):
+        module(jnp.ones((2, 5, 12)))
+    with pytest.raises(ValueError, match=pattern + r"\(16,\)"):
+        module(jnp.ones((16,)))
 
 
 @pytest.mark.parametrize(
@@ -160,7 +161,7 @@ def test_valid_lens_shape_is_checked_under_jit_too(plain_python):
 def test_shape_checker_names_the_parameter_when_on():
     blk = bl.TransformerBlock(16, 4, key=KEY)
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
-        blk(jnp.ones((2, 5, 16)))
+        blk(jnp.ones((16,)))
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'valid_lens'"):
         blk(jnp.ones((6, 16)), jnp.arange(4))
 
@@ -178,3 +179,9 @@ def test_norm_sizes_and_init_arguments():
         ValueError, match=r"Stack: num_blks must be a positive int, got 0"
     ):
         bl.Stack(lambda k: bl.RMSNorm(4), 0, key=KEY)
+    for bad in (0, -2):
+        with pytest.raises(
+            ValueError,
+            match=rf"Stack: unroll must be a positive int or a bool, got {bad}",
+        ):
+            bl.Stack(lambda k: bl.RMSNorm(4), 2, unroll=bad, key=KEY)

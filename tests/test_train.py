@@ -55,7 +55,7 @@ def test_lm_loss_is_mean_cross_entropy(model, data):
 def test_lm_loss_of_uniform_logits_is_log_vocab():
     X = jnp.zeros((3, 5), jnp.int32)
     Y = jnp.arange(15).reshape(3, 5) % 28
-    loss = lm_loss(lambda x: jnp.zeros((x.shape[0], 28), jnp.float32), X, Y)
+    loss = lm_loss(lambda x: jnp.zeros((*x.shape, 28), jnp.float32), X, Y)
     np.testing.assert_allclose(loss, np.log(28), rtol=1e-6)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from . import init
-from .functional import dropout, masked_softmax
+from .functional import dropout, linear, masked_softmax
 from .norms import RMSNorm
 
 __all__ = ["MultiHeadAttention", "AttentionTrace", "check_config", "dense"]
@@ -25,6 +25,8 @@ class AttentionTrace(NamedTuple):
         weights: `(heads, Tq, Tk)` softmax weights (float32, before dropout).
         logits: `(heads, Tq, Tk)` scaled logits $q^\\top k / \\sqrt{p}$ (float32,
             before masking).
+
+    For a batch `(..., T, d)` every field gains the same leading axes.
     """
 
     output: Array
@@ -35,9 +37,8 @@ class AttentionTrace(NamedTuple):
 def dense(
     layer: eqx.nn.Linear, x: Float[Array, "*batch n"]
 ) -> Float[Array, "*batch m"]:
-    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$."""
-    y = x @ layer.weight.T.astype(jnp.result_type(x.dtype, layer.weight.dtype))
-    return y if layer.bias is None else y + layer.bias
+    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$ (`linear`)."""
+    return linear(x, layer.weight, layer.bias)
 
 
 def check_config(owner: str, num_hiddens: int, num_heads: int, dropout: float) -> None:
@@ -125,7 +126,7 @@ class MultiHeadAttention(eqx.Module):
 
     def trace(
         self,
-        x: Float[Array, "T d"],
+        x: Float[Array, "*batch T d"],
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
@@ -135,16 +136,17 @@ class MultiHeadAttention(eqx.Module):
         This is the one implementation; `__call__` returns its `.output`, so
         under `jit` the unused diagnostics cost nothing.
         """
-        if x.ndim != 2 or x.shape[-1] != self.num_hiddens:
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ValueError(
-                f"MultiHeadAttention acts on one sequence x of shape (T, "
-                f"num_hiddens={self.num_hiddens}), got x.shape={tuple(x.shape)}; "
-                "use jax.vmap for a batch."
+                f"MultiHeadAttention acts on a sequence x of shape (T, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
+                f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
-        T, h, p = x.shape[0], self.num_heads, self.head_dim
+        *lead, T, _ = x.shape
+        h, p = self.num_heads, self.head_dim
 
         def heads(layer, norm):
-            z = dense(layer, x).reshape(T, h, p).transpose(1, 0, 2)
+            z = dense(layer, x).reshape(*lead, T, h, p)
             return z if norm is None else norm(z)
 
         q, k = heads(self.W_q, self.q_norm), heads(self.W_k, self.k_norm)
@@ -152,32 +154,36 @@ class MultiHeadAttention(eqx.Module):
         # float32 logits for low-precision input; float64 input stays float64.
         stat = jnp.promote_types(q.dtype, jnp.float32)
         logits = jnp.einsum(
-            "hqp,hkp->hqk", q, k, preferred_element_type=stat
+            "...qhp,...khp->...hqk", q, k, preferred_element_type=stat
         ) / math.sqrt(p)
         weights = masked_softmax(logits, valid_lens)
         mixed = jnp.einsum(
-            "hqk,hkp->qhp", dropout(weights, self.dropout, key).astype(v.dtype), v
+            "...hqk,...khp->...qhp",
+            dropout(weights, self.dropout, key).astype(v.dtype),
+            v,
         )
-        out = dense(self.W_o, mixed.reshape(T, self.num_hiddens))
+        out = dense(self.W_o, mixed.reshape(*lead, T, self.num_hiddens))
         return AttentionTrace(out.astype(x.dtype), weights, logits)
 
     def __call__(
         self,
-        x: Float[Array, "T d"],
+        x: Float[Array, "*batch T d"],
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d"]:
-        """Self-attention over one sequence.
+    ) -> Float[Array, "*batch T d"]:
+        """Self-attention over one sequence, or over each of a batch.
 
         Args:
-            x: `(T, num_hiddens)`.
+            x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)` whose
+                sequences share `valid_lens` (for per-sequence lengths,
+                `jax.vmap` over the batch instead).
             valid_lens: `None`; a scalar (keys at positions >= it are masked for
                 every query); or `(T,)` lengths, one per query
                 (`jnp.arange(1, T + 1)` is causal).
             key: enables attention dropout; `None` is deterministic.
 
         Returns:
-            `(T, num_hiddens)` in the dtype of `x`.
+            The shape and dtype of `x`.
         """
         return self.trace(x, valid_lens, key=key).output

@@ -169,7 +169,7 @@ class TransformerBlock(eqx.Module):
 
     def trace(
         self,
-        x: Float[Array, "T d"],
+        x: Float[Array, "*batch T d"],
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
@@ -179,11 +179,11 @@ class TransformerBlock(eqx.Module):
         The one implementation of the forward pass (`__call__` returns its
         `.output`); see `BlockTrace`.
         """
-        if x.ndim != 2 or x.shape[-1] != self.num_hiddens:
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ValueError(
-                f"TransformerBlock acts on one sequence x of shape (T, "
-                f"num_hiddens={self.num_hiddens}), got x.shape={tuple(x.shape)}; "
-                "use jax.vmap for a batch."
+                f"TransformerBlock acts on a sequence x of shape (T, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
+                f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
         k_attn, k_drop1, k_drop2 = (
             (None,) * 3 if key is None else jax.random.split(key, 3)
@@ -203,20 +203,24 @@ class TransformerBlock(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "T d"],
+        x: Float[Array, "*batch T d"],
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T d"]:
-        """Apply the block to one sequence.
+    ) -> Float[Array, "*batch T d"]:
+        """Apply the block to one sequence, or to each of a batch.
 
         Args:
-            x: `(T, num_hiddens)`.
+            x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)` whose
+                sequences share `valid_lens` (for per-sequence lengths,
+                `jax.vmap` over the batch instead). A batch gives the same
+                values as `jax.vmap`, computed as one matrix product per
+                projection (`blocklab.functional.linear`).
             valid_lens: `None`, a scalar, or `(T,)` per-query lengths
                 (`jnp.arange(1, T + 1)` is causal). Masked keys never give NaN.
             key: enables dropout; `None` is deterministic (evaluation).
 
         Returns:
-            `(T, num_hiddens)` in the dtype of `x`.
+            The shape and dtype of `x`.
         """
         return self.trace(x, valid_lens, key=key).output

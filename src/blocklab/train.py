@@ -61,10 +61,12 @@ def lm_loss(model: Any, X: Int[Array, "B T"], Y: Int[Array, "B T"]) -> Float[Arr
 
     $$-\frac{1}{BT}\sum_{b,t}\log p(Y_{bt} \mid X_{b,\le t})$$
 
-    `model` maps one `(T,)` sequence to `(T, vocab)` logits; the batch is
-    `jax.vmap`-ed. Log-softmax in float32 (or wider).
+    `model` maps the `(B, T)` batch of token ids to `(B, T, vocab)` logits in
+    one call, as `CharLM` does (its batched call is faster than `jax.vmap` over
+    the sequences); pass a model written for one sequence as
+    `eqx.filter_vmap(model)`. Log-softmax in float32 (or wider).
     """
-    logits = jax.vmap(model)(X)
+    logits = model(X)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
 
