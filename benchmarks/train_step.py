@@ -7,6 +7,9 @@
    this machine's float32 matmul peak measured in the same run
    (`blocklab.timing.matmul_peak_flops`). The step's FLOPs are counted
    analytically (`step_flops`) and cross-checked with XLA's cost analysis.
+   Beside it, the step's matrix products alone (`matmul_floor_seconds`):
+   what these shapes allow on this machine, since products with a
+   contraction of 32 to 128 run well below the 2048^3 peak.
 2. Compile time of a `Stack` (forward + backward) at 8 and 64 blocks: the scan
    compiles one block whatever the depth. With `--unrolled`, the same depths
    as a Python loop over blocks, for reference.
@@ -58,6 +61,75 @@ def xla_flops(compiled) -> float:
     return float(cost.get("flops", float("nan")))
 
 
+def matmul_floor_seconds(
+    vocab: int,
+    d: int,
+    heads: int,
+    blks: int,
+    T: int,
+    B: int,
+    act: str,
+    fuse: int,
+    reps: int,
+) -> float:
+    """Seconds per step of the step's matrix products alone: its attainable floor.
+
+    The same products as a CharLM training step, in the same layouts
+    (`blocklab.functional.linear` on the flattened batch, heads-major
+    attention), forward and backward, with every other operation removed: no
+    norms, softmax, mask, activation (a gated FFN keeps its elementwise
+    product) or optimizer arithmetic. `fuse` steps in one `lax.scan`, each a
+    plain gradient step, exactly as the real step is timed.
+    """
+    from blocklab.functional import linear
+
+    f = bl.ffn_width(d, act)
+    gated = act in bl.GATED_ACTS
+    p = d // heads
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+
+    def w(*shape):
+        return 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+
+    blocks = [
+        dict(
+            q=w(d, d),
+            k=w(d, d),
+            v=w(d, d),
+            o=w(d, d),
+            w1=w(f, d),
+            w2=w(d, f),
+            **(dict(wg=w(f, d)) if gated else {}),
+        )
+        for _ in range(blks)
+    ]
+    params = dict(emb=w(vocab, d), pos=w(T, d), blocks=blocks)
+    X = jax.random.randint(next(keys), (B, T), 0, vocab)
+
+    def heads_major(z):
+        return jnp.swapaxes(z.reshape(B, T, heads, p), 1, 2)
+
+    def skeleton(params):
+        h = params["emb"][X] + params["pos"]
+        for b in params["blocks"]:
+            q, k, v = (heads_major(linear(h, b[n])) for n in "qkv")
+            s_ = jnp.einsum("bhqp,bhkp->bhqk", q, k)
+            o = jnp.swapaxes(jnp.einsum("bhqk,bhkp->bhqp", s_, v), 1, 2)
+            h = h + linear(o.reshape(B, T, d), b["o"])
+            u = linear(h, b["w1"])
+            h = h + linear(u * linear(h, b["wg"]) if gated else u, b["w2"])
+        return jnp.mean(linear(h, params["emb"]) ** 2)
+
+    def steps(params):
+        def one(params, _):
+            g = jax.grad(skeleton)(params)
+            return jax.tree.map(lambda a, b: a - 1e-3 * b, params, g), None
+
+        return jax.lax.scan(one, params, None, length=fuse)[0]
+
+    return time_call(jax.jit(steps), params, reps=reps, warmup=1).median / fuse
+
+
 def bench_step(act: str, fuse: int, reps: int) -> dict:
     data = bl.TimeMachine()
     d, heads, blks, T, B = 128, 4, 2, data.num_steps, 64
@@ -79,9 +151,11 @@ def bench_step(act: str, fuse: int, reps: int) -> dict:
     flops = step_flops(
         data.vocab_size, d, blks, T, B, bl.ffn_width(d, act), act in bl.GATED_ACTS
     )
+    floor = matmul_floor_seconds(data.vocab_size, d, heads, blks, T, B, act, fuse, reps)
     return dict(
         act=act,
         ms=1e3 * seconds,
+        floor_ms=1e3 * floor,
         tokens_per_s=B * T / seconds,
         flops=flops,
         xla_flops=xla_flops(one),
@@ -142,15 +216,18 @@ def main() -> None:
     )
     print(
         "| act | ms / step | tokens / s | GFLOP / step (analytic, XLA) "
-        "| GFLOP/s | MFU | compile (s) |"
+        "| GFLOP/s | MFU | matmuls alone (ms) | their MFU | step / matmuls "
+        "| compile (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rate = r["flops"] / (r["ms"] / 1e3)
+        floor_rate = r["flops"] / (r["floor_ms"] / 1e3)
         print(
             f"| {r['act']} | {r['ms']:.0f} | {r['tokens_per_s']:.0f} | "
             f"{r['flops'] / 1e9:.1f}, {r['xla_flops'] / 1e9:.1f} | {rate / 1e9:.1f} | "
-            f"{rate / peak:.0%} | {r['compile_s']:.1f} |"
+            f"{rate / peak:.0%} | {r['floor_ms']:.0f} | {floor_rate / peak:.0%} | "
+            f"{r['ms'] / r['floor_ms']:.2f} | {r['compile_s']:.1f} |"
         )
     print(
         "\nReference (chapter's code on the same kind of 2-core CPU): eager PyTorch "
