@@ -132,7 +132,7 @@ def _readout_array(readout, shape, dtype) -> Array:
 
 
 def _collect(block, h, key):
-    """One block inside the scan: its output and its per-sequence statistics."""
+    """One block inside the scan: its output and its statistics over the batch."""
     tr = block.trace(h, key=key)
     if tr.attention is None:
         raise ValueError(
@@ -157,8 +157,8 @@ def signal_stats(
 ) -> SignalStats:
     r"""Per-block signal statistics of `stack` on `X`: one forward, one backward pass.
 
-    The stack acts on each sequence of `X` (vmapped over the batch axis); the
-    per-block values are collected out of its `lax.scan`
+    The stack acts on the batch `X` in one batched call; the per-block values
+    are collected out of its `lax.scan`
     (`Stack.scan(..., collect=...)`, through `TransformerBlock.trace`, the same
     code path as the forward pass). Stream RMS, spread and branch mean squares
     are taken over the whole batch, as in the chapter. The gradients are those
@@ -189,11 +189,11 @@ def signal_stats(
 
     def loss(params):
         model = eqx.combine(params, static)
-        H, stats = jax.vmap(lambda x: model.scan(x, collect=_collect))(X)
+        H, stats = model.scan(X, collect=_collect)
         return jnp.mean(R * H), stats
 
     (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    H = jnp.swapaxes(stats["h"], 0, 1)  # (N, B, T, d)
+    H = stats["h"]  # (N, B, T, d)
     attn_grads = grads.blocks.attention
     grad_norms = {
         name: jnp.sqrt(jnp.sum(jnp.square(getattr(attn_grads, name).weight), (-2, -1)))
@@ -202,10 +202,10 @@ def signal_stats(
     return SignalStats(
         stream_rms=jnp.sqrt(jax.vmap(_mean_square)(H)),
         token_spread=jax.vmap(token_spread)(H),
-        c_attn=jnp.mean(stats["c_attn"], 0),
-        c_ffn=jnp.mean(stats["c_ffn"], 0),
-        attn_entropy=jnp.mean(stats["attn_entropy"], 0),
-        max_logit=jnp.max(stats["max_logit"], 0),
+        c_attn=stats["c_attn"],
+        c_ffn=stats["c_ffn"],
+        attn_entropy=stats["attn_entropy"],
+        max_logit=stats["max_logit"],
         grad_norms=grad_norms,
     )
 
