@@ -123,3 +123,21 @@ def test_cli_table(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "learning-rate sensitivity" in text and "| 1.00e-02 |" in text
+
+
+def test_study_flops_hand_worked_and_cpu_warning(capsys):
+    # d=2, 1 block, T=3: per token 6*12*1*4 + 12*1*3*2 = 360; 2 models x 1 rate
+    # x 1 step x 1 x 3 tokens.
+    tiny = dict(num_hiddens=2, num_blks=1, seq_len=3, steps=1, batch_size=1)
+    assert lr_sweep.study_flops(tiny, [1e-3]) == 2 * 3 * 360
+    # The exercise's protocol: 14 runs of 1000 steps at d = 256, 6 blocks.
+    full = lr_sweep.study_flops(lr_sweep.FULL, lr_sweep.LRS)
+    assert 3.4e15 < full < 3.6e15
+    lr_sweep.warn_if_slow(lr_sweep.QUICK, lr_sweep.LRS)
+    assert capsys.readouterr().err == ""
+    lr_sweep.warn_if_slow(lr_sweep.FULL, lr_sweep.LRS)
+    err = capsys.readouterr().err
+    if jax.default_backend() == "cpu":
+        assert "3.5 PFLOP" in err and "5 h on a 2-core CPU" in err and "--quick" in err
+    else:
+        assert err == ""

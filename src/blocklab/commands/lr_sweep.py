@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -405,6 +406,30 @@ def protocol_of(args: argparse.Namespace) -> dict[str, int]:
     return p
 
 
+def study_flops(p: dict[str, int], lrs) -> float:
+    """Training FLOPs of the study: 2 models x len(lrs) rates x steps.
+
+    Per token, forward and backward: 6 x the matmul weights (about $12 d^2$ per
+    SwiGLU block) plus $12 T d$ per block for the attention scores and mixing.
+    """
+    d, L, T = p["num_hiddens"], p["num_blks"], p["seq_len"]
+    per_token = 6 * 12 * L * d * d + 12 * L * T * d
+    return 2.0 * len(lrs) * p["steps"] * p["batch_size"] * T * per_token
+
+
+def warn_if_slow(p: dict[str, int], lrs) -> None:
+    """On a CPU backend, say on stderr how long a large study will take."""
+    flops = study_flops(p, lrs)
+    hours = flops / 200e9 / 3600  # about what a 2-core CPU sustains on this model
+    if jax.default_backend() == "cpu" and hours > 0.5:
+        print(
+            f"lr-sweep: this protocol is {flops / 1e15:.1f} PFLOP of training, about "
+            f"{hours:.0f} h on a 2-core CPU at 200 GFLOP/s (minutes on a GPU); "
+            "--quick runs a reduced protocol in minutes.",
+            file=sys.stderr,
+        )
+
+
 def describe(p: dict[str, int], lrs) -> str:
     return (
         f"CharLM d = {p['num_hiddens']}, {p['num_blks']} blocks, "
@@ -420,6 +445,7 @@ def describe(p: dict[str, int], lrs) -> str:
 def run(args: argparse.Namespace) -> int:
     protocol = protocol_of(args)
     lrs = tuple(args.lrs) if args.lrs else LRS
+    warn_if_slow(protocol, lrs)
     result = run_study(
         protocol, lrs, seed=args.seed, progress=not (args.no_progress or args.json)
     )
@@ -440,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
 
 def report_section(out_dir: Path, *, quick: bool) -> str:
     protocol = dict(QUICK if quick else FULL)
+    warn_if_slow(protocol, LRS)
     result = run_study(protocol, progress=False)
     paths = plots(result, out_dir)
     s = result["sensitivity"]
