@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
+from tqdm.auto import tqdm
 
 from ..data import TimeMachine
 from ..models import CharLM
@@ -422,7 +423,7 @@ def warn_if_slow(p: dict[str, int], lrs) -> None:
     flops = study_flops(p, lrs)
     hours = flops / 200e9 / 3600  # about what a 2-core CPU sustains on this model
     if jax.default_backend() == "cpu" and hours > 0.5:
-        print(
+        tqdm.write(  # keeps any progress bar on stderr intact
             f"lr-sweep: this protocol is {flops / 1e15:.1f} PFLOP of training, about "
             f"{hours:.0f} h on a 2-core CPU at 200 GFLOP/s (minutes on a GPU); "
             "--quick runs a reduced protocol in minutes.",
