@@ -52,9 +52,10 @@ def linear(
     matrix product over a single row axis. A batch of sequences `(B, T, n)`
     left unflattened (as `jax.vmap` leaves it) contracts over two axes, and
     XLA:CPU then copies the activations into a transposed layout first,
-    fusing the activation's backward into that copy: that made a GELU
-    training step twice as slow as a SwiGLU one. Computes in the wider of
-    the two dtypes.
+    fusing the activation's backward into that copy: that made the chapter's
+    GELU training step 1.7x slower than its SwiGLU one on CPU (333 against
+    192 ms; both take about 115 ms flattened). Computes in the wider of the
+    two dtypes.
     """
     dtype = jnp.result_type(x.dtype, weight.dtype)
     y = x.reshape(-1, x.shape[-1]) @ weight.T.astype(dtype)
