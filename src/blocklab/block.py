@@ -30,6 +30,8 @@ class BlockTrace(NamedTuple):
         ffn_out: `(T, d)`, likewise for the FFN branch.
         attention: the attention's `AttentionTrace`, or `None` when a custom
             attention module has no `trace` method.
+
+    For a batch `(..., T, d)` every field gains the same leading axes.
     """
 
     output: Array
@@ -121,12 +123,8 @@ class TransformerBlock(eqx.Module):
                 f"got placement={placement!r}."
             )
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
-        self.norm, self.act, self.placement, self.dropout = (
-            norm,
-            act,
-            placement,
-            dropout,
-        )
+        self.norm, self.act = norm, act
+        self.placement, self.dropout = placement, dropout
         attn_key, ffn_key = jax.random.split(key)
 
         def new_norm():
