@@ -1,0 +1,148 @@
+"""Argument checks shared by every public constructor and function.
+
+One mechanism instead of per-call patches: each check names the owner (the
+class or function), the argument, the value received and what is valid, and
+raises `ValueError` (or `TypeError` for a wrong type). They run on Python
+values at construction or call time, never on traced arrays: value checks on
+arrays inside `jit` use `eqx.error_if`.
+
+The rules:
+
+- a flag is a Python `bool` (or `numpy.bool_`); `"no"`, `0` and `None` are not;
+- a count is an integer (Python or NumPy) that is not a `bool`;
+- a real number is an `int`/`float` or NumPy scalar (not `bool`) and finite;
+- NumPy integer and float scalars are accepted wherever a Python number is,
+  and are returned as Python numbers (so they can be static fields and pass
+  through `jit` as static configuration).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_float",
+    "check_choice",
+    "check_key",
+]
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    """Return `value` as a `bool`; refuse anything that is not a boolean."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{owner}: {name} must be a bool (True or False), got {value!r} "
+        f"of type {type(value).__name__}."
+    )
+
+
+def check_int(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    min: int | None = None,  # noqa: A002 - reads best at the call site
+    max: int | None = None,  # noqa: A002
+    optional: bool = False,
+) -> int | None:
+    """Return `value` as a Python `int` in `[min, max]`.
+
+    Booleans are refused (`True` is not a head count); NumPy integers are
+    accepted. With `optional=True`, `None` passes through.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner}: {name} must be an int, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    value = int(value)
+    if (min is not None and value < min) or (max is not None and value > max):
+        lo = "-inf" if min is None else str(min)
+        hi = "inf" if max is None else str(max)
+        raise ValueError(f"{owner}: {name} must lie in [{lo}, {hi}], got {value}.")
+    return value
+
+
+def check_float(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    min: float | None = None,  # noqa: A002
+    max: float | None = None,  # noqa: A002
+    min_open: bool = False,
+    max_open: bool = False,
+    optional: bool = False,
+) -> float | None:
+    """Return `value` as a finite Python `float` in the given interval.
+
+    `min_open` / `max_open` make that end of the interval strict (`> 0`
+    rather than `>= 0`). NaN and infinities are refused; booleans are refused.
+    With `optional=True`, `None` passes through.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: {name} must be a real number, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value}.")
+    below = min is not None and (value <= min if min_open else value < min)
+    above = max is not None and (value >= max if max_open else value > max)
+    if below or above:
+        lo = "-inf" if min is None else repr(float(min))
+        hi = "inf" if max is None else repr(float(max))
+        interval = f"{'(' if min_open else '['}{lo}, {hi}{')' if max_open else ']'}"
+        raise ValueError(f"{owner}: {name} must lie in {interval}, got {value}.")
+    return value
+
+
+def check_choice(owner: str, name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return `value` if it is one of `choices` (compared by equality and type)."""
+    choices = tuple(choices)
+    for choice in choices:
+        if type(value) is type(choice) and value == choice:
+            return value
+    raise ValueError(
+        f"{owner}: {name} must be one of {list(choices)}, got {name}={value!r}."
+    )
+
+
+def check_key(owner: str, name: str, key: Any) -> Any:
+    """Refuse a missing or non-key `key` argument with a message naming the fix.
+
+    Accepts typed keys (`jax.random.key`) and legacy uint32 `(2,)` keys
+    (`jax.random.PRNGKey`); tracers pass (their shape and dtype are checked).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    fix = f"pass {name}=jax.random.key(0) (or a subkey from jax.random.split)"
+    if key is None:
+        raise TypeError(f"{owner}: {name} is required; {fix}.")
+    if isinstance(key, (numbers.Number, np.generic)) or not hasattr(key, "dtype"):
+        raise TypeError(
+            f"{owner}: {name} must be a JAX PRNG key, got {key!r} of type "
+            f"{type(key).__name__}; {fix}."
+        )
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
+        return key
+    raise TypeError(
+        f"{owner}: {name} must be a JAX PRNG key, got an array of dtype "
+        f"{key.dtype} and shape {tuple(key.shape)}; {fix}."
+    )
