@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ConfigError",
     "check_bool",
     "check_int",
     "check_float",
@@ -34,11 +35,16 @@ __all__ = [
 ]
 
 
+class ConfigError(ValueError, TypeError):
+    """A bad argument: both a `ValueError` and a `TypeError`, so callers may
+    catch either (a wrong type and a wrong value are reported the same way)."""
+
+
 def check_bool(owner: str, name: str, value: Any) -> bool:
     """Return `value` as a `bool`; refuse anything that is not a boolean."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(
+    raise ConfigError(
         f"{owner}: {name} must be a bool (True or False), got {value!r} "
         f"of type {type(value).__name__}."
     )
@@ -61,7 +67,7 @@ def check_int(
     if value is None and optional:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
+        raise ConfigError(
             f"{owner}: {name} must be an int, got {value!r} of type "
             f"{type(value).__name__}."
         )
@@ -69,7 +75,7 @@ def check_int(
     if (min is not None and value < min) or (max is not None and value > max):
         lo = "-inf" if min is None else str(min)
         hi = "inf" if max is None else str(max)
-        raise ValueError(f"{owner}: {name} must lie in [{lo}, {hi}], got {value}.")
+        raise ConfigError(f"{owner}: {name} must lie in [{lo}, {hi}], got {value}.")
     return value
 
 
@@ -93,20 +99,20 @@ def check_float(
     if value is None and optional:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(
+        raise ConfigError(
             f"{owner}: {name} must be a real number, got {value!r} of type "
             f"{type(value).__name__}."
         )
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{owner}: {name} must be finite, got {value}.")
+        raise ConfigError(f"{owner}: {name} must be finite, got {value}.")
     below = min is not None and (value <= min if min_open else value < min)
     above = max is not None and (value >= max if max_open else value > max)
     if below or above:
         lo = "-inf" if min is None else repr(float(min))
         hi = "inf" if max is None else repr(float(max))
         interval = f"{'(' if min_open else '['}{lo}, {hi}{')' if max_open else ']'}"
-        raise ValueError(f"{owner}: {name} must lie in {interval}, got {value}.")
+        raise ConfigError(f"{owner}: {name} must lie in {interval}, got {value}.")
     return value
 
 
@@ -116,7 +122,7 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[Any]) -> A
     for choice in choices:
         if type(value) is type(choice) and value == choice:
             return value
-    raise ValueError(
+    raise ConfigError(
         f"{owner}: {name} must be one of {list(choices)}, got {name}={value!r}."
     )
 
@@ -132,9 +138,9 @@ def check_key(owner: str, name: str, key: Any) -> Any:
 
     fix = f"pass {name}=jax.random.key(0) (or a subkey from jax.random.split)"
     if key is None:
-        raise TypeError(f"{owner}: {name} is required; {fix}.")
+        raise ConfigError(f"{owner}: {name} is required; {fix}.")
     if isinstance(key, (numbers.Number, np.generic)) or not hasattr(key, "dtype"):
-        raise TypeError(
+        raise ConfigError(
             f"{owner}: {name} must be a JAX PRNG key, got {key!r} of type "
             f"{type(key).__name__}; {fix}."
         )
@@ -142,7 +148,7 @@ def check_key(owner: str, name: str, key: Any) -> Any:
         return key
     if key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
         return key
-    raise TypeError(
+    raise ConfigError(
         f"{owner}: {name} must be a JAX PRNG key, got an array of dtype "
         f"{key.dtype} and shape {tuple(key.shape)}; {fix}."
     )
