@@ -1,0 +1,88 @@
+"""Writes that never destroy an earlier file.
+
+Every file blocklab writes (checkpoints, reports, figures, JSON) goes through
+`atomic_path` or `atomic_write`: the new content is written to a temporary
+file in the destination's own directory, flushed and `fsync`ed, then renamed
+over the destination with `os.replace`, which is atomic on POSIX and Windows
+within one filesystem. A failure at any point (a full disk, an unserialisable
+value, an interrupt) leaves the old file exactly as it was and removes the
+temporary one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_path", "atomic_write", "check_writable"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it replaces `path`.
+
+    Use it for writers that want a file name (``fig.savefig(tmp)``,
+    ``np.save(tmp, ...)``). The temporary file keeps `path`'s suffix, so
+    format detection by extension still works. Parent folders are created.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{owner}: {path} is a directory, expected a file path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
+    )
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write(path: str | Path, data: bytes | str, *, owner: str = "write") -> Path:
+    """Write `data` (bytes, or text as UTF-8) to `path` atomically; returns the path."""
+    blob = data.encode() if isinstance(data, str) else bytes(data)
+    with atomic_path(path, owner=owner) as tmp:
+        tmp.write_bytes(blob)
+    return Path(path)
+
+
+def check_writable(path: str | Path, *, owner: str, name: str) -> Path:
+    """Fail now, not after hours of work, if `path` cannot be written later.
+
+    Checks that `path` is not a directory and that its nearest existing
+    ancestor is a writable directory (folders that do not exist yet will be
+    created). Raises `ValueError` naming the argument.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{owner}: {name}={str(path)!r} is a directory, not a file.")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{owner}: {name}={str(path)!r} cannot be written ({parent} is not a "
+            "writable folder)."
+        )
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Persist the rename itself (best effort: not every platform allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
