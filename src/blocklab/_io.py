@@ -30,7 +30,7 @@ def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
     """
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"{owner}: {path} is a directory, expected a file path.")
+        raise ValueError(f"{owner}: {path} is a directory, expected a file path.")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(
         prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
