@@ -1,5 +1,6 @@
 """Checkpoints: bit-exact round trips, stored configs, and clear errors."""
 
+import hashlib
 import json
 
 import equinox as eqx
@@ -46,8 +47,11 @@ def test_round_trip_is_bit_exact(model, tmp_path):
 
 def test_header_stores_the_hyperparameters(model, tmp_path):
     path = save(tmp_path / "lm.ckpt", model)
-    header = json.loads(path.read_bytes().split(b"\n")[1])
+    magic, checksum, line = path.read_bytes().split(b"\n")[:3]
+    assert magic == b"blocklab-checkpoint 2" and checksum.startswith(b"sha256 ")
+    header = json.loads(line)
     assert header["class"] == "CharLM"
+    assert set(header["dtypes"]) == {"float32"}
     assert header["config"] == dict(
         vocab_size=28,
         num_hiddens=16,
@@ -86,10 +90,12 @@ def test_truncated_file_is_refused(model, tmp_path):
 
 def test_weights_that_do_not_fit_the_stored_config(model, tmp_path):
     path = save(tmp_path / "lm.ckpt", model)
-    magic, header, payload = path.read_bytes().split(b"\n", 2)
+    magic, _, header, payload = path.read_bytes().split(b"\n", 3)
     meta = json.loads(header)
     meta["config"]["max_len"] = 9  # the stored position embedding has 8 rows
-    path.write_bytes(magic + b"\n" + json.dumps(meta).encode() + b"\n" + payload)
+    body = json.dumps(meta).encode() + b"\n" + payload
+    digest = hashlib.sha256(body).hexdigest().encode()
+    path.write_bytes(magic + b"\nsha256 " + digest + b"\n" + body)
     with pytest.raises(ValueError, match="do not fit a CharLM"):
         load(path)
 
@@ -118,3 +124,89 @@ def test_unsupported_models_are_refused(tmp_path):
     )
     with pytest.raises(TypeError, match="cannot be stored as JSON"):
         save(tmp_path / "f.ckpt", lm)
+
+
+def _cast(model, dtype):
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float64])
+def test_low_and_high_precision_round_trips_keep_dtypes(model, tmp_path, dtype):
+    """bf16 is stored by NumPy as raw 2-byte records: the header's dtypes restore it."""
+    # values that float32 could not hold exactly in float64, nor bf16 in fp16
+    cast = _cast(model, dtype)
+    cast = eqx.tree_at(
+        lambda m: m.norm.weight,
+        cast,
+        jnp.asarray(1 + np.arange(16) * 1e-12 + np.arange(16) * 2.0**-7, dtype),
+    )
+    loaded = load(save(tmp_path / "lm.ckpt", cast))
+    leaves = jax.tree_util.tree_leaves(cast)
+    loaded_leaves = jax.tree_util.tree_leaves(loaded)
+    assert len(leaves) == len(loaded_leaves)
+    for a, b in zip(leaves, loaded_leaves, strict=True):
+        assert b.dtype == a.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+        )
+
+
+def _v1_file(model, path):
+    """A checkpoint as version 1 wrote it: no checksum line, no dtypes."""
+    import io
+
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, model)
+    payload = buf.getvalue()
+    header = {"class": "CharLM", "config": model.config(), "nbytes": len(payload)}
+    path.write_bytes(
+        b"blocklab-checkpoint 1\n" + json.dumps(header).encode() + b"\n" + payload
+    )
+    return path
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_version_1_files_still_load(model, tmp_path, dtype):
+    old = _cast(model, dtype)
+    loaded = load(_v1_file(old, tmp_path / "v1.ckpt"))
+    for a, b in zip(
+        jax.tree_util.tree_leaves(old), jax.tree_util.tree_leaves(loaded), strict=True
+    ):
+        assert b.dtype == a.dtype
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32)
+        )
+
+
+def test_every_flipped_bit_is_refused(model, tmp_path):
+    """A bit flipped anywhere (checksum line, header or weights) fails `load`."""
+    path = save(tmp_path / "lm.ckpt", model)
+    blob = path.read_bytes()
+    start = len(b"blocklab-checkpoint 2\n")
+    header_at = blob.index(b"\n", start) + 1
+    payload_at = blob.index(b"\n", header_at) + 1
+    rng = np.random.default_rng(0)
+    positions = [start + 10, header_at + 3, payload_at + 200, len(blob) - 1]
+    positions += list(rng.integers(start, len(blob), 40))
+    for pos in positions:
+        bad = bytearray(blob)
+        bad[pos] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match="corrupted|not a blocklab"):
+            load(path)
+    path.write_bytes(blob)
+    assert load(path).config() == model.config()
+
+
+def test_unsupported_version_is_named(model, tmp_path):
+    path = save(tmp_path / "lm.ckpt", model)
+    path.write_bytes(path.read_bytes().replace(b"checkpoint 2", b"checkpoint 7", 1))
+    with pytest.raises(ValueError, match="unsupported version '7'.*versions 1 to 2"):
+        load(path)
+
+
+def test_load_on_a_directory_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="is a directory; pass the checkpoint file"):
+        load(tmp_path)
