@@ -29,7 +29,7 @@ def stubbed(monkeypatch):
 
 def test_json_is_a_list_of_rows_with_the_documented_keys(stubbed, capsys):
     assert cli.main(["check", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert isinstance(rows, list) and rows
     for row in rows:
         assert set(row) == set(check.KEYS)

@@ -767,7 +767,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = args.seeds if args.seeds is not None else 8 if args.full else 4
     rows = check_rows(seeds=seeds, quick=not args.full)
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"rows": rows}))
     else:
         print(table(rows))
     return 0
