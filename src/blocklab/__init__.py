@@ -12,6 +12,7 @@ from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
 from .checkpoint import load, save
 from .data import TimeMachine
+from .decoder import DecoderConfig, DecoderLM
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .functional import (
     attention_entropy,
@@ -27,6 +28,11 @@ from .functional import (
 )
 from .identities import Identity
 from .inplace import layer_norm_, rms_norm_
+from .interop import (
+    from_huggingface,
+    load_huggingface_state_dict,
+    to_huggingface_state_dict,
+)
 from .models import CharLM, Stack, generate
 from .norms import NORMS, LayerNorm, RMSNorm
 from .porting import load_state_dict, state_dict
@@ -65,6 +71,11 @@ __all__ = [
     "AttentionTrace",
     "BlockTrace",
     "CharLM",
+    "DecoderConfig",
+    "DecoderLM",
+    "from_huggingface",
+    "load_huggingface_state_dict",
+    "to_huggingface_state_dict",
     "FeedForward",
     "GATED_ACTS",
     "LayerNorm",
