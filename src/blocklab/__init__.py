@@ -34,6 +34,15 @@ from .interop import (
     to_huggingface_state_dict,
 )
 from .models import CharLM, Stack, generate
+from .moe import (
+    MoEFeedForward,
+    MoEStats,
+    MoETrace,
+    load_balancing_loss,
+    moe_forward,
+    moe_loss,
+    stack_moe_stats,
+)
 from .norms import NORMS, LayerNorm, RMSNorm
 from .porting import load_state_dict, state_dict
 from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
@@ -80,6 +89,13 @@ __all__ = [
     "GATED_ACTS",
     "LayerNorm",
     "MultiHeadAttention",
+    "MoEFeedForward",
+    "MoEStats",
+    "MoETrace",
+    "load_balancing_loss",
+    "moe_forward",
+    "moe_loss",
+    "stack_moe_stats",
     "NORMS",
     "PLACEMENTS",
     "RMSNorm",
