@@ -172,7 +172,7 @@ def test_norm_sizes_and_init_arguments():
     ):
         bl.RMSNorm(0)
     with pytest.raises(
-        ValueError, match=r"std must be a non-negative number, got std=-0.02"
+        ValueError, match=r"init.normal: std must lie in \[0.0, inf\], got -0.02"
     ):
         init.normal(bl.RMSNorm(4), -0.02, key=KEY)
     with pytest.raises(

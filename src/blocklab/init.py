@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from ._validate import check_bool, check_float, check_int, check_key
+
 __all__ = ["linear", "xavier_uniform", "normal", "scale", "weights"]
 
 _lecun = jax.nn.initializers.lecun_normal(in_axis=-1, out_axis=-2)
@@ -30,6 +32,10 @@ def linear(
     rescaled so that its variance is exactly $1/\\text{in\\_features}$ (Flax's
     `lecun_normal`); the bias, when present, is zero.
     """
+    in_features = check_int("init.linear", "in_features", in_features, min=1)
+    out_features = check_int("init.linear", "out_features", out_features, min=1)
+    bias = check_bool("init.linear", "bias", bias)
+    key = check_key("init.linear", "key", key)
     layer = eqx.nn.Linear(in_features, out_features, use_bias=bias, key=key)
     w = _lecun(key, (out_features, in_features), jnp.float32)
     layer = eqx.tree_at(lambda m: m.weight, layer, w)
@@ -69,6 +75,7 @@ def xavier_uniform(model, *, key: PRNGKeyArray):
     so that $\mathrm{Var}\,W_{ij} = 2 / (\text{fan\_in} + \text{fan\_out})$.
     Each weight gets its own subkey of `key`.
     """
+    key = check_key("init.xavier_uniform", "key", key)
     keys = jax.random.split(key, max(len(weights(model)), 1))
 
     def draw(i, w):
@@ -81,8 +88,8 @@ def xavier_uniform(model, *, key: PRNGKeyArray):
 
 def normal(model, std: float, *, key: PRNGKeyArray):
     r"""$W_{ij} \sim \mathcal N(0, \text{std}^2)$ on every weight (GPT-1 used 0.02)."""
-    if not std >= 0:
-        raise ValueError(f"std must be a non-negative number, got std={std!r}.")
+    std = check_float("init.normal", "std", std, min=0.0)
+    key = check_key("init.normal", "key", key)
     keys = jax.random.split(key, max(len(weights(model)), 1))
     return _replace(
         model, lambda i, w: std * jax.random.normal(keys[i], w.shape, jnp.float32)
@@ -90,5 +97,9 @@ def normal(model, std: float, *, key: PRNGKeyArray):
 
 
 def scale(model, alpha: float):
-    r"""Multiply every weight by `alpha`: $W \mapsto \alpha W$ (biases, gains stay)."""
+    r"""Multiply every weight by `alpha`: $W \mapsto \alpha W$ (biases, gains stay).
+
+    `alpha` is a finite real number (NaN and infinities are refused).
+    """
+    alpha = check_float("init.scale", "alpha", alpha)
     return _replace(model, lambda i, w: alpha * w)

@@ -8,8 +8,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from ._validate import ConfigError, check_bool, check_float, check_int, check_key
 from .block import TransformerBlock
 from .functional import linear
 from .norms import RMSNorm
@@ -59,16 +61,25 @@ class Stack(eqx.Module):
             for all N (no loop) and `False` for 1.
         key: PRNG key; block k is built from the k-th of `num_blks` subkeys.
         """
-        if not isinstance(num_blks, int) or num_blks < 1:
-            raise ValueError(
+        key = check_key("Stack", "key", key)
+        if (
+            isinstance(num_blks, (bool, np.bool_))
+            or not isinstance(num_blks, (int, np.integer))
+            or num_blks < 1
+        ):
+            raise ConfigError(
                 f"Stack: num_blks must be a positive int, got {num_blks!r}."
             )
-        if not isinstance(unroll, (bool, int)) or (
-            not isinstance(unroll, bool) and unroll < 1
+        num_blks = int(num_blks)
+        remat = check_bool("Stack", "remat", remat)
+        if not isinstance(unroll, (bool, np.bool_, int, np.integer)) or (
+            not isinstance(unroll, (bool, np.bool_)) and unroll < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"Stack: unroll must be a positive int or a bool, got {unroll!r}."
             )
+        unroll = bool(unroll) if isinstance(unroll, np.bool_) else unroll
+        unroll = int(unroll) if isinstance(unroll, np.integer) else unroll
         self.num_blks, self.remat, self.unroll = num_blks, remat, unroll
         # One compiled program for all N initializations: much faster to build
         # than dispatching every random draw of every block eagerly.
@@ -137,6 +148,15 @@ class Stack(eqx.Module):
         subkey per block.
         """
         return self.scan(x, valid_lens, key=key)[0]
+
+
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar (or 0-d NumPy array) as the Python number it holds."""
+    if isinstance(value, np.generic) or (
+        isinstance(value, np.ndarray) and value.ndim == 0
+    ):
+        return value.item()
+    return value
 
 
 @eqx.filter_jit
@@ -223,22 +243,37 @@ class CharLM(eqx.Module):
         **block_options: further `TransformerBlock` options (`norm`,
             `placement`, `bias`, `qk_norm`, `dropout`, factories).
         """
-        for name, value in (("vocab_size", vocab_size), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"CharLM: {name} must be a positive int, got {value!r}."
-                )
+        key = check_key("CharLM", "key", key)
+        vocab_size, num_hiddens, num_heads, num_blks, max_len = (
+            check_int("CharLM", name, value, min=1)
+            for name, value in (
+                ("vocab_size", vocab_size),
+                ("num_hiddens", num_hiddens),
+                ("num_heads", num_heads),
+                ("num_blks", num_blks),
+                ("max_len", max_len),
+            )
+        )
+        remat = check_bool("CharLM", "remat", remat)
+        if unroll is not None and not isinstance(unroll, (bool, np.bool_)):
+            unroll = check_int("CharLM", "unroll", unroll, min=1)
+        elif unroll is not None:
+            unroll = bool(unroll)
         self.vocab_size, self.num_hiddens = vocab_size, num_hiddens
         self.num_heads, self.num_blks = num_heads, num_blks
-        self.act, self.max_len = act, max_len
-        self.block_options = tuple(sorted(block_options.items()))
+        self.act, self.max_len = _python_scalar(act), max_len
+        # Options are static configuration: NumPy scalars become Python numbers
+        # here, or they would be traced by the jitted builder below.
+        self.block_options = tuple(
+            sorted((k, _python_scalar(v)) for k, v in block_options.items())
+        )
         self.token_emb, self.pos_emb, self.stack = _build_charlm(
             key,
             vocab_size,
             num_hiddens,
             num_heads,
             num_blks,
-            act,
+            self.act,
             max_len,
             remat,
             min(num_blks, 4) if unroll is None else unroll,
@@ -277,22 +312,46 @@ class CharLM(eqx.Module):
             `tokens[..., i]`.
 
         Raises:
-            ValueError: `tokens` is a scalar or longer than `max_len`.
-            EquinoxRuntimeError (also under `jit`): a token id is outside the
-                vocabulary.
+            ValueError: `tokens` is a scalar, longer than `max_len` or not of
+                an integer dtype; or, when the ids are concrete (not traced),
+                an id outside `[0, vocab_size)`, named with its position.
+            EquinoxRuntimeError: under `eqx.filter_jit`, an id outside the
+                vocabulary. Under plain `jax.jit` JAX reports the same check
+                as a `jax.errors.JaxRuntimeError` whose message contains this
+                text (JAX wraps every error raised at run time that way; wrap
+                the program in `eqx.filter_jit` to get the short form).
         """
         tokens = jnp.asarray(tokens)
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"CharLM: tokens must be integer token ids, got dtype "
+                f"{tokens.dtype}; encode text with blocklab.data.encode "
+                "(floats and bools are refused, not truncated)."
+            )
         if tokens.ndim < 1 or not 1 <= tokens.shape[-1] <= self.max_len:
             raise ValueError(
                 f"CharLM takes sequences (T,) or batches (..., T) of 1 to "
                 f"max_len={self.max_len} token ids, got "
                 f"tokens.shape={tuple(tokens.shape)}; split longer sequences."
             )
-        tokens = eqx.error_if(
-            tokens,
-            (tokens < 0) | (tokens >= self.vocab_size),
-            f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}).",
-        )
+        outside = (tokens < 0) | (tokens >= self.vocab_size)
+        if not isinstance(tokens, jax.core.Tracer):
+            if bool(jnp.any(outside)):
+                where = tuple(int(i) for i in np.argwhere(np.asarray(outside))[0])
+                raise ValueError(
+                    f"CharLM: token ids must lie in [0, vocab_size="
+                    f"{self.vocab_size}), got tokens{list(where)}="
+                    f"{int(tokens[where])}; the model was built for "
+                    f"{self.vocab_size} symbols."
+                )
+        else:
+            tokens = eqx.error_if(
+                tokens,
+                outside,
+                f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}); "
+                "a token id outside it was given (check the vocabulary the ids "
+                "were encoded with).",
+            )
         T = tokens.shape[-1]
         h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
         h = self.stack(h, jnp.arange(1, T + 1), key=key)
@@ -317,13 +376,35 @@ def generate(
 
     Returns:
         The preprocessed prompt followed by the sampled characters.
-    """
-    from .data import decode, encode, preprocess
 
-    if not isinstance(num_chars, int) or num_chars < 0:
-        raise ValueError(f"generate: num_chars must be an int >= 0, got {num_chars!r}.")
-    if not temperature > 0:
-        raise ValueError(f"generate: temperature must be > 0, got {temperature!r}.")
+    Raises:
+        ValueError: `model` is not a `CharLM` over the 28 symbols of
+            `blocklab.data.VOCAB`; `num_chars` is not an int >= 0;
+            `temperature` is not a finite number > 0; `prompt` is not a
+            string or is empty after preprocessing; `key` is not a PRNG key.
+    """
+    from .data import VOCAB, decode, encode, preprocess
+
+    if not isinstance(model, CharLM):
+        raise ConfigError(
+            f"generate: model must be a CharLM, got {type(model).__name__}."
+        )
+    if model.vocab_size != len(VOCAB):
+        raise ConfigError(
+            f"generate: the model's vocabulary has vocab_size={model.vocab_size} "
+            f"symbols, but generate encodes text with the {len(VOCAB)} symbols of "
+            "blocklab.data.VOCAB; build the model with "
+            f"CharLM(vocab_size={len(VOCAB)}, ...) or sample its ids yourself."
+        )
+    num_chars = check_int("generate", "num_chars", num_chars, min=0)
+    temperature = check_float(
+        "generate", "temperature", temperature, min=0.0, min_open=True
+    )
+    key = check_key("generate", "key", key)
+    if not isinstance(prompt, str):
+        raise ConfigError(
+            f"generate: prompt must be a str, got {type(prompt).__name__}."
+        )
     text = preprocess(prompt)
     if not text:
         raise ValueError("generate: prompt must contain at least one character.")

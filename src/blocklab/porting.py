@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._validate import ConfigError
 from .models import Stack
 
 __all__ = ["state_dict", "load_state_dict"]
@@ -42,6 +43,22 @@ def _is_param(leaf) -> bool:
         and dtype is not None
         and jnp.issubdtype(dtype, jnp.inexact)
     )
+
+
+def _as_numpy(name: str, value: Any) -> np.ndarray:
+    """A state-dict entry (NumPy, JAX, or a CPU PyTorch tensor) as a NumPy array."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+            return np.asarray(value.float().numpy()).astype(jnp.bfloat16)
+        value = value.numpy()
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"load_state_dict: key {name!r} is not an array ({type(value).__name__}:"
+            f" {err})."
+        ) from None
 
 
 def _key_name(entry) -> str:
@@ -144,8 +161,10 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         A new module of the same structure; `module` is unchanged.
 
     Raises:
-        ValueError: naming every missing key and every unexpected key, or a
-            key whose array has the wrong shape (with both shapes).
+        ValueError: naming every missing key and every unexpected key, a
+            key whose array has the wrong shape (with both shapes), or a key
+            whose array is not real floating point (integer, bool and complex
+            arrays are refused rather than cast) or holds NaN or infinities.
     """
     expected = _shapes(module)
     missing = [k for k in expected if k not in state_dict]
@@ -161,21 +180,58 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
             f"{type(module).__name__}: {'; '.join(problems)}. The module's keys "
             f"are {list(expected)}."
         )
+    if dtype is not None:
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ConfigError(
+                "load_state_dict: dtype must be a floating-point dtype (e.g. "
+                "jnp.float32, jnp.bfloat16) or None to keep each parameter's "
+                "dtype."
+            )
+    arrays = {}
     for name, shape in expected.items():
-        got = tuple(np.shape(state_dict[name]))
+        value = _as_numpy(name, state_dict[name])
+        got = tuple(value.shape)
         if got != shape:
             raise ValueError(
                 f"load_state_dict: shape mismatch for key {name!r}: the state "
                 f"dict has shape {got}, the module expects shape {shape} "
                 "(weights are (out_features, in_features), as in PyTorch)."
             )
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(
+                f"load_state_dict: key {name!r} holds an array of dtype "
+                f"{value.dtype}; parameters must be real floating point (an "
+                "integer, bool or complex array is refused, not cast). Convert "
+                "it with .astype(np.float32) if that is what you mean."
+            )
+        bad = ~np.isfinite(value.astype(np.float64))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"load_state_dict: key {name!r} holds {int(bad.sum())} non-finite "
+                f"value(s) (first: {value[where]!r} at index {list(where)}); "
+                "refusing to load NaN or infinite weights."
+            )
+        arrays[name] = value
+
+    def cast(name, target):
+        out = jnp.asarray(arrays[name], target)
+        if not bool(jnp.all(jnp.isfinite(out))):
+            raise ValueError(
+                f"load_state_dict: key {name!r} overflows {jnp.dtype(target)} "
+                f"(its largest magnitude is {np.abs(arrays[name]).max()!r}); "
+                "pass a wider dtype= or rescale the weights."
+            )
+        return out
 
     def take(names, leaf):
         target = leaf.dtype if dtype is None else dtype
         if isinstance(names, str):
-            return jnp.asarray(np.asarray(state_dict[names]), target)
-        return jnp.stack(
-            [jnp.asarray(np.asarray(state_dict[n]), target) for n in names]
-        )
+            return cast(names, target)
+        return jnp.stack([cast(n, target) for n in names])
 
     return _walk(module, take)
