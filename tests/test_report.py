@@ -1,4 +1,5 @@
-"""`blocklab report`: sections in order, written as they finish, kept on failure."""
+"""`blocklab report`: sections in order, written as they finish, kept on failure,
+sized to the machine (reduced on a CPU, full with --full or on an accelerator)."""
 
 import contextlib
 import importlib
@@ -7,22 +8,39 @@ import json
 
 import pytest
 
+from blocklab import report
 from blocklab.cli import main
-from blocklab.commands import COMMANDS
+from blocklab.commands import REPORT_SECTIONS
 from blocklab.report import write_report
 
 
 @pytest.fixture
 def stub_sections(monkeypatch):
-    """Replace every section by a marker; returns the list of sections called."""
+    """Replace every section by a marker; returns the list of calls (name, kwargs).
+
+    The lr_sweep stub takes `full`, the others only `quick`, as the interface
+    allows; lr_sweep also has an estimate."""
     called = []
-    for name in COMMANDS:
+    for name in REPORT_SECTIONS:
         module = importlib.import_module(f"blocklab.commands.{name}")
+        if name == "lr_sweep":
 
-        def section(out_dir, *, quick, _name=name):
-            called.append((_name, quick))
-            return f"## {_name} section\n\nbody of {_name}\n"
+            def section(out_dir, *, quick, full, _name=name):
+                called.append((_name, {"quick": quick, "full": full}))
+                return f"## {_name} section\n\nbody of {_name}\n"
 
+            monkeypatch.setattr(
+                module, "report_estimate", lambda *, quick, full: 600.0, raising=False
+            )
+        else:
+
+            def section(out_dir, *, quick, _name=name):
+                called.append((_name, {"quick": quick}))
+                return f"## {_name} section\n\nbody of {_name}\n"
+
+            monkeypatch.setattr(
+                module, "report_estimate", lambda *, quick: 1.0, raising=False
+            )
         monkeypatch.setattr(module, "report_section", section)
     return called
 
@@ -32,17 +50,61 @@ def test_every_section_in_order_with_its_time(stub_sections, tmp_path):
     text = path.read_text()
     assert path == tmp_path / "out" / "report.md"
     assert text.startswith("# blocklab report\n") and "(quick mode" in text
-    assert stub_sections == [(name, True) for name in COMMANDS]
-    positions = [text.index(f"## {name} section") for name in COMMANDS]
+    assert [n for n, _ in stub_sections] == list(REPORT_SECTIONS)
+    assert all(kw["quick"] for _, kw in stub_sections)
+    positions = [text.index(f"## {name} section") for name in REPORT_SECTIONS]
     assert positions == sorted(positions)
-    for name in COMMANDS:
+    for name in REPORT_SECTIONS:
         assert f"_({name}: " in text
+    assert "in progress" not in text  # the finished report has no progress note
 
 
 def test_only_runs_the_named_sections(stub_sections, tmp_path):
-    text = write_report(tmp_path, only=["signal", "census"]).read_text()
+    text = write_report(tmp_path, only=["signal", "census"], full=False).read_text()
     assert [n for n, _ in stub_sections] == ["census", "signal"]  # report order
     assert "## train section" not in text and "(quick mode" not in text
+
+
+def test_on_a_cpu_the_long_section_is_reduced_and_full_is_said(
+    stub_sections, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(report, "on_accelerator", lambda: False)
+    text = write_report(tmp_path, only=["lr_sweep"]).read_text()
+    assert stub_sections == [("lr_sweep", {"quick": False, "full": False})]
+    assert "`blocklab report --full`" in text
+
+
+def test_on_an_accelerator_or_with_full_every_section_is_full(
+    stub_sections, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(report, "on_accelerator", lambda: True)
+    write_report(tmp_path, only=["lr_sweep"])
+    monkeypatch.setattr(report, "on_accelerator", lambda: False)
+    text = write_report(tmp_path, only=["lr_sweep", "census"], full=True).read_text()
+    assert stub_sections == [
+        ("lr_sweep", {"quick": False, "full": True}),
+        ("census", {"quick": False}),
+        ("lr_sweep", {"quick": False, "full": True}),
+    ]
+    assert "(full protocol)" in text
+
+
+def test_cli_full_flag_and_estimates(stub_sections, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "on_accelerator", lambda: False)
+    assert main(["report", "--out", str(tmp_path), "--full"]) == 0
+    assert stub_sections[-1] == ("lr_sweep", {"quick": False, "full": True})
+    err = capsys.readouterr().err
+    # 5 sections of 1 s and one of 600 s: 605 s is 10 min; the long one is named
+    assert "about 10 min on 2 CPU cores" in err
+    assert "lr_sweep: about 10 min" in err
+    assert "census: about" not in err  # short sections get no line of their own
+
+
+def test_quick_and_full_exclude_each_other(tmp_path, capsys):
+    assert main(["report", "--out", str(tmp_path), "--quick", "--full", "--json"]) == 2
+    assert "error" in json.loads(capsys.readouterr().out)
+    with pytest.raises(ValueError, match="exclude"):
+        write_report(tmp_path, quick=True, full=True)
 
 
 def test_a_failing_section_keeps_the_finished_ones(
@@ -57,9 +119,30 @@ def test_a_failing_section_keeps_the_finished_ones(
     with pytest.raises(RuntimeError, match="section failed"):
         write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
-    before = COMMANDS[: COMMANDS.index("train")]
+    before = REPORT_SECTIONS[: REPORT_SECTIONS.index("train")]
     assert before and all(f"body of {name}" in text for name in before)
     assert "## signal section" not in text
+    assert "in progress: 4 more sections to come" in text
+
+
+def test_an_earlier_report_survives_until_a_section_finishes(
+    stub_sections, monkeypatch, tmp_path
+):
+    old = "# blocklab report\n\nan earlier, complete report\n"
+    (tmp_path / "report.md").write_text(old)
+
+    def interrupted(out_dir, *, quick):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(
+        importlib.import_module("blocklab.commands.census"),
+        "report_section",
+        interrupted,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        write_report(tmp_path)
+    assert (tmp_path / "report.md").read_text() == old  # never a bare header
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]  # no temp files
 
 
 def test_cli_writes_a_real_census_section_and_json(tmp_path):

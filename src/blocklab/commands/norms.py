@@ -1,50 +1,20 @@
 """`blocklab norms`: time the normalizers against their peers and X -> 2X (ex. 9).
 
-Every implementation is jitted and timed twice on the same X:
-
-- *fresh*: as usually called, each call returns a new output buffer;
-- *donated*: the input is donated (`donate_argnums=0`) and a fresh copy of X
-  is made (untimed) before every call. For blocklab this is the in-place
-  `rms_norm_` / `layer_norm_`; for the peers it is their jitted call with
-  `donate_argnums=0`.
-
-Achieved bandwidth counts one read and one write of X per call (the least
-any normalizer must move). Candidates are timed round-robin (one call of each
-per round) so a noisy shared machine slows them alike; the median and the best
-of the rounds are reported.
+The study is `blocklab.experiments.norms.run_norms` (its docstring explains
+the fresh and donated modes and how bandwidth is counted).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-from collections.abc import Callable
 from pathlib import Path
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import numpy as np
-from tqdm.auto import tqdm
-
-from ..functional import layer_norm, rms_norm
-from ..inplace import layer_norm_, rms_norm_
-from ..theory import achieved_bandwidth, norm_cost, passes_over_x
-from ..timing import time_call
+from .._validate import check_int
+from ..experiments import norms as study
+from ..experiments._render import dumps
 
 NAME = "norms"
 HELP = "time rms_norm / layer_norm (fresh and donated) vs Equinox, Flax NNX and X -> 2X"
-
-#: The chapter's X (section 11.1.2.3).
-DEFAULT_SHAPE = (64, 512, 1024)
-EPS = 1e-6
-#: The report's (shape, rounds): the chapter's X, or half of it under --quick.
-REPORT_RUNS = {False: (DEFAULT_SHAPE, 10), True: ((32, 512, 1024), 5)}
-#: Row label of the reference map.
-TWO_X = "X -> 2X"
-#: Rows that are ours, and the peers' rows they are compared with.
-OURS = {"blocklab rms_norm": "rms", "blocklab layer_norm": "layer"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape",
         type=int,
         nargs="+",
-        default=list(DEFAULT_SHAPE),
+        default=list(study.DEFAULT_SHAPE),
         metavar="N",
         help="shape of X, features last (default 64 512 1024)",
     )
@@ -60,283 +30,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reps",
         type=int,
         default=20,
-        help="timed rounds (median and best are reported)",
+        help="timed rounds, at least 1 (median and best are reported)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="a seed >= 0")
 
 
-def _over_leading_axes(fn: Callable, ndim: int) -> Callable:
-    """Equinox modules act on one feature vector: vmap them over every leading axis."""
-    for _ in range(ndim - 1):
-        fn = jax.vmap(fn)
-    return fn
-
-
-def _nnx_peers(weight, bias, d: int) -> dict[str, Callable]:
-    """Flax NNX's RMSNorm / LayerNorm with our gains, or nothing when flax is absent."""
-    try:
-        from flax import nnx
-    except ImportError:
-        return {}
-    rms = nnx.RMSNorm(d, epsilon=EPS, rngs=nnx.Rngs(0))
-    rms.scale[...] = weight
-    ln = nnx.LayerNorm(d, epsilon=EPS, rngs=nnx.Rngs(0))
-    ln.scale[...] = weight
-    ln.bias[...] = bias
-    peers = {}
-    for label, module in (("nnx RMSNorm", rms), ("nnx LayerNorm", ln)):
-        graph, state = nnx.split(module)
-        peers[label] = lambda x, g=graph, s=state: nnx.merge(g, s)(x)
-    return peers
-
-
-def implementations(d: int, ndim: int, *, key) -> dict[str, tuple[Callable, Callable]]:
-    """Label -> (fresh, donated) jitted callables of one array X with `ndim` axes.
-
-    Gains and shifts are random (not 1 and 0) and shared by every
-    implementation, so the deviations compare the same function.
-    """
-    kw, kb = jax.random.split(key)
-    weight = 1 + 0.1 * jax.random.normal(kw, (d,), jnp.float32)
-    bias = 0.1 * jax.random.normal(kb, (d,), jnp.float32)
-    eqx_rms = eqx.nn.RMSNorm(d, eps=EPS)
-    eqx_rms = eqx.tree_at(lambda m: m.weight, eqx_rms, weight)
-    eqx_ln = eqx.nn.LayerNorm(d, eps=EPS)
-    eqx_ln = eqx.tree_at(lambda m: (m.weight, m.bias), eqx_ln, (weight, bias))
-    plain = {
-        "blocklab rms_norm": lambda x: rms_norm(x, weight, EPS),
-        "blocklab layer_norm": lambda x: layer_norm(x, weight, bias, EPS),
-        "eqx RMSNorm": _over_leading_axes(eqx_rms, ndim),
-        "eqx LayerNorm": _over_leading_axes(eqx_ln, ndim),
-        **_nnx_peers(weight, bias, d),
-        TWO_X: lambda x: 2 * x,
-    }
-    impls = {
-        label: (jax.jit(f), jax.jit(f, donate_argnums=0)) for label, f in plain.items()
-    }
-    impls["blocklab rms_norm"] = (
-        impls["blocklab rms_norm"][0],
-        lambda x: rms_norm_(x, weight, EPS),
-    )
-    impls["blocklab layer_norm"] = (
-        impls["blocklab layer_norm"][0],
-        lambda x: layer_norm_(x, weight, bias, EPS),
-    )
-    # A plain jit with donation, to show why the in-place loop exists.
-    impls["rms_norm, jit donate only"] = (
-        None,
-        jax.jit(plain["blocklab rms_norm"], donate_argnums=0),
-    )
-    return impls
-
-
-def _max_deviations(impls, x) -> dict[str, float]:
-    """Max |ours - peer| on x, per peer, plus ours in place vs ours fresh."""
-    out = {}
-    for ours, kind in OURS.items():
-        ref = np.asarray(impls[ours][0](x))
-        inplace = np.asarray(impls[ours][1](jnp.array(x, copy=True)))
-        out[f"{ours}_ vs {ours}"] = float(np.max(np.abs(inplace - ref)))
-        for label in impls:
-            is_peer = label.startswith(("eqx", "nnx"))
-            if is_peer and ("RMS" in label) == (kind == "rms"):
-                peer = np.asarray(impls[label][0](x))
-                out[f"{ours} vs {label}"] = float(np.max(np.abs(peer - ref)))
-    return out
-
-
-def benchmark(
-    shape=DEFAULT_SHAPE, *, reps: int = 20, seed: int = 0, progress: bool = True
-) -> dict:
-    """Time every implementation fresh and donated on float32 X of `shape`.
-
-    Returns a JSON-ready dict: `shape`, `reps`, `bytes_x`, `rows` (label ->
-    `fresh_ms`, `fresh_best_ms`, `fresh_gbps`, `fresh_passes`, and the same
-    for `donated`; `None` where a mode does not apply), `max_deviation`,
-    `cost` (ex. 9a: minimal bytes and flops per element of each norm) and
-    `ratios` (the issue's targets: ours donated vs donated 2X, ours vs the
-    fastest peer in each mode; bandwidth ratios, higher is better).
-    """
-    shape = tuple(int(s) for s in shape)
-    kx, kp = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, shape, jnp.float32)
-    impls = implementations(shape[-1], len(shape), key=kp)
-    deviation = _max_deviations(impls, x)
-
-    def fresh_copy():
-        return (jnp.array(x, copy=True),)
-
-    candidates = []
-    for label, (fresh, donated) in impls.items():
-        if fresh is not None:
-            candidates.append((label, "fresh", fresh, {}))
-        candidates.append((label, "donated", donated, {"make_args": fresh_copy}))
-    for _, _, fn, kw in candidates:  # compile and warm up
-        time_call(fn, x, reps=1, warmup=1, **kw)
-    times = {(label, mode): [] for label, mode, _, _ in candidates}
-    rounds = tqdm(range(reps), desc="norms", unit="round", disable=not progress)
-    for _ in rounds:
-        for label, mode, fn, kw in candidates:
-            times[label, mode].append(time_call(fn, x, reps=1, warmup=0, **kw).median)
-
-    nbytes = x.nbytes
-    ref_bw = {
-        mode: achieved_bandwidth(2 * nbytes, float(np.median(times[TWO_X, mode])))
-        for mode in ("fresh", "donated")
-    }
-    rows = {}
-    for label in impls:
-        row = {}
-        for mode in ("fresh", "donated"):
-            t = times.get((label, mode))
-            if not t:
-                row.update(
-                    {
-                        f"{mode}_ms": None,
-                        f"{mode}_best_ms": None,
-                        f"{mode}_gbps": None,
-                        f"{mode}_passes": None,
-                    }
-                )
-                continue
-            med = float(np.median(t))
-            row[f"{mode}_ms"] = 1e3 * med
-            row[f"{mode}_best_ms"] = 1e3 * min(t)
-            row[f"{mode}_gbps"] = achieved_bandwidth(2 * nbytes, med) / 1e9
-            # Read+write sweeps of X at the speed of 2X in the same mode (2X = 1).
-            row[f"{mode}_passes"] = passes_over_x(med, ref_bw[mode], 2 * nbytes)
-        rows[label] = row
-
-    cost = {
-        kind: {
-            "bytes": c.bytes_moved,
-            "flops_per_element": c.flops_per_element,
-            "flops_per_byte": c.intensity,
-        }
-        for kind in ("rms", "layer")
-        for c in [norm_cost(shape, kind)]
-    }
-    return {
-        "shape": list(shape),
-        "dtype": "float32",
-        "reps": reps,
-        "bytes_x": nbytes,
-        "rows": rows,
-        "max_deviation": deviation,
-        "cost": cost,
-        "ratios": _ratios(rows),
-    }
-
-
-def _ratios(rows: dict) -> dict[str, float]:
-    """The issue's targets as bandwidth ratios (1 = as fast as the reference)."""
-    out = {}
-    for ours, kind in OURS.items():
-        out[f"{ours} donated / 2X donated"] = (
-            rows[ours]["donated_gbps"] / rows[TWO_X]["donated_gbps"]
-        )
-        # Best rounds: the least disturbed by other processes on a shared machine.
-        out[f"{ours} donated / 2X donated (best rounds)"] = (
-            rows[TWO_X]["donated_best_ms"] / rows[ours]["donated_best_ms"]
-        )
-        peers = [
-            label
-            for label in rows
-            if label.startswith(("eqx", "nnx")) and ("RMS" in label) == (kind == "rms")
-        ]
-        for mode in ("fresh", "donated"):
-            best = max(rows[p][f"{mode}_gbps"] for p in peers)
-            out[f"{ours} {mode} / fastest peer"] = rows[ours][f"{mode}_gbps"] / best
-    return out
-
-
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def table(result: dict) -> str:
-    """Markdown table of `benchmark`'s result."""
-    lines = [
-        "| implementation | fresh ms | GB/s | passes | donated ms | GB/s | passes |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, r in result["rows"].items():
-        cells = [
-            _fmt(r[f"{mode}_{key}"], spec)
-            for mode in ("fresh", "donated")
-            for key, spec in (("ms", ".2f"), ("gbps", ".1f"), ("passes", ".2f"))
-        ]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _summary(result: dict) -> str:
-    shape = "x".join(map(str, result["shape"]))
-    mib = result["bytes_x"] / 2**20
-    lines = [
-        f"X: {shape} float32 ({mib:.0f} MiB); median of {result['reps']} rounds; "
-        "GB/s counts one read and one write of X; passes = time x bandwidth(2X, "
-        "same mode) / (2 |X|), so 2X makes 1."
-    ]
-    for kind, c in result["cost"].items():
-        lines.append(
-            f"{kind} norm moves at least {c['bytes'] / 2**20:.2f} MiB and does "
-            f"{c['flops_per_element']} flops per element "
-            f"({c['flops_per_byte']:.2f} flop/byte: memory-bound)."
-        )
-    lines += [f"max deviation {k}: {v:.1e}" for k, v in result["max_deviation"].items()]
-    lines += [f"{k}: {v:.2f}" for k, v in result["ratios"].items()]
-    return "\n".join(lines)
+def validate(args: argparse.Namespace) -> None:
+    for i, n in enumerate(args.shape):
+        check_int("blocklab norms", f"--shape[{i}]", n, min=1)
+    check_int("blocklab norms", "--reps", args.reps, min=1)
+    check_int("blocklab norms", "--seed", args.seed, min=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if len(args.shape) < 1 or min(args.shape) < 1:
-        raise SystemExit(f"--shape must be positive sizes, got {args.shape}")
-    result = benchmark(
-        args.shape, reps=args.reps, seed=args.seed, progress=not args.json
+    result = study.run_norms(
+        shape=args.shape, reps=args.reps, seed=args.seed, progress=not args.json
     )
     if args.json:
-        print(json.dumps(result))
+        print(dumps(result.to_json()))
         return 0
-    print(table(result))
+    print(result.table())
     print()
-    print(_summary(result))
+    print(result.summary())
     return 0
 
 
-def report_section(out_dir: Path, *, quick: bool) -> str:
-    from ..plotting import bar_plot
+def report_estimate(*, quick: bool) -> float:
+    return 40.0 if quick else 120.0
 
-    shape, reps = REPORT_RUNS[quick]
-    result = benchmark(shape, reps=reps, progress=False)
-    rows = result["rows"]
-    png = bar_plot(
-        Path(out_dir) / "norms_bandwidth.png",
-        {
-            label: {
-                mode: r[f"{mode}_gbps"]
-                for mode in ("fresh", "donated")
-                if r[f"{mode}_gbps"] is not None
-            }
-            for label, r in rows.items()
-        },
-        ylabel="achieved GB/s (one read + one write of X)",
-        title="Normalizers vs X -> 2X, " + "x".join(map(str, shape)) + " float32",
-    )
-    ratios = result["ratios"]
-    median = min(ratios[f"{o} donated / 2X donated"] for o in OURS)
-    best = min(ratios[f"{o} donated / 2X donated (best rounds)"] for o in OURS)
-    return (
-        "## Normalization cost (section 11.1.2.3, exercise 9)\n\n"
-        f"{table(result)}\n\n"
-        "```\n" + _summary(result) + "\n```\n\n"
-        "Donated, the slower of blocklab's in-place norms reaches "
-        f"{median:.2f} x the bandwidth of donated X -> 2X at the median "
-        f"({best:.2f} x over the best rounds; target: 0.8). The loop runs on one "
-        "core (XLA on CPU never splits an in-place update over threads) while 2X "
-        "uses all of them. Fresh outputs cost a new "
-        f"{math.prod(shape) * 4 / 2**20:.0f} MiB buffer per call, whose allocation "
-        "and first touch dominate every row; a plain jit with donation copies the "
-        "result into the donated buffer, so it is no faster.\n\n"
-        f"![achieved bandwidth]({png.name})\n"
-    )
+
+def report_section(out_dir: Path, *, quick: bool) -> str:
+    shape, reps = study.REPORT_RUNS[quick]
+    return study.run_norms(shape=shape, reps=reps, progress=False).section(out_dir)
