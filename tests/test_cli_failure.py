@@ -1,0 +1,258 @@
+"""The CLI under failure: for every command, `--json` is one strict JSON object on
+every exit path, exit statuses are 0 / 1 / 2 / 130, bad output paths are refused
+before any work, and an interrupted report keeps its finished sections."""
+
+import importlib
+import json
+import math
+
+import pytest
+
+from blocklab import cli
+from blocklab.commands import REPORT_SECTIONS
+
+
+def strict(text):
+    """`json.loads` that refuses NaN / Infinity (what a strict parser does)."""
+
+    def refuse(token):
+        raise ValueError(f"non-strict JSON token {token}")
+
+    obj = json.loads(text, parse_constant=refuse)
+    assert isinstance(obj, dict), obj
+    return obj
+
+
+def _subparsers():
+    parser = cli.build_parser()
+    (action,) = parser._subparsers._group_actions
+    return action.choices
+
+
+SUBPARSERS = _subparsers()
+NAMES = sorted(SUBPARSERS)
+
+
+def _options(name):
+    return {s for a in SUBPARSERS[name]._actions for s in a.option_strings}
+
+
+def _module(name):
+    if name == "report":
+        return importlib.import_module("blocklab.report")
+    return importlib.import_module(f"blocklab.commands.{name.replace('-', '_')}")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if any command starts its work."""
+
+    def forbidden(args):
+        raise AssertionError("the command started work")
+
+    for name in NAMES:
+        monkeypatch.setattr(_module(name), "run", forbidden)
+
+
+def test_every_command_is_covered():
+    assert {"report", "census", "norms", "train", "signal", "check", "lr-sweep"} <= set(
+        NAMES
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_option_is_a_json_error_with_status_2(name, no_work, capsys):
+    assert cli.main([name, "--no-such-option", "--json"]) == 2
+    captured = capsys.readouterr()
+    err = strict(captured.out)
+    assert set(err) == {"error", "type"}
+    assert "--no-such-option" in err["error"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_without_json_an_error_is_one_line_on_stderr(name, no_work, capsys):
+    assert cli.main([name, "--no-such-option"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_with_json_is_one_object(name, capsys):
+    assert cli.main([name, "--help", "--json"]) == 0
+    assert "usage: blocklab" in strict(capsys.readouterr().out)["help"]
+
+
+def test_no_command_and_unknown_command_are_json_errors(capsys):
+    assert cli.main(["--json"]) == 2
+    strict(capsys.readouterr().out)
+    assert cli.main(["frobnicate", "--json"]) == 2
+    assert "frobnicate" in strict(capsys.readouterr().out)["error"]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if {"--png", "--out"} & _options(n)])
+def test_a_bad_output_path_is_refused_before_any_work(name, no_work, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for option in sorted({"--png", "--out"} & _options(name)):
+        bad = blocker / "x.png" if option == "--png" else blocker
+        assert cli.main([name, option, str(bad), "--json"]) == 2, option
+        err = strict(capsys.readouterr().out)
+        assert option in err["error"] and err["type"] == "ConfigError"
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_value_error_while_working_is_status_1(monkeypatch, capsys, tmp_path):
+    from blocklab.experiments import census
+
+    def broken(**_):
+        raise ValueError("the study failed half way")
+
+    monkeypatch.setattr(census, "run_census", broken)
+    args = ["report", "--only", "census", "--out", str(tmp_path), "--json"]
+    assert cli.main(args) == 1
+    assert strict(capsys.readouterr().out) == {
+        "error": "the study failed half way",
+        "type": "ValueError",
+    }
+
+
+def test_an_unexpected_exception_is_status_1_with_a_json_error(
+    monkeypatch, capsys, tmp_path
+):
+    from blocklab.experiments import census
+
+    def bug(**_):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(census, "run_census", bug)
+    args = ["report", "--only", "census", "--out", str(tmp_path), "--json"]
+    assert cli.main(args) == 1
+    captured = capsys.readouterr()
+    err = strict(captured.out)
+    assert err["type"] == "RuntimeError" and "a bug" in err["error"]
+    assert "Traceback" in captured.err  # a bug keeps its traceback, on stderr
+
+
+def test_non_finite_results_become_null_and_are_named(monkeypatch, capsys):
+    """A command that writes NaN (Python's json does) still gives strict JSON."""
+    from blocklab.commands import census
+
+    def diverging(args):
+        print(json.dumps({"loss": [1.0, math.nan], "final": math.inf, "ok": 2}))
+        return 0
+
+    monkeypatch.setattr(census, "run", diverging)
+    assert cli.main(["census", "--json"]) == 0
+    out = strict(capsys.readouterr().out)
+    assert out == {
+        "loss": [1.0, None],
+        "final": None,
+        "ok": 2,
+        "nonfinite": ["loss[1]", "final"],
+    }
+
+
+def test_a_command_that_names_its_diverged_run_is_left_alone(monkeypatch, capsys):
+    from blocklab.commands import census
+
+    def diverging(args):
+        print(json.dumps({"loss": math.nan, "diverged": {"seed 1": 17}}))
+        return 0
+
+    monkeypatch.setattr(census, "run", diverging)
+    assert cli.main(["census", "--json"]) == 0
+    assert strict(capsys.readouterr().out) == {
+        "loss": None,
+        "diverged": {"seed 1": 17},
+    }
+
+
+def test_census_json_on_success_against_hand_counts(capsys):
+    assert (
+        cli.main(["census", "--num-hiddens", "64", "--num-heads", "4", "--json"]) == 0
+    )
+    block = strict(capsys.readouterr().out)["blocks"]["default (pre, rms, swiglu)"]
+    # 4 d^2 = 16384; SwiGLU 3 d round(8d/3) = 3 * 64 * 171 = 32832; gains 2 d
+    assert block == {
+        "norm1": 64,
+        "norm2": 64,
+        "attention": 16384,
+        "ffn": 32832,
+        "total": 49344,
+    }
+
+
+def test_census_bad_divisor_is_status_2_before_work(capsys):
+    assert (
+        cli.main(["census", "--num-hiddens", "10", "--num-heads", "3", "--json"]) == 2
+    )
+    err = strict(capsys.readouterr().out)
+    assert "num_heads" in err["error"] and err["type"] == "ConfigError"
+
+
+# ------------------------------------------------------------ the report
+@pytest.fixture
+def sections(monkeypatch):
+    """Every section a marker; `interrupt_at` makes one raise KeyboardInterrupt."""
+    state = {"interrupt_at": None}
+    for name in REPORT_SECTIONS:
+        module = importlib.import_module(f"blocklab.commands.{name}")
+
+        def section(out_dir, *, quick, _name=name):
+            if _name == state["interrupt_at"]:
+                raise KeyboardInterrupt
+            return f"## {_name}\n\nnew {_name}\n"
+
+        monkeypatch.setattr(module, "report_section", section)
+    return state
+
+
+def test_an_interrupted_report_keeps_the_earlier_report(sections, tmp_path, capsys):
+    old = "# blocklab report\n\nthe complete report of yesterday\n"
+    (tmp_path / "report.md").write_text(old)
+    sections["interrupt_at"] = REPORT_SECTIONS[0]
+    assert cli.main(["report", "--out", str(tmp_path), "--json"]) == 130
+    assert strict(capsys.readouterr().out) == {
+        "error": "interrupted",
+        "type": "KeyboardInterrupt",
+    }
+    assert (tmp_path / "report.md").read_text() == old
+
+
+def test_an_interrupted_report_keeps_its_finished_sections(sections, tmp_path, capsys):
+    (tmp_path / "report.md").write_text("old\n")
+    sections["interrupt_at"] = REPORT_SECTIONS[2]
+    assert cli.main(["report", "--out", str(tmp_path)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    text = (tmp_path / "report.md").read_text()
+    assert all(f"new {n}" in text for n in REPORT_SECTIONS[:2])
+    assert f"new {REPORT_SECTIONS[2]}" not in text
+    assert "in progress" in text
+
+
+# ------------------------------------------- success at tiny sizes (slow: training)
+TINY_RUNS = {
+    "train": "--act gelu --steps 3 --batch-size 2 --num-hiddens 16 --num-heads 2 "
+    "--num-blks 1 --num-steps 8 --png {tmp}/t.png",
+    "signal": "--placements pre --seeds 1 --blocks 2 --num-hiddens 16 --out {tmp}/s",
+    # a rate of 1e30 diverges at once: null losses, a `diverged` field, and a
+    # figure whose log axis spans 1e-3 .. 1e30
+    "lr-sweep": "--quick --lrs 1e-3 1e30 --steps 4 --record-every 2 --num-hiddens 16 "
+    "--num-blks 1 --batch-size 2 --seq-len 8 --out {tmp}/lr",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TINY_RUNS))
+def test_training_commands_print_strict_json_on_success(name, tmp_path, capsys):
+    argv = [name, *TINY_RUNS[name].format(tmp=tmp_path).split(), "--json"]
+    assert cli.main(argv) == 0
+    out = strict(capsys.readouterr().out)
+    assert "error" not in out
+    if name == "lr-sweep":
+        assert out["final_loss"]["qk_norm"][1] is None
+        assert {d["lr"] for d in out["diverged"]} == {1e30}
+        assert all(p.read_bytes()[:4] == b"\x89PNG" for p in tmp_path.rglob("*.png"))
+        assert list(tmp_path.rglob("*.png"))
