@@ -219,7 +219,8 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         arrays[name] = value
 
     def cast(name, target):
-        out = jnp.asarray(arrays[name], target)
+        with np.errstate(over="ignore"):  # an overflow is reported just below
+            out = jnp.asarray(arrays[name], target)
         if not bool(jnp.all(jnp.isfinite(out))):
             raise ValueError(
                 f"load_state_dict: key {name!r} overflows {jnp.dtype(target)} "

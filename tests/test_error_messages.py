@@ -1,0 +1,410 @@
+"""Errors come from blocklab and name the argument, the value and the fix.
+
+Checkpoints, porting, `CharLM`, `Stack`, `generate` and the `init` functions.
+Every assertion is on the message text. The run-time shape checker of the
+test suite is switched off here, as in a user's program: otherwise a wrong
+type would be caught first by the jaxtyping/beartype annotation check.
+"""
+
+import json
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blocklab as bl
+from blocklab import CharLM, Stack, generate, init, load, load_state_dict, save
+from blocklab._validate import ConfigError
+
+KEY = jax.random.key(0)
+FIX = re.escape("pass key=jax.random.key(0)")
+
+
+@pytest.fixture(autouse=True)
+def plain_python(monkeypatch):
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return CharLM(28, 16, 2, 1, max_len=8, key=KEY)
+
+
+# ----------------------------------------------------------------- PRNG keys
+def _key_calls():
+    rms = bl.RMSNorm(4)
+    return {
+        "CharLM": lambda key: CharLM(28, 16, 2, 1, max_len=8, key=key),
+        "Stack": lambda key: Stack(lambda k: bl.RMSNorm(4), 2, key=key),
+        "init.linear": lambda key: init.linear(4, 3, bias=False, key=key),
+        "init.xavier_uniform": lambda key: init.xavier_uniform(rms, key=key),
+        "init.normal": lambda key: init.normal(rms, 0.02, key=key),
+    }
+
+
+@pytest.mark.parametrize("owner", list(_key_calls()))
+def test_missing_key(owner):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(owner)}: key is required; {FIX}"
+    ):
+        _key_calls()[owner](None)
+
+
+@pytest.mark.parametrize("owner", list(_key_calls()))
+@pytest.mark.parametrize("bad", [0, 7.5, np.int64(3), "0"])
+def test_an_int_or_other_value_where_a_key_belongs(owner, bad):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{re.escape(owner)}: key must be a JAX PRNG key, got "
+        rf"{re.escape(repr(bad))} of type {type(bad).__name__}; {FIX}",
+    ):
+        _key_calls()[owner](bad)
+
+
+def test_a_float_array_where_a_key_belongs():
+    with pytest.raises(
+        ConfigError,
+        match=r"CharLM: key must be a JAX PRNG key, got an array of dtype float32 "
+        rf"and shape \(2,\); {FIX}",
+    ):
+        CharLM(28, 16, 2, 1, max_len=8, key=jnp.zeros(2, jnp.float32))
+
+
+def test_legacy_uint32_keys_are_accepted():
+    s = Stack(lambda k: bl.RMSNorm(4), 2, key=jax.random.PRNGKey(0))
+    assert s.blocks.weight.shape == (2, 4)
+    lin = init.linear(4, 3, bias=False, key=jax.random.PRNGKey(0))
+    assert lin.weight.shape == (3, 4)
+
+
+# ------------------------------------------------- CharLM / Stack arguments
+COUNTS = ["vocab_size", "num_hiddens", "num_heads", "num_blks", "max_len"]
+GOOD = dict(vocab_size=28, num_hiddens=16, num_heads=2, num_blks=1, max_len=8)
+
+
+def _not_an_int():
+    return st.one_of(
+        st.booleans(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=3),
+        st.none(),
+        st.lists(st.integers(1, 4), max_size=2),
+        st.sampled_from([np.bool_(True), np.float32(2.0), np.float64(4.0)]),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(COUNTS), value=_not_an_int())
+def test_charlm_counts_must_be_ints(name, value):
+    """A bool, float, string, None or list where a count belongs names itself."""
+    with pytest.raises(
+        ConfigError,
+        match=rf"^CharLM: {name} must be an int, got .* of type {type(value).__name__}",
+    ):
+        CharLM(**{**GOOD, name: value}, key=KEY)
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(COUNTS), value=st.integers(-5, 0))
+def test_charlm_counts_must_be_positive(name, value):
+    with pytest.raises(
+        ConfigError, match=rf"^CharLM: {name} must lie in \[1, inf\], got {value}\."
+    ):
+        CharLM(**{**GOOD, name: value}, key=KEY)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    value=st.one_of(
+        st.integers(), st.floats(), st.text(max_size=3), st.none(), st.just("no")
+    )
+)
+def test_remat_must_be_a_bool(value):
+    pattern = (
+        rf"must be a bool \(True or False\), got {re.escape(repr(value))} "
+        rf"of type {type(value).__name__}"
+    )
+    with pytest.raises(ConfigError, match=rf"^CharLM: remat {pattern}"):
+        CharLM(**GOOD, remat=value, key=KEY)
+    with pytest.raises(ConfigError, match=rf"^Stack: remat {pattern}"):
+        Stack(lambda k: bl.RMSNorm(4), 2, remat=value, key=KEY)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", np.float64(2.0)])
+def test_unroll_must_be_a_positive_int_or_a_bool(value):
+    with pytest.raises(
+        ConfigError, match=r"Stack: unroll must be a positive int or a bool, got "
+    ):
+        Stack(lambda k: bl.RMSNorm(4), 2, unroll=value, key=KEY)
+    with pytest.raises(ConfigError, match=r"^CharLM: unroll must "):
+        CharLM(**GOOD, unroll=value, key=KEY)
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "2", np.float32(2)])
+def test_stack_depth_must_be_an_int(value):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^Stack: num_blks must be a positive int, got {re.escape(repr(value))}",
+    ):
+        Stack(lambda k: bl.RMSNorm(4), value, key=KEY)
+
+
+def test_numpy_scalar_options_are_plain_numbers(tmp_path):
+    """NumPy scalars for sizes and block options become Python numbers (the
+    config a Python-number model has), run under jit with dropout (they used
+    to be traced: a tracer error), and are stored as plain JSON numbers."""
+    lm = CharLM(
+        np.int64(28),
+        np.int32(16),
+        np.int16(2),
+        np.int8(1),
+        max_len=np.int64(8),
+        remat=np.bool_(False),
+        unroll=np.int64(1),
+        dropout=np.float32(0.25),
+        bias=np.bool_(True),
+        key=KEY,
+    )
+    assert lm.config() == dict(
+        GOOD, act="swiglu", remat=False, unroll=1, bias=True, dropout=0.25
+    )
+    assert all(type(v) in (int, float, bool, str) for v in lm.config().values())
+    out = eqx.filter_jit(lambda m, t, k: m(t, key=k))(
+        lm, jnp.array([3, 4, 5]), jax.random.key(1)
+    )
+    assert out.shape == (3, 28) and bool(jnp.all(jnp.isfinite(out)))
+    path = save(tmp_path / "np.ckpt", lm)
+    header = json.loads(path.read_bytes().split(b"\n")[2])
+    assert header["config"]["dropout"] == 0.25 and header["config"]["bias"] is True
+
+
+def test_stack_accepts_numpy_depth_and_flags():
+    s = Stack(lambda k: bl.RMSNorm(4), np.int64(3), remat=np.bool_(True), key=KEY)
+    assert s.num_blks == 3 and type(s.num_blks) is int and s.remat is True
+
+
+# -------------------------------------------------------------- token ids
+def test_float_token_ids_are_refused_not_truncated(lm):
+    with pytest.raises(
+        ValueError,
+        match=r"CharLM: tokens must be integer token ids, got dtype float(32|64); "
+        r"encode text with blocklab.data.encode",
+    ):
+        lm(jnp.array([1.0, 2.7]))
+    with pytest.raises(ValueError, match=r"got dtype bool"):
+        lm(jnp.array([True, False]))
+
+
+@pytest.mark.parametrize("jit", [jax.jit, eqx.filter_jit])
+def test_out_of_range_ids_under_jit_carry_blocklab_text(lm, jit):
+    fn = jit(lambda t: lm(t))
+    with pytest.raises(
+        (eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError),
+        match=r"CharLM: token ids must lie in \[0, vocab_size=28\); a token id "
+        r"outside it was given",
+    ):
+        jax.block_until_ready(fn(jnp.array([1, 99])))
+
+
+def test_out_of_range_ids_eagerly_name_position_and_value(lm):
+    with pytest.raises(
+        ValueError,
+        match=r"CharLM: token ids must lie in \[0, vocab_size=28\), got "
+        r"tokens\[2\]=31; the model was built for 28 symbols",
+    ):
+        lm(jnp.array([0, 1, 31]))
+
+
+# ---------------------------------------------------------------- generate
+def test_generate_needs_the_28_symbol_vocabulary():
+    # the structure alone (no weights drawn): generate refuses it up front
+    small = eqx.filter_eval_shape(CharLM, 10, 8, 2, 1, max_len=4, key=KEY)
+    with pytest.raises(
+        ConfigError,
+        match=r"generate: the model's vocabulary has vocab_size=10 symbols, but "
+        r"generate encodes text with the 28 symbols of blocklab.data.VOCAB; build "
+        r"the model with CharLM\(vocab_size=28, \.\.\.\)",
+    ):
+        generate(small, "the", 3, key=KEY)
+    with pytest.raises(ConfigError, match=r"generate: model must be a CharLM, got"):
+        generate(bl.RMSNorm(4), "the", 3, key=KEY)
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (0.0, r"temperature must lie in \(0.0, inf\], got 0.0"),
+        (-1, r"temperature must lie in \(0.0, inf\], got -1.0"),
+        (float("inf"), r"temperature must be finite, got inf"),
+        (float("nan"), r"temperature must be finite, got nan"),
+        ("1", r"temperature must be a real number, got '1' of type str"),
+        (True, r"temperature must be a real number, got True of type bool"),
+    ],
+)
+def test_generate_temperature(lm, value, pattern):
+    with pytest.raises(ConfigError, match=rf"^generate: {pattern}"):
+        generate(lm, "the", 3, key=KEY, temperature=value)
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (-1, r"num_chars must lie in \[0, inf\], got -1"),
+        (2.5, r"num_chars must be an int, got 2.5 of type float"),
+        (True, r"num_chars must be an int, got True of type bool"),
+    ],
+)
+def test_generate_num_chars(lm, value, pattern):
+    with pytest.raises(ConfigError, match=rf"^generate: {pattern}"):
+        generate(lm, "the", value, key=KEY)
+
+
+def test_generate_key_and_prompt(lm):
+    with pytest.raises(ConfigError, match=rf"^generate: key is required; {FIX}"):
+        generate(lm, "the", 3, key=None)
+    with pytest.raises(
+        ConfigError, match=r"^generate: key must be a JAX PRNG key, got 5"
+    ):
+        generate(lm, "the", 3, key=5)
+    with pytest.raises(
+        ConfigError, match=r"^generate: prompt must be a str, got bytes"
+    ):
+        generate(lm, b"the", 3, key=KEY)
+
+
+def test_generate_numpy_arguments_are_fine(lm):
+    a = generate(lm, "the", np.int64(4), key=KEY, temperature=np.float32(0.5))
+    assert a == generate(lm, "the", 4, key=KEY, temperature=0.5)
+
+
+# ------------------------------------------------------------ init functions
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (
+            lambda m: init.normal(m, float("nan"), key=KEY),
+            r"init.normal: std must be finite, got nan",
+        ),
+        (
+            lambda m: init.normal(m, -1.0, key=KEY),
+            r"init.normal: std must lie in \[0.0, inf\], got -1.0",
+        ),
+        (
+            lambda m: init.normal(m, "0.02", key=KEY),
+            r"init.normal: std must be a real number, got '0.02'",
+        ),
+        (
+            lambda m: init.scale(m, float("inf")),
+            r"init.scale: alpha must be finite, got inf",
+        ),
+        (
+            lambda m: init.scale(m, None),
+            r"init.scale: alpha must be a real number, got None",
+        ),
+        (
+            lambda m: init.linear(4, 3, bias="no", key=KEY),
+            r"init.linear: bias must be a bool \(True or False\), got 'no'",
+        ),
+        (
+            lambda m: init.linear(True, 3, bias=False, key=KEY),
+            r"init.linear: in_features must be an int, got True",
+        ),
+        (
+            lambda m: init.linear(4, 0, bias=False, key=KEY),
+            r"init.linear: out_features must lie in \[1, inf\], got 0",
+        ),
+    ],
+)
+def test_init_arguments(call, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        call(bl.RMSNorm(4))
+
+
+def test_init_accepts_numpy_scalars():
+    lin = init.linear(np.int64(4), np.int32(3), bias=np.bool_(True), key=KEY)
+    scaled = init.scale(lin, np.float32(2.0))
+    np.testing.assert_array_equal(scaled.weight, 2.0 * lin.weight)
+
+
+# -------------------------------------------------------------- checkpoints
+def test_load_on_a_directory(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=rf"load: {re.escape(str(tmp_path))} is a directory; pass the "
+        r"checkpoint file written by blocklab.save",
+    ):
+        load(tmp_path)
+
+
+def test_flipped_bit_names_the_checksum(lm, tmp_path):
+    path = save(tmp_path / "lm.ckpt", lm)
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 0x10
+    path.write_bytes(bytes(blob))
+    with pytest.raises(
+        ValueError,
+        match=r"is corrupted: its SHA-256 checksum does not match \(stored [0-9a-f]{16}"
+        r"\.\.\., computed [0-9a-f]{16}\.\.\.\)\. The file was changed or damaged",
+    ):
+        load(path)
+
+
+# ------------------------------------------------------------------ porting
+@pytest.fixture(scope="module")
+def norm_sd():
+    return {"weight": np.ones(4, np.float32)}
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (
+            np.array([1, np.nan, 1, 1], np.float32),
+            r"holds 1 non-finite value\(s\) \(first: .*nan.* at index \[1\]\); "
+            "refusing",
+        ),
+        (
+            np.array([1, 1, 1, -np.inf]),
+            r"holds 1 non-finite value\(s\) \(first: .*inf.* at index \[3\]\)",
+        ),
+        (
+            np.ones(4, np.int64),
+            r"holds an array of dtype int64; parameters must be real floating point",
+        ),
+        (
+            np.ones(4, np.complex64),
+            r"holds an array of dtype complex64; .*refused, not cast",
+        ),
+        (np.ones(4, bool), r"holds an array of dtype bool;"),
+        (
+            np.full(4, 1e300),
+            r"overflows float32 \(its largest magnitude is .*1e\+300.*\); "
+            "pass a wider dtype=",
+        ),
+    ],
+)
+def test_load_state_dict_refuses_nonsense_weights(value, pattern):
+    with pytest.raises(ValueError, match=rf"load_state_dict: key 'weight' {pattern}"):
+        load_state_dict(bl.RMSNorm(4), {"weight": value})
+
+
+def test_load_state_dict_names_the_stacked_key():
+    stack = Stack(lambda k: bl.RMSNorm(4), 2, key=KEY)
+    sd = {"blocks.0.weight": np.ones(4), "blocks.1.weight": np.array([1, 1, np.nan, 1])}
+    with pytest.raises(ValueError, match=r"key 'blocks.1.weight' holds 1 non-finite"):
+        load_state_dict(stack, sd)
+
+
+def test_load_state_dict_dtype_must_be_floating(norm_sd):
+    with pytest.raises(
+        ConfigError, match=r"load_state_dict: dtype must be a floating-point dtype"
+    ):
+        load_state_dict(bl.RMSNorm(4), norm_sd, dtype=jnp.int32)
+    out = load_state_dict(bl.RMSNorm(4), norm_sd, dtype=jnp.bfloat16)
+    assert out.weight.dtype == jnp.bfloat16
