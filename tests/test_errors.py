@@ -31,7 +31,7 @@ def plain_python(monkeypatch):
     [
         (
             {"norm": "batch"},
-            r"norm must be one of \['layer', 'rms'\], got norm='batch'",
+            r"norm must be one of \['gemma_rms', 'layer', 'rms'\], got norm='batch'",
         ),
         ({"act": "swish"}, rf"act must be one of {ACTS}, got act='swish'"),
         (
@@ -96,7 +96,8 @@ def test_ffn_rejects_bad_act_and_widths():
 
 def test_make_norm_rejects_unknown_norm():
     with pytest.raises(
-        ValueError, match=r"norm must be one of \['layer', 'rms'\], got norm='l2'"
+        ValueError,
+        match=r"norm must be one of \['gemma_rms', 'layer', 'rms'\], got norm='l2'",
     ):
         make_norm("l2", 8)
 

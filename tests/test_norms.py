@@ -63,7 +63,9 @@ def test_norm_module_returns_input_dtype(cls, dtype):
 def test_make_norm_builds_the_named_norm():
     assert isinstance(make_norm("rms", 4), bl.RMSNorm)
     assert isinstance(make_norm("layer", 4), bl.LayerNorm)
-    assert set(bl.NORMS) == {"rms", "layer"}
+    gemma = make_norm("gemma_rms", 4)
+    assert isinstance(gemma, bl.RMSNorm) and gemma.unit_offset
+    assert set(bl.NORMS) == {"rms", "layer", "gemma_rms"}
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

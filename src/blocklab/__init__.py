@@ -23,6 +23,8 @@ from .functional import (
     masked_softmax,
     relu,
     rms_norm,
+    rope,
+    rope_frequencies,
     silu,
     token_spread,
 )
@@ -126,6 +128,8 @@ __all__ = [
     "load_state_dict",
     "make_train_step",
     "masked_softmax",
+    "rope",
+    "rope_frequencies",
     "relu",
     "rms_norm",
     "rms_norm_",

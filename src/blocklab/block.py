@@ -7,12 +7,14 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .attention import AttentionTrace, MultiHeadAttention, check_config
+from ._validate import check_bool, check_int, check_key
+from .attention import AttentionTrace, MultiHeadAttention, check_config, check_qk_norm
 from .ffn import ACTS, FeedForward
 from .functional import dropout
-from .norms import NORMS, LayerNorm, RMSNorm, make_norm
+from .norms import NORMS, LayerNorm, RMSNorm, check_float_input, make_norm
 
 __all__ = ["TransformerBlock", "BlockTrace", "PLACEMENTS"]
 
@@ -30,6 +32,9 @@ class BlockTrace(NamedTuple):
         ffn_out: `(T, d)`, likewise for the FFN branch.
         attention: the attention's `AttentionTrace`, or `None` when a custom
             attention module has no `trace` method.
+        ffn_trace: what `ffn.trace(y, key=...)` returned when the FFN module
+            has a `trace` method (an object with `.output`, e.g. the router
+            statistics of a mixture of experts), else `None`.
 
     For a batch `(..., T, d)` every field gains the same leading axes.
     """
@@ -38,6 +43,7 @@ class BlockTrace(NamedTuple):
     attn_out: Array
     ffn_out: Array
     attention: AttentionTrace | None
+    ffn_trace: Any = None
 
 
 class TransformerBlock(eqx.Module):
@@ -57,7 +63,20 @@ class TransformerBlock(eqx.Module):
 
     The defaults (pre-norm, RMSNorm, SwiGLU, no bias) are the modern open-weights
     block; `norm="layer", act="gelu", placement="post", bias=True` is the 2017
-    encoder block (with GELU for ReLU).
+    encoder block (with GELU for ReLU). With the attention options
+    (`num_kv_heads`, `head_dim`, `attn_scale`, `rope_theta`, `window`,
+    `qk_norm="full"`) and `norm="gemma_rms"` the block is that of GPT-2
+    (`"pre"`, `"layer"`, `"gelu"`, biases), Llama (`"pre"`, `"rms"`,
+    `"swiglu"`, RoPE, GQA), OLMo 2 (`"output"`, `qk_norm="full"`) or Gemma 3
+    (`"sandwich"`, `"gemma_rms"`, `"geglu"`, `qk_norm="head"`, a window).
+
+    Inputs must have a floating dtype (integer input is refused). In float16,
+    the `"post"` residual sum is computed in float32 before its norm, so a
+    stream near float16's range (~1e4) does not overflow there; a branch whose
+    *own output* exceeds float16's range (65504) still gives inf when it is
+    cast back to the input dtype (a gated FFN grows as $|x|^2$, so with
+    `"output"` placement, which feeds it the raw stream, keep $|x| \lesssim
+    100$ in float16, or use bfloat16).
     """
 
     norm1: RMSNorm | LayerNorm
@@ -83,45 +102,78 @@ class TransformerBlock(eqx.Module):
         act: str = "swiglu",
         placement: str = "pre",
         bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        ffn_width: int | None = None,
+        attn_scale: float | None = None,
+        rope_theta: float | None = None,
+        window: int | None = None,
+        attn_bias: bool | None = None,
+        ffn_bias: bool | None = None,
         attn_factory: Callable[..., Any] | None = None,
         ffn_factory: Callable[..., Any] | None = None,
         key: PRNGKeyArray,
     ):
         """Args:
         num_hiddens: model width $d$.
-        num_heads: attention heads; must divide `num_hiddens`.
+        num_heads: attention (query) heads; must divide `num_hiddens` unless
+            `head_dim` is given.
         dropout: rate for attention weights and both branch outputs.
-        norm: `"rms"` or `"layer"`.
+        norm: `"rms"`, `"layer"` or `"gemma_rms"` (RMSNorm with gain 1 + w).
         act: one of `"relu"`, `"gelu"`, `"gelu_exact"`, `"swiglu"`, `"geglu"`,
             `"reglu"`, `"bilinear"`.
         placement: `"post"`, `"pre"`, `"output"` or `"sandwich"`.
-        bias: biases in the attention and FFN projections.
-        qk_norm: RMS-normalize queries and keys per head (default attention).
+        bias: biases in the attention and FFN projections (the default of
+            `attn_bias` and `ffn_bias`).
+        qk_norm: `False`, `True` / `"head"` (per-head RMSNorm of queries and
+            keys) or `"full"` (over the full projected width, OLMo 2); these
+            norms use `norm_eps`, and Gemma's 1 + w gain when
+            `norm="gemma_rms"`.
         norm_eps: the $\\epsilon$ of the block's norms (PyTorch's LayerNorm uses
             1e-5: set it when porting such weights exactly).
+        num_kv_heads, head_dim, rope_theta, window: as for
+            `MultiHeadAttention` (grouped-query heads, head width, RoPE base,
+            local window).
+        ffn_width: the FFN's hidden width (default `ffn_width(d, act)`).
+        attn_scale: the attention logit multiplier (default $1/\\sqrt p$).
+        attn_bias, ffn_bias: biases of the attention / FFN projections
+            (`None`: `bias`).
         attn_factory: `attn_factory(key=...)` returns the attention module,
-            called as `attn(x, valid_lens, key=...)`; replaces the default.
+            called as `attn(x, valid_lens, key=...)` (and `positions=` when
+            the block is given positions); replaces the default.
         ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
-            `ffn(x, key=...)`; replaces the default.
+            `ffn(x, key=...)`, or `ffn.trace(x, key=...)` when it has a
+            `trace` method; replaces the default.
         key: PRNG key for the weights.
         """
-        check_config("TransformerBlock", num_hiddens, num_heads, dropout)
-        if norm not in NORMS:
+        owner = "TransformerBlock"
+        head_dim = check_int(owner, "head_dim", head_dim, min=1, optional=True)
+        num_hiddens, num_heads, dropout = check_config(
+            owner, num_hiddens, num_heads, dropout, divisible=head_dim is None
+        )
+        if not isinstance(norm, str) or norm not in NORMS:
             raise ValueError(
                 f"TransformerBlock: norm must be one of {sorted(NORMS)}, "
                 f"got norm={norm!r}."
             )
-        if act not in ACTS:
+        if not isinstance(act, str) or act not in ACTS:
             raise ValueError(
                 f"TransformerBlock: act must be one of {list(ACTS)}, got act={act!r}."
             )
-        if placement not in PLACEMENTS:
+        if not isinstance(placement, str) or placement not in PLACEMENTS:
             raise ValueError(
                 f"TransformerBlock: placement must be one of {list(PLACEMENTS)}, "
                 f"got placement={placement!r}."
             )
+        bias = check_bool(owner, "bias", bias)
+        attn_bias = (
+            bias if attn_bias is None else check_bool(owner, "attn_bias", attn_bias)
+        )
+        ffn_bias = bias if ffn_bias is None else check_bool(owner, "ffn_bias", ffn_bias)
+        qk_norm = check_qk_norm(owner, qk_norm)
+        key = check_key(owner, "key", key)
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.norm, self.act = norm, act
         self.placement, self.dropout = placement, dropout
@@ -138,8 +190,15 @@ class TransformerBlock(eqx.Module):
             MultiHeadAttention(
                 num_hiddens,
                 num_heads,
-                bias=bias,
-                qk_norm=qk_norm,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                scale=attn_scale,
+                rope_theta=rope_theta,
+                window=window,
+                bias=attn_bias,
+                qk_norm=False if qk_norm is None else qk_norm,
+                qk_norm_eps=norm_eps,
+                qk_norm_unit_offset=norm == "gemma_rms",
                 dropout=dropout,
                 key=attn_key,
             )
@@ -147,7 +206,7 @@ class TransformerBlock(eqx.Module):
             else attn_factory(key=attn_key)
         )
         self.ffn = (
-            FeedForward(num_hiddens, act, bias=bias, key=ffn_key)
+            FeedForward(num_hiddens, act, bias=ffn_bias, width=ffn_width, key=ffn_key)
             if ffn_factory is None
             else ffn_factory(key=ffn_key)
         )
@@ -162,20 +221,24 @@ class TransformerBlock(eqx.Module):
             branch = out_norm(branch)
         branch = dropout(branch, self.dropout, key)
         if self.placement == "post":
-            return norm(x + branch), branch
+            # The sum feeding the norm in float32 (or wider): float16 streams
+            # near 1e4 would overflow in x + branch before being normalized.
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return norm(x.astype(wide) + branch.astype(wide)).astype(x.dtype), branch
         return x + branch, branch
 
     def trace(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> BlockTrace:
         """Run the block, returning its output and the intermediate values.
 
         The one implementation of the forward pass (`__call__` returns its
-        `.output`); see `BlockTrace`.
+        `.output`); see `BlockTrace`. Arguments as for `__call__`.
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ValueError(
@@ -183,42 +246,59 @@ class TransformerBlock(eqx.Module):
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
-        k_attn, k_drop1, k_drop2 = (
-            (None,) * 3 if key is None else jax.random.split(key, 3)
-        )
-        attn_trace = None
+        check_float_input(x, "TransformerBlock")
+        if key is None:
+            k_attn = k_drop1 = k_drop2 = k_ffn = None
+        else:
+            k_attn, k_drop1, k_drop2 = jax.random.split(key, 3)
+            # A fourth, independent key without changing the three above.
+            k_ffn = jax.random.fold_in(key, 3)
+        attn_trace = ffn_trace = None
+        extra = {} if positions is None else {"positions": positions}
 
         def attend(y):
             nonlocal attn_trace
             if hasattr(self.attention, "trace"):
-                attn_trace = self.attention.trace(y, valid_lens, key=k_attn)
+                attn_trace = self.attention.trace(y, valid_lens, key=k_attn, **extra)
                 return attn_trace.output
-            return self.attention(y, valid_lens, key=k_attn)
+            return self.attention(y, valid_lens, key=k_attn, **extra)
+
+        def feed(y):
+            nonlocal ffn_trace
+            if hasattr(self.ffn, "trace"):
+                ffn_trace = self.ffn.trace(y, key=k_ffn)
+                return ffn_trace.output
+            return self.ffn(y, key=k_ffn)
 
         x, attn_out = self._sublayer(x, attend, self.norm1, self.out_norm1, k_drop1)
-        x, ffn_out = self._sublayer(x, self.ffn, self.norm2, self.out_norm2, k_drop2)
-        return BlockTrace(x, attn_out, ffn_out, attn_trace)
+        x, ffn_out = self._sublayer(x, feed, self.norm2, self.out_norm2, k_drop2)
+        return BlockTrace(x, attn_out, ffn_out, attn_trace, ffn_trace)
 
     def __call__(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Apply the block to one sequence, or to each of a batch.
 
         Args:
-            x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)` whose
-                sequences share `valid_lens` (for per-sequence lengths,
-                `jax.vmap` over the batch instead). A batch gives the same
-                values as `jax.vmap`, computed as one matrix product per
-                projection (`blocklab.functional.linear`).
-            valid_lens: `None`, a scalar, or `(T,)` per-query lengths
-                (`jnp.arange(1, T + 1)` is causal). Masked keys never give NaN.
+            x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)`, of a
+                floating dtype. A batch gives the same values as `jax.vmap`,
+                computed as one matrix product per projection
+                (`blocklab.functional.linear`).
+            valid_lens: `None`, or integer lengths broadcastable to
+                `x.shape[:-1]` = `(..., T)`: a scalar, `(T,)` per-query lengths
+                (`jnp.arange(1, T + 1)` is causal), `(B, 1)` per sequence,
+                `(B, T)` per sequence and query. Masked keys never give NaN,
+                and non-finite values at masked positions never leak.
+            positions: integer positions for RoPE (default `arange(T)`),
+                forwarded to the attention only when given.
             key: enables dropout; `None` is deterministic (evaluation).
 
         Returns:
             The shape and dtype of `x`.
         """
-        return self.trace(x, valid_lens, key=key).output
+        return self.trace(x, valid_lens, positions=positions, key=key).output

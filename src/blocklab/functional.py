@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 __all__ = [
@@ -24,6 +25,9 @@ __all__ = [
     "dropout",
     "valid_mask",
     "masked_softmax",
+    "rope",
+    "rope_frequencies",
+    "rotate_half",
     "attention_entropy",
     "token_spread",
     "MASK_VALUE",
@@ -38,6 +42,18 @@ MASK_VALUE = -1e6
 def _stat_dtype(dtype) -> jnp.dtype:
     """float32, or the input dtype when that is already wider."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def _safe_rsqrt(ms: Array) -> Array:
+    r"""$1/\sqrt{m}$, with $m = 0$ (only reachable with `eps=0`) read as $m = 1$.
+
+    The statistic's row is then exactly zero (all entries, or all deviations
+    from the mean, are zero), so the output row is zero instead of
+    $0 \cdot \infty = $ NaN. The `where` acts on the *input* of the rsqrt,
+    so the untaken branch is finite and the gradient is too (a `where` on the
+    output would still send $0 \cdot \infty$ back).
+    """
+    return jax.lax.rsqrt(jnp.where(ms > 0, ms, jnp.ones_like(ms)))
 
 
 def linear(
@@ -80,10 +96,12 @@ def rms_norm(
 
     Returns:
         An array of the shape and dtype of `x`. The statistic and the scaling
-        are computed in float32 (float64 for float64 input).
+        are computed in float32 (float64 for float64 input). With `eps=0` an
+        all-zero row (a zero padding token) maps to zero, not to NaN, and its
+        gradient stays finite.
     """
     xf = x.astype(_stat_dtype(x.dtype))
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * _safe_rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
         y = y * weight.astype(xf.dtype)
     return y.astype(x.dtype)
@@ -113,7 +131,7 @@ def layer_norm(
     xf = x.astype(_stat_dtype(x.dtype))
     centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
-    y = centred * jax.lax.rsqrt(var + eps)
+    y = centred * _safe_rsqrt(var + eps)
     if weight is not None:
         y = y * weight.astype(xf.dtype)
     if bias is not None:
@@ -162,33 +180,98 @@ def dropout(
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def _check_int_array(owner: str, name: str, value) -> Array:
+    """`value` as an integer array; refuse bool and float dtypes and, when the
+    values are concrete (not traced), negative entries."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(
+            f"{owner}: {name} must be integers, got the bool {value!r}; pass "
+            f"lengths or positions as ints."
+        )
+    concrete = not isinstance(value, jax.core.Tracer)
+    arr = np.asarray(value) if concrete else value
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(
+            f"{owner}: {name} must have an integer dtype, got dtype {arr.dtype}; "
+            f"convert it with .astype(int) (a float or bool {name} is refused "
+            f"rather than truncated)."
+        )
+    if concrete and arr.size and np.any(arr < 0):
+        raise ValueError(f"{owner}: {name} must be non-negative, got {arr.tolist()}.")
+    return jnp.asarray(value)
+
+
+def _lengths(
+    valid_lens: Int[ArrayLike, "..."],
+    shape: tuple[int, ...],
+    owner: str = "valid_lens",
+) -> Int[Array, "..."]:
+    """Check `valid_lens` and broadcast it to `shape` = `x.shape[:-1]`, i.e. `(..., T)`.
+
+    The rule shared by every module: lengths are integers, non-negative (when
+    concrete), and broadcast to `(..., T)` with NumPy's rules: a scalar (the
+    same length for every query), `(T,)` (one per query; `arange(1, T + 1)` is
+    causal), `(B, 1)` (one per sequence of a batch), `(B, T)` (per sequence and
+    query). Any other shape raises `ValueError` naming the fix.
+    """
+    lens = _check_int_array(owner, "valid_lens", valid_lens)
+    try:
+        ok = np.broadcast_shapes(lens.shape, tuple(shape)) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        T = shape[-1]
+        raise ValueError(
+            f"{owner}: valid_lens must be a scalar or have shape (T,) = ({T},) "
+            f"(one length per query), got shape {tuple(lens.shape)}. For a batch "
+            f"x.shape[:-1] = {tuple(shape)} it may be any shape that broadcasts "
+            f"to it: (B, 1) for one length per sequence, (B, T) for one per "
+            f"sequence and query."
+        )
+    return jnp.broadcast_to(lens, shape)
+
+
 def valid_mask(
-    valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " Tq"] | None,
+    valid_lens: Int[ArrayLike, "*#rows"] | None,
     num_queries: int,
     num_keys: int,
-) -> Bool[Array, "Tq Tk"] | None:
-    """Boolean `(Tq, Tk)` mask from the chapter's valid lengths.
+) -> Bool[Array, "*rows Tq Tk"] | None:
+    """Boolean `(..., Tq, Tk)` mask from valid lengths: key `j` is visible from
+    query `i` iff `j < L_i`.
 
-    `valid_lens` is either a scalar (every query sees keys `0 .. L-1`) or one
-    length per query, shape `(Tq,)`; `jnp.arange(1, T + 1)` is causal. `None`
-    means no mask. A wrong shape raises `ValueError` at trace time.
+    `valid_lens` broadcasts to `(..., Tq)`: a scalar (every query sees keys
+    `0 .. L-1`), `(Tq,)` one length per query (`jnp.arange(1, T + 1)` is
+    causal), `(B, 1)` one length per sequence, `(B, Tq)`. `None` means no
+    mask. Lengths must be integers (float and bool are refused) and, when
+    concrete, non-negative; a shape whose last axis is neither 1 nor `Tq`
+    raises `ValueError` at trace time.
     """
     if valid_lens is None:
         return None
-    lens = jnp.asarray(valid_lens)
-    if lens.ndim == 0:
-        lens = jnp.broadcast_to(lens, (num_queries,))
-    elif lens.shape != (num_queries,):
-        raise ValueError(
-            f"valid_lens must be a scalar or have shape (T,) = ({num_queries},) "
-            f"(one length per query), got shape {tuple(lens.shape)}."
-        )
-    return jnp.arange(num_keys)[None, :] < lens[:, None]
+    arr = jnp.asarray(valid_lens)
+    lead = arr.shape[:-1] if arr.ndim else ()
+    lens = _lengths(valid_lens, (*lead, num_queries), "valid_mask")
+    return jnp.arange(num_keys) < lens[..., None]
+
+
+def softmax_where(
+    scores: Float[Array, "*rows Tk"], mask: Bool[Array, "*#rows #Tk"] | None
+) -> Float[Array, "*rows Tk"]:
+    """Float32 softmax over the last axis with masked scores set to `MASK_VALUE`.
+
+    The masked scores are *replaced* (`jnp.where`), never added to, so a NaN
+    or inf score at a masked position does not reach the output or the
+    gradient. A row with every key masked gets uniform weights.
+    """
+    s = scores.astype(_stat_dtype(scores.dtype))
+    if mask is not None:
+        s = jnp.where(mask, s, MASK_VALUE)
+    return jax.nn.softmax(s, axis=-1)
 
 
 def masked_softmax(
     scores: Float[Array, "*heads Tq Tk"],
-    valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " Tq"] | None = None,
+    valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#heads #Tq"] | None = None,
 ) -> Float[Array, "*heads Tq Tk"]:
     r"""Softmax over the keys, with keys beyond each query's valid length masked.
 
@@ -200,16 +283,90 @@ def masked_softmax(
 
     Args:
         scores: `(..., Tq, Tk)` attention scores; leading axes (heads) broadcast.
-        valid_lens: `None`, a scalar, or a `(Tq,)` array of per-query lengths.
+        valid_lens: `None`, or integer lengths broadcastable to
+            `scores.shape[:-1]` = `(..., Tq)` (a scalar, `(Tq,)` per query, or
+            with leading axes aligned to those of `scores`; see `valid_mask`).
 
     Returns:
         Float32 weights of the shape of `scores`, each row summing to one.
     """
-    s = scores.astype(_stat_dtype(scores.dtype))
-    mask = valid_mask(valid_lens, s.shape[-2], s.shape[-1])
-    if mask is not None:
-        s = jnp.where(mask, s, MASK_VALUE)
-    return jax.nn.softmax(s, axis=-1)
+    if valid_lens is None:
+        return softmax_where(scores, None)
+    lens = _lengths(valid_lens, scores.shape[:-1], "masked_softmax")
+    return softmax_where(scores, jnp.arange(scores.shape[-1]) < lens[..., None])
+
+
+def rope_frequencies(
+    head_dim: int, theta: float | Float[ArrayLike, ""] = 10000.0
+) -> Float[Array, " half"]:
+    r"""RoPE inverse frequencies $\theta^{-2i/p}$, $i = 0, \ldots, p/2 - 1$, float32.
+
+    Computed as `transformers` does (`1 / theta ** (arange(0, p, 2) / p)`, all
+    float32), so converted models rotate by the same angles. `theta` may be a
+    Python number or a (traced) scalar array.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rope: the head dimension must be even, got {head_dim}.")
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / jnp.float32(head_dim)
+    return 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
+
+
+def rotate_half(x: Float[Array, "*batch p"]) -> Float[Array, "*batch p"]:
+    r"""$[x_1, x_2] \mapsto [-x_2, x_1]$, $x_1, x_2$ the halves of the last axis."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope(
+    x: Float[Array, "*batch T p"],
+    positions: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+    *,
+    theta: float | Float[ArrayLike, ""] = 10000.0,
+) -> Float[Array, "*batch T p"]:
+    r"""Rotary position embedding (Su et al., 2021), half-split convention.
+
+    Feature $i < p/2$ pairs with $i + p/2$ (`rotate_half`, as Llama, OLMo 2
+    and Gemma in `transformers`); at position $m$ the pair rotates by the
+    angle $m\,\theta^{-2i/p}$:
+    $$\mathrm{RoPE}(x)_m = x_m \odot \cos(m\omega) + \mathrm{rotate\_half}(x_m)
+    \odot \sin(m\omega), \qquad \omega = [\omega_{0..p/2-1}, \omega_{0..p/2-1}].$$
+    So $\langle \mathrm{RoPE}(q)_m, \mathrm{RoPE}(k)_n \rangle$ depends on
+    $m - n$ only, and norms are preserved.
+
+    Args:
+        x: `(..., T, p)` with `p` even.
+        positions: integer positions broadcastable to `x.shape[:-1]`; default
+            `arange(T)`. Explicit positions serve packed sequences and
+            generation offsets: `rope(x[k:], positions=arange(k, T))` equals
+            `rope(x)[k:]`.
+        theta: the base $\theta$, a Python number or a (traced) scalar.
+
+    Returns:
+        The shape and dtype of `x`. Frequencies and angles are float32 (as in
+        `transformers`); the rotation is computed in float32, or float64 for
+        float64 input.
+    """
+    T, p = x.shape[-2], x.shape[-1]
+    inv_freq = rope_frequencies(p, theta)
+    if positions is None:
+        pos = jnp.arange(T)
+    else:
+        pos = _check_int_array("rope", "positions", positions)
+        try:
+            ok = np.broadcast_shapes(pos.shape, x.shape[:-1]) == x.shape[:-1]
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"rope: positions must broadcast to x.shape[:-1] = "
+                f"{tuple(x.shape[:-1])} (e.g. shape (T,) = ({T},)), got shape "
+                f"{tuple(pos.shape)}."
+            )
+    angle = pos.astype(jnp.float32)[..., None] * inv_freq
+    angle = jnp.concatenate([angle, angle], axis=-1)
+    xf = x.astype(_stat_dtype(x.dtype))
+    out = xf * jnp.cos(angle) + rotate_half(xf) * jnp.sin(angle)
+    return out.astype(x.dtype)
 
 
 def attention_entropy(weights: Float[Array, "*rows Tk"]) -> Float[Array, "*rows"]:

@@ -105,15 +105,16 @@ class Stack(eqx.Module):
     def scan(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
     ) -> tuple[Float[Array, "*batch T d"], Any]:
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, key: as for `__call__`.
+            x, valid_lens, positions, key: as for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing.
@@ -123,12 +124,13 @@ class Stack(eqx.Module):
         """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         keys = None if key is None else jax.random.split(key, self.num_blks)
+        extra = {} if positions is None else {"positions": positions}
 
         def step(h, xs):
             blk_params, k = xs
             blk = eqx.combine(blk_params, static)
             if collect is None:
-                return blk(h, valid_lens, key=k), None
+                return blk(h, valid_lens, key=k, **extra), None
             return collect(blk, h, k)
 
         if self.remat:
@@ -138,16 +140,17 @@ class Stack(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, " T"] | None = None,
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
 
-        `valid_lens` is passed to every block; `key` (dropout) is split into one
-        subkey per block.
+        `valid_lens` is passed to every block, and `positions` (RoPE) too when
+        given; `key` (dropout) is split into one subkey per block.
         """
-        return self.scan(x, valid_lens, key=key)[0]
+        return self.scan(x, valid_lens, positions=positions, key=key)[0]
 
 
 def _python_scalar(value: Any) -> Any:

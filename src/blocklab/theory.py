@@ -106,25 +106,38 @@ def block_param_count(
     act: str = "swiglu",
     placement: str = "pre",
     bias: bool = False,
-    qk_norm: bool = False,
+    qk_norm: bool | str = False,
     dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    ffn_width: int | None = None,
+    attn_scale: float | None = None,
+    rope_theta: float | None = None,
+    window: int | None = None,
+    attn_bias: bool | None = None,
+    ffn_bias: bool | None = None,
 ) -> int:
     r"""Exact parameter count of `TransformerBlock(num_hiddens, num_heads, **opts)`.
 
-    Exercise 8a:
+    Exercise 8a, generalized to the real-architecture options. With $H$
+    query heads, $K$ key/value heads (default $H$), head width $p$ (default
+    $d/H$):
 
-    $$\underbrace{4d^2 + 4d\,[\text{bias}] + 2p\,[\text{qk\_norm}]}_{\text{attention}}
-    + \underbrace{\text{FFN}(d)}_{\texttt{ffn\_param\_count}}
+    $$\underbrace{2dHp + 2dKp + (Hp + 2Kp + d)\,[\text{attn\_bias}]
+    + n_{qk}}_{\text{attention}}
+    + \underbrace{\text{FFN}(d, w)}_{\texttt{ffn\_param\_count}}
     + \underbrace{k \cdot d \cdot (1 + [\text{layer}])}_{\text{norms}}$$
-    with $p = d/h$ and $k = 4$ norms for `"sandwich"`, else 2. The default
-    block has $4d^2 + 3d\,\mathrm{round}(8d/3) + 2d$ parameters.
-    `dropout` is accepted (it has no parameters) so that any block's options
-    can be passed through.
+    with $n_{qk} = 2p$ for per-head QK-norm (`True` / `"head"`), $(H + K)p$
+    for `"full"`, 0 without; $k = 4$ norms for `"sandwich"`, else 2. For the
+    chapter's block ($K = H$, $Hp = d$) the attention is $4d^2 + 4d\,[\text{bias}]$
+    and the default block has $4d^2 + 3d\,\mathrm{round}(8d/3) + 2d$.
+    `dropout`, `norm_eps`, `attn_scale`, `rope_theta` and `window` are accepted
+    (they have no parameters) so that any block's options can be passed through.
     """
-    _check_positive_int(
-        "block_param_count", num_hiddens=num_hiddens, num_heads=num_heads
-    )
-    if num_hiddens % num_heads:
+    owner = "block_param_count"
+    _check_positive_int(owner, num_hiddens=num_hiddens, num_heads=num_heads)
+    if head_dim is None and num_hiddens % num_heads:
         raise ValueError(
             f"block_param_count: num_hiddens must be divisible by num_heads, got "
             f"num_hiddens={num_hiddens}, num_heads={num_heads}."
@@ -143,12 +156,29 @@ def block_param_count(
             f"block_param_count: placement must be one of {list(PLACEMENTS)}, "
             f"got placement={placement!r}."
         )
-    del dropout
-    d, p = num_hiddens, num_hiddens // num_heads
-    attention = 4 * d * d + (4 * d if bias else 0) + (2 * p if qk_norm else 0)
+    if qk_norm not in (False, True, "head", "full"):
+        raise ValueError(
+            f"block_param_count: qk_norm must be one of [False, True, 'head', "
+            f"'full'], got qk_norm={qk_norm!r}."
+        )
+    del dropout, norm_eps, attn_scale, rope_theta, window
+    d, H = num_hiddens, num_heads
+    K = H if num_kv_heads is None else num_kv_heads
+    p = d // H if head_dim is None else head_dim
+    _check_positive_int(owner, num_kv_heads=K, head_dim=p)
+    attn_bias = bias if attn_bias is None else attn_bias
+    ffn_bias = bias if ffn_bias is None else ffn_bias
+    attention = 2 * d * H * p + 2 * d * K * p
+    if attn_bias:
+        attention += H * p + 2 * K * p + d
+    if qk_norm == "full":
+        attention += (H + K) * p
+    elif qk_norm:
+        attention += 2 * p
     num_norms = 4 if placement == "sandwich" else 2
     norms = num_norms * d * (2 if norm == "layer" else 1)
-    return attention + ffn_param_count(d, act, bias=bias) + norms
+    ffn = ffn_param_count(d, act, bias=ffn_bias, width=ffn_width)
+    return attention + ffn + norms
 
 
 def block_deviation_from_12d2(num_hiddens: int, num_heads: int, **options) -> float:
