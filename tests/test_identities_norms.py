@@ -133,7 +133,30 @@ def test_gradient_orthogonal_to_x_for_any_loss(d, seed, scale):
     assert ids.rms_norm_gradient_orthogonality(x, loss=_exp_loss).holds(TOL)
 
 
-def test_gradient_through_layer_norm_is_not_orthogonal_to_x():
+@pytest.mark.parametrize("eps", [0.0, 1.0])
+def test_gradient_through_layer_norm_is_orthogonal_to_x_and_ones_only_at_eps0(eps):
+    """blocklab's `layer_norm` is scale and shift invariant at eps = 0, so the
+    gradient of any loss of it is orthogonal to x and to the all-ones vector;
+    with eps = 1 it is no longer scale invariant and the cosine with x is not 0.
+    (The cosine with 1 stays 0: the shift invariance does not need eps = 0.)"""
+    from blocklab.functional import layer_norm
+
+    with jax.enable_x64(True):
+        x = _x(8, (16,), offset=1.0)
+        gain = jnp.asarray(np.random.default_rng(10).uniform(0.5, 2, 16))
+        g = jax.grad(lambda z: _exp_loss(layer_norm(z, gain, None, eps=eps)))(x)
+        g = np.asarray(g, np.float64)
+    x = np.asarray(x, np.float64)
+    cos_x = np.dot(x, g) / (np.linalg.norm(x) * np.linalg.norm(g))
+    cos_1 = np.sum(g) / (np.sqrt(16) * np.linalg.norm(g))
+    assert abs(cos_1) < 1e-12
+    if eps == 0.0:
+        assert abs(cos_x) < 1e-12
+    else:
+        assert abs(cos_x) > 1e-2
+
+
+def test_gradient_of_a_loss_of_x_itself_is_not_orthogonal_to_x():
     # the orthogonality is special to scale invariance: a loss of x itself is not
     x = _x(8, (16,), offset=1.0)
     g = jax.grad(lambda z: jnp.sum(jnp.sin(z)))(x)
