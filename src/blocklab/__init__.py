@@ -6,7 +6,7 @@ pytrees acting on one sequence `(T, d)`; batches and seeds come from
 `jax.vmap`.
 """
 
-from . import functional, identities, init, inplace, theory
+from . import experiments, functional, identities, init, inplace, theory
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
@@ -157,4 +157,5 @@ __all__ = [
     "llama_ffn_width",
     "qk_logit_bound",
     "theory",
+    "experiments",
 ]
