@@ -47,3 +47,35 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         if o.get("output_type") == "error"
     ]
     assert not errors
+
+
+def _private_imports(source: str) -> list[str]:
+    """Imports of blocklab's CLI layer or private modules in `source`."""
+    import re
+
+    return re.findall(
+        r"(?:from|import)\s+(blocklab\.(?:commands|cli|report)\b[\w.]*|"
+        r"blocklab(?:\.\w+)*\._\w+)",
+        source,
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES + NOTEBOOKS, ids=lambda p: p.name)
+def test_examples_and_notebooks_use_only_the_public_api(path):
+    if path.suffix == ".ipynb":
+        nbformat = pytest.importorskip("nbformat")
+        nb = nbformat.read(path, as_version=4)
+        source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    else:
+        source = path.read_text()
+    assert _private_imports(source) == []
+
+
+def test_the_public_api_check_can_fail():
+    assert _private_imports("from blocklab.commands import signal as cmd") == [
+        "blocklab.commands"
+    ]
+    assert _private_imports("import blocklab.experiments._render") == [
+        "blocklab.experiments._render"
+    ]
+    assert _private_imports("import blocklab as bl\nfrom blocklab import init") == []
