@@ -250,3 +250,95 @@ def add_qk_norm(sd, rng, head_dim, prefix="attention", dtype=np.float32):
     for n in ("q_norm", "k_norm"):
         sd[f"{prefix}.{n}.weight"] = np.asarray(1 + rng.normal(0, 0.3, head_dim), dtype)
     return sd
+
+
+# ------------------------------------------- attention with the model options
+def rope(x, positions, theta):
+    """Half-split RoPE on (T, p) rows; float32 frequencies, angles and cos/sin
+    (the `transformers` convention), the rotation itself in float64."""
+    x = np.asarray(x, np.float64)
+    T, p = x.shape
+    out = np.empty_like(x)
+    for t in range(T):
+        for i in range(p // 2):
+            inv = np.float32(1.0) / np.float32(theta) ** (
+                np.float32(2 * i) / np.float32(p)
+            )
+            angle = np.float32(positions[t]) * inv
+            c, s = float(np.cos(angle)), float(np.sin(angle))
+            a, b = x[t, i], x[t, i + p // 2]
+            out[t, i], out[t, i + p // 2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def attention_general(
+    sd,
+    x,
+    num_heads,
+    *,
+    num_kv_heads=None,
+    head_dim=None,
+    scale=None,
+    rope_theta=None,
+    positions=None,
+    window=None,
+    valid_lens=None,
+    qk_norm=None,
+    qk_eps=1e-6,
+    unit_offset=False,
+):
+    """One sequence through attention with every option, by explicit loops.
+
+    Query head i reads key/value head i // (H / KV); `qk_norm` is None,
+    "head" (one gain over p shared by the heads) or "full" (over H*p / KV*p
+    before the split); RoPE after the norm; key j visible from query i iff
+    j < L_i and, with a window w >= 1, i - w < j <= i. Returns
+    (out, weights, logits) with weights and logits of shape (H, T, T).
+    """
+    x = np.asarray(x, np.float64)
+    T, d = x.shape
+    H = num_heads
+    KV = H if num_kv_heads is None else num_kv_heads
+    p = d // H if head_dim is None else head_dim
+    scale = 1 / math.sqrt(p) if scale is None else scale
+    positions = np.arange(T) if positions is None else np.asarray(positions)
+
+    def gain(name):
+        w = np.asarray(sd[name], np.float64)
+        return 1.0 + w if unit_offset else w
+
+    q = linear(sd, "W_q", x)
+    k = linear(sd, "W_k", x)
+    v = linear(sd, "W_v", x)
+    if qk_norm == "full":
+        q = rms_norm(q, gain("q_norm.weight"), qk_eps)
+        k = rms_norm(k, gain("k_norm.weight"), qk_eps)
+    lens = lengths(valid_lens, T)
+    logits = np.zeros((H, T, T))
+    weights = np.zeros((H, T, T))
+    mixed = np.zeros((T, H * p))
+    for h in range(H):
+        g = h // (H // KV)
+        qh, kh, vh = (
+            q[:, h * p : (h + 1) * p],
+            k[:, g * p : (g + 1) * p],
+            v[:, g * p : (g + 1) * p],
+        )
+        if qk_norm == "head":
+            qh = rms_norm(qh, gain("q_norm.weight"), qk_eps)
+            kh = rms_norm(kh, gain("k_norm.weight"), qk_eps)
+        if rope_theta is not None:
+            qh, kh = rope(qh, positions, rope_theta), rope(kh, positions, rope_theta)
+        for i in range(T):
+            row = np.array([scale * float(np.dot(qh[i], kh[j])) for j in range(T)])
+            logits[h, i] = row
+            visible = np.ones(T, bool)
+            if lens is not None:
+                visible &= np.arange(T) < lens[i]
+            if window:
+                visible &= (np.arange(T) <= i) & (np.arange(T) > i - window)
+            masked = np.where(visible, row, MASK_VALUE)
+            e = np.exp(masked - masked.max())
+            weights[h, i] = e / e.sum()
+            mixed[i, h * p : (h + 1) * p] = weights[h, i] @ vh
+    return linear(sd, "W_o", mixed), weights, logits

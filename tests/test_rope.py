@@ -1,4 +1,4 @@
-"""Rotary position embedding: NumPy reference, identities, explicit positions, transformers."""
+"""Rotary position embedding: NumPy reference, identities, positions, transformers."""
 
 import jax
 import jax.numpy as jnp
