@@ -112,3 +112,64 @@ def test_count_params_of_a_stack_is_depth_times_block():
         _abstract(lambda: bl.TransformerBlock(64, 4, key=jax.random.key(0)))
     )
     assert bl.count_params(stack) == 5 * one
+
+
+def _real_arch_configs():
+    """Many configurations of the real-architecture options, deterministically."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    grid = list(
+        itertools.product(
+            (None, 1, 2),  # num_kv_heads (H = 4)
+            (None, 8),  # head_dim
+            (False, "head", "full"),  # qk_norm
+            ("rms", "layer", "gemma_rms"),
+            ("pre", "sandwich", "post", "output"),
+        )
+    )
+    for kv, hd, qk, norm, placement in rng.sample(grid, 40):
+        yield dict(
+            num_kv_heads=kv,
+            head_dim=hd,
+            qk_norm=qk,
+            norm=norm,
+            placement=placement,
+            act=rng.choice(bl.ACTS),
+            ffn_width=rng.choice([None, 40]),
+            attn_bias=rng.choice([None, False, True]),
+            ffn_bias=rng.choice([None, False, True]),
+            bias=rng.choice([False, True]),
+            rope_theta=rng.choice([None, 1e4]),
+            window=rng.choice([None, 0, 3]),
+            attn_scale=rng.choice([None, 0.2]),
+        )
+
+
+def test_closed_form_equals_the_count_for_every_real_architecture_option():
+    for opts in _real_arch_configs():
+        blk = _abstract(
+            lambda o=opts: bl.TransformerBlock(24, 4, key=jax.random.key(0), **o)
+        )
+        counted = bl.count_params(blk)
+        assert bl.block_param_count(24, 4, **opts) == counted, opts
+        c = bl.census(blk)
+        assert (
+            c["total"] == counted
+            and sum(v for k, v in c.items() if k != "total") == counted
+        )
+
+
+def test_census_of_grouped_query_full_qk_norm_attention_by_hand():
+    # d=32, H=4, KV=2, p=6: W_q 32*24, W_k and W_v 32*12 each, W_o 24*32,
+    # full-width QK-norm gains 24 + 12; the int32 window/theta leaves are not
+    # parameters.
+    mha = bl.MultiHeadAttention(
+        32, 4, num_kv_heads=2, head_dim=6, qk_norm="full", rope_theta=1e4,
+        window=5, key=jax.random.key(0),
+    )  # fmt: skip
+    assert bl.census(mha) == {
+        "W_q": 768, "W_k": 384, "W_v": 384, "W_o": 768,
+        "q_norm": 24, "k_norm": 12, "total": 2340,
+    }  # fmt: skip
