@@ -427,6 +427,9 @@ def _block_options(cfg: DecoderConfig) -> dict[str, Any]:
         opts["rope_theta"] = cfg.layer_thetas()[0]
     if cfg.window is not None:
         opts["window"] = cfg.layer_windows()[0]
+    factory = getattr(cfg, "ffn_factory", None)
+    if factory is not None:  # a subclass's FFN (interop.mixtral.MoEDecoderConfig)
+        opts["ffn_factory"] = factory
     return opts
 
 

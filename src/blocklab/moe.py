@@ -362,9 +362,10 @@ def _is_moe_trace(tr: Any) -> bool:
     return isinstance(tr, MoETrace)
 
 
-def _block_moe_trace(block: Any, h: Array, valid_lens: Any, key: Any):
+def _block_moe_trace(block: Any, h: Array, valid_lens: Any, positions: Any, key: Any):
     """One block's output and its FFN's `MoETrace` (`BlockTrace.ffn_trace`)."""
-    tr = block.trace(h, valid_lens, key=key)
+    extra = {} if positions is None else {"positions": positions}
+    tr = block.trace(h, valid_lens, key=key, **extra)
     ffn_trace = getattr(tr, "ffn_trace", None)
     if not _is_moe_trace(ffn_trace):
         raise ValueError(
@@ -384,6 +385,7 @@ def stack_moe_stats(
     x: Float[Array, "*batch T d"],
     valid_lens: Any = None,
     *,
+    positions: Any = None,
     key: PRNGKeyArray | None = None,
 ) -> tuple[Float[Array, "*batch T d"], MoEStats]:
     """Run a `Stack` of MoE blocks, collecting each block's router statistics.
@@ -396,10 +398,11 @@ def stack_moe_stats(
     """
 
     def collect(block, h, k):
-        out, tr = _block_moe_trace(block, h, valid_lens, k)
+        out, tr = _block_moe_trace(block, h, valid_lens, positions, k)
         return out, _stats_of(tr)
 
-    return stack.scan(x, valid_lens, key=key, collect=collect)
+    extra = {} if positions is None else {"positions": positions}
+    return stack.scan(x, valid_lens, key=key, collect=collect, **extra)
 
 
 class _Sink:
@@ -419,15 +422,19 @@ class _RecordingStack(eqx.Module):
     stack: Any
     sink: _Sink = eqx.field(static=True)
 
-    def __call__(self, x, valid_lens=None, *, key=None):
-        h, stats = stack_moe_stats(self.stack, x, valid_lens, key=key)
+    def __call__(self, x, valid_lens=None, *, positions=None, key=None):
+        h, stats = stack_moe_stats(
+            self.stack, x, valid_lens, positions=positions, key=key
+        )
         self.sink.items.append(stats)
         return h
 
-    def scan(self, x, valid_lens=None, *, key=None, collect=None):
-        if collect is not None:
-            return self.stack.scan(x, valid_lens, key=key, collect=collect)
-        return self(x, valid_lens, key=key), None
+    @property
+    def num_blks(self) -> int:
+        return self.stack.num_blks
+
+    def __len__(self) -> int:
+        return self.stack.num_blks
 
 
 def moe_forward(model: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[MoEStats]]:

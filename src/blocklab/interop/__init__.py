@@ -10,10 +10,12 @@ from .huggingface import (
     register_family,
     to_huggingface_state_dict,
 )
+from .mixtral import MoEDecoderConfig  # registers the "mixtral" family
 
 __all__ = [
     "FAMILIES",
     "HFFamily",
+    "MoEDecoderConfig",
     "Rule",
     "from_huggingface",
     "hf_config_to_decoder",

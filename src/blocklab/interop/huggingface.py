@@ -62,7 +62,8 @@ class Rule:
             e.g. `("attention.W_q.weight",)`).
         kind: `"same"` (copied), `"T"` (transposed), `"cat_T"` (the
             transposed arrays concatenated along columns: GPT-2's fused
-            `c_attn.weight`) or `"cat"` (concatenated: its fused bias).
+            `c_attn.weight`), `"cat"` (concatenated: its fused bias) or `"cat1"`
+            (concatenated along axis 1: Mixtral's fused expert `gate_up_proj`).
     """
 
     hf: str
@@ -79,6 +80,8 @@ def _to_hf(kind: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate([a.T for a in arrays], axis=1)
     if kind == "cat":
         return np.concatenate(arrays, axis=0)
+    if kind == "cat1":
+        return np.concatenate(arrays, axis=1)
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
@@ -91,6 +94,8 @@ def _from_hf(kind: str, array: np.ndarray, n: int) -> list[np.ndarray]:
         return [np.ascontiguousarray(a.T) for a in np.split(array, n, axis=1)]
     if kind == "cat":
         return list(np.split(array, n, axis=0))
+    if kind == "cat1":
+        return [np.ascontiguousarray(a) for a in np.split(array, n, axis=1)]
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
@@ -103,6 +108,8 @@ def _hf_shape(kind: str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         return (shapes[0][1], sum(s[0] for s in shapes))
     if kind == "cat":
         return (sum(s[0] for s in shapes),)
+    if kind == "cat1":
+        return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
     raise ValueError(f"unknown rule kind {kind!r}")
 
 

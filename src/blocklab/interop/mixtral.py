@@ -1,0 +1,183 @@
+r"""Mixtral (sparse mixture of experts) for `DecoderLM` and `from_huggingface`.
+
+`MoEDecoderConfig` is a `DecoderConfig` whose blocks' FFNs are
+`blocklab.MoEFeedForward`s (built through `TransformerBlock`'s `ffn_factory`
+hook); `DecoderLM(MoEDecoderConfig(...))` is then a Mixtral-style model, and
+`blocklab.moe_forward` / `blocklab.moe_loss` give its router statistics and
+auxiliary losses. Importing this module registers the `"mixtral"` family, so
+`blocklab.from_huggingface` converts a PyTorch `MixtralForCausalLM`:
+
+- attention as Llama's (RoPE, grouped-query heads, no biases), with Mixtral's
+  `sliding_window` (when set) on every layer;
+- `mlp.gate.weight` $(E, d)$ is the router; `mlp.experts.gate_up_proj`
+  $(E, 2I, d)$ holds each expert's gate ($W_g$, the first $I$ rows) and up
+  ($W_1$) projections; `mlp.experts.down_proj` $(E, d, I)$ is $W_2$;
+- routing: softmax of the router logits in float32, top-`num_experts_per_tok`,
+  renormalized (`routing="mixtral"`). `router_jitter_noise` acts only in
+  training mode, so a model in training mode with jitter is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .._validate import check_choice, check_int
+from ..decoder import DecoderConfig
+from ..moe import DISPATCHES, ROUTINGS, MoEFeedForward
+from .huggingface import (
+    HFFamily,
+    Rule,
+    _attn_rules,
+    _get,
+    _llama_like,
+    _model_global,
+    _refuse,
+    register_family,
+)
+
+__all__ = ["MoEDecoderConfig"]
+
+_OWNER = "MoEDecoderConfig"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDecoderConfig(DecoderConfig):
+    """A `DecoderConfig` whose FFNs are top-k mixtures of experts.
+
+    Attributes (besides `DecoderConfig`'s):
+        num_experts: experts per block $E$.
+        top_k: experts per token $k$ ($1 \\le k \\le E$).
+        routing: `"mixtral"` (renormalized top-k) or `"softmax_topk"`.
+        dispatch: `"dense"` or `"sorted"` (see `MoEFeedForward`).
+
+    Each expert is a `FeedForward` of activation `act`, width `ffn_width` and
+    biases `ffn_bias`.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    routing: str = "mixtral"
+    dispatch: str = "dense"
+
+    def __post_init__(self):
+        super().__post_init__()
+
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("num_experts", check_int(_OWNER, "num_experts", self.num_experts, min=1))
+        put(
+            "top_k",
+            check_int(_OWNER, "top_k", self.top_k, min=1, max=self.num_experts),
+        )
+        put("routing", check_choice(_OWNER, "routing", self.routing, ROUTINGS))
+        put("dispatch", check_choice(_OWNER, "dispatch", self.dispatch, DISPATCHES))
+
+    def ffn_factory(self, *, key: Any) -> MoEFeedForward:
+        """The FFN of every block (`TransformerBlock`'s `ffn_factory` hook)."""
+        return MoEFeedForward(
+            self.num_hiddens,
+            self.num_experts,
+            self.top_k,
+            act=self.act,
+            width=self.ffn_width,
+            routing=self.routing,
+            dispatch=self.dispatch,
+            bias=self.ffn_bias,
+            key=key,
+        )
+
+    @classmethod
+    def mixtral(
+        cls,
+        vocab_size: int = 128,
+        num_hiddens: int = 64,
+        num_heads: int = 4,
+        num_blks: int = 2,
+        *,
+        num_experts: int = 8,
+        top_k: int = 2,
+        num_kv_heads: int | None = 2,
+        max_len: int = 128,
+        **overrides: Any,
+    ) -> MoEDecoderConfig:
+        """Mixtral: Llama's block (pre-norm RMSNorm eps 1e-5, RoPE theta 1e6,
+        grouped-query attention, untied head) with top-k SwiGLU experts."""
+        fields = dict(
+            norm_eps=1e-5,
+            rope_theta=1e6,
+            num_experts=num_experts,
+            top_k=top_k,
+            routing="mixtral",
+        )
+        fields.update(overrides)
+        return cls.llama(
+            vocab_size,
+            num_hiddens,
+            num_heads,
+            num_blks,
+            num_kv_heads=num_kv_heads,
+            max_len=max_len,
+            **fields,
+        )
+
+
+def _mixtral_config(hf) -> MoEDecoderConfig:
+    cls = "MixtralForCausalLM"
+    E = _get(hf, "num_local_experts")
+    k = _get(hf, "num_experts_per_tok")
+    for field, value in (("num_local_experts", E), ("num_experts_per_tok", k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _refuse(cls, field, value, "expected a positive int")
+    if k > E:
+        raise _refuse(
+            cls,
+            "num_experts_per_tok",
+            k,
+            f"more experts per token than num_local_experts={E}",
+        )
+    return _llama_like(
+        hf,
+        cls,
+        MoEDecoderConfig.llama,
+        head_dim=_get(hf, "head_dim"),
+        window=_get(hf, "sliding_window"),
+        num_experts=E,
+        top_k=k,
+        routing="mixtral",
+    )
+
+
+def _mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
+    return [
+        Rule("input_layernorm.weight", ("norm1.weight",)),
+        *_attn_rules(cfg),
+        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
+        Rule("mlp.gate.weight", ("ffn.router.weight",)),
+        Rule(
+            "mlp.experts.gate_up_proj",
+            ("ffn.experts.W_g.weight", "ffn.experts.W_1.weight"),
+            "cat1",
+        ),
+        Rule("mlp.experts.down_proj", ("ffn.experts.W_2.weight",)),
+    ]
+
+
+register_family(
+    HFFamily(
+        name="mixtral",
+        classes=("MixtralForCausalLM",),
+        to_config=_mixtral_config,
+        layer_prefix="model.layers.{i}.",
+        layer_rules=_mixtral_layer,
+        global_rules=_model_global,
+        matches=lambda c: (
+            isinstance(c, MoEDecoderConfig)
+            and c.positions == "rope"
+            and c.placement == "pre"
+            and c.norm == "rms"
+        ),
+        dropout_fields=("attention_dropout", "router_jitter_noise"),
+    )
+)

@@ -1,0 +1,271 @@
+"""MoEFeedForward against a NumPy float64 loop over tokens; its statistics,
+gradients, dispatch paths, errors, and MoE blocks through the FFN hook."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import blocklab as bl
+from blocklab.moe import route
+
+D = 16
+
+
+def _f64(module):
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, module
+    )
+
+
+@functools.cache
+def _moe(E, k, *, routing="mixtral", dispatch="dense", act="swiglu", bias=False):
+    """A float64 MoE, built in one compiled program (cached per configuration)."""
+
+    @eqx.filter_jit
+    def build(key):
+        return bl.MoEFeedForward(
+            D, E, k, routing=routing, dispatch=dispatch, act=act, bias=bias, key=key
+        )
+
+    moe = _f64(build(jax.random.key(0)))
+    if bias:  # random biases, so a reference that ignored them would disagree
+        rng = np.random.default_rng(100)
+
+        def biases(m):
+            layers = (m.experts.W_1, m.experts.W_2, m.experts.W_g)
+            return [lin.bias for lin in layers if lin is not None]
+
+        new = [jnp.asarray(rng.normal(0, 0.3, b.shape)) for b in biases(moe)]
+        moe = eqx.tree_at(biases, moe, new)
+    return moe
+
+
+@eqx.filter_jit
+def _trace(moe, x):
+    return moe.trace(x)
+
+
+@eqx.filter_jit
+def _call(moe, x):
+    return moe(x)
+
+
+def _numpy_moe(moe, x):
+    """The reference: per token, softmax, top-k by a full sort, gates, expert FFNs."""
+    x = np.asarray(x, np.float64).reshape(-1, D)
+    Wr = np.asarray(moe.router.weight, np.float64)
+    out = np.zeros_like(x)
+    logits = x @ Wr.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    counts = np.zeros(moe.num_experts)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-probs[t], kind="stable")[: moe.top_k]
+        g = probs[t, chosen]
+        if moe.routing == "mixtral":
+            g = g / g.sum()
+        for e, ge in zip(chosen, g, strict=True):
+            counts[e] += 1
+            sd = {
+                f"ffn.{name}.{p}": np.asarray(getattr(getattr(moe.experts, name), p)[e])
+                for name in ("W_1", "W_2", "W_g")
+                if getattr(moe.experts, name) is not None
+                for p in ("weight", "bias")
+                if getattr(getattr(moe.experts, name), p) is not None
+            }
+            out[t] += ge * ref.ffn(sd, x[t : t + 1], moe.act)[0]
+    n, E, k = x.shape[0], moe.num_experts, moe.top_k
+    load = counts / (n * k)
+    P = probs.mean(0)
+    lse = np.log(np.exp(logits).sum(-1))
+    stats = dict(
+        aux_loss=E * np.sum(k * load * P),
+        z_loss=np.mean(lse**2),
+        load=load,
+        router_prob=P,
+        entropy=np.mean(-np.sum(probs * np.log(probs), -1)),
+    )
+    return out, stats
+
+
+@pytest.mark.parametrize("routing", ["mixtral", "softmax_topk"])
+@pytest.mark.parametrize("dispatch", ["dense", "sorted"])
+@pytest.mark.parametrize(("E", "k"), [(4, 1), (6, 2)])
+def test_moe_matches_numpy_reference(routing, dispatch, E, k):
+    moe = _moe(E, k, routing=routing, dispatch=dispatch)
+    x = np.random.default_rng(1).normal(size=(2, 7, D))
+    tr = _trace(moe, jnp.asarray(x))
+    want, stats = _numpy_moe(moe, x)
+    np.testing.assert_allclose(tr.output.reshape(-1, D), want, rtol=1e-12, atol=1e-12)
+    for name, value in stats.items():
+        np.testing.assert_allclose(getattr(tr, name), value, rtol=1e-12, atol=1e-14)
+    assert tr.logits.shape == (2, 7, E)
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "sorted"])
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+def test_moe_other_expert_acts_and_biases(dispatch, act):
+    moe = _moe(5, 2, dispatch=dispatch, act=act, bias=True)
+    assert moe.experts.W_1.bias is not None
+    x = np.random.default_rng(2).normal(size=(9, D))
+    want, _ = _numpy_moe(moe, x)
+    np.testing.assert_allclose(_call(moe, jnp.asarray(x)), want, rtol=1e-12, atol=1e-12)
+
+
+def test_top_k_of_all_experts_without_renormalizing_is_the_softmax_mixture():
+    # Closed form: k = E with plain softmax gates is sum_e p_e FFN_e(x).
+    moe = _moe(3, 3, routing="softmax_topk")
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, D)))
+    p = jax.nn.softmax(x @ moe.router.weight.T, -1)
+    want = sum(p[:, e : e + 1] * moe.expert(e)(x) for e in range(3))
+    np.testing.assert_allclose(_call(moe, x), want, rtol=1e-12, atol=1e-12)
+    # Uniform-router identities: zero router -> load-balancing loss k, entropy log E.
+    zero = eqx.tree_at(lambda m: m.router.weight, moe, jnp.zeros((3, D)))
+    tr = _trace(zero, x)
+    np.testing.assert_allclose(tr.aux_loss, 3.0, rtol=1e-12)
+    np.testing.assert_allclose(tr.entropy, np.log(3.0), rtol=1e-12)
+    np.testing.assert_allclose(tr.z_loss, np.log(3.0) ** 2, rtol=1e-12)
+
+
+def test_route_renormalizes_mixtral_gates_only():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    probs, g_mix, idx = route(logits, 2, "mixtral")
+    _, g_top, _ = route(logits, 2, "softmax_topk")
+    np.testing.assert_array_equal(idx, [[0, 1]])
+    np.testing.assert_allclose(g_mix, [[0.625, 0.375]], rtol=1e-12)
+    np.testing.assert_allclose(g_top, [[0.5, 0.3]], rtol=1e-12)
+    np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "batched"])
+def test_dispatches_agree_under_transforms(transform):
+    dense, sparse = _moe(8, 2), _moe(8, 2, dispatch="sorted")
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 5, D)))
+    if transform == "jit":
+        a, b = _call(dense, x), _call(sparse, x)
+    elif transform == "vmap":  # one sequence per call: statistics per sequence
+        a, b = (eqx.filter_jit(jax.vmap(m))(x) for m in (dense, sparse))
+        np.testing.assert_allclose(a[1], _call(dense, x[1]), rtol=1e-12, atol=1e-12)
+    else:  # eager
+        a, b = dense(x), sparse(x)
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("routing", ["mixtral", "softmax_topk"])
+@pytest.mark.parametrize("dispatch", ["dense", "sorted"])
+def test_router_gradient_matches_finite_differences(routing, dispatch):
+    moe = _moe(4, 2, routing=routing, dispatch=dispatch)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(6, D)))
+    r = jnp.asarray(np.random.default_rng(6).normal(size=(6, D)))
+
+    @jax.jit
+    def loss(W):
+        m = eqx.tree_at(lambda m: m.router.weight, moe, W)
+        tr = m.trace(x)
+        return jnp.sum(r * tr.output) + 0.3 * tr.aux_loss + 0.1 * tr.z_loss
+
+    W = moe.router.weight
+    grad = jax.jit(jax.grad(loss))(W)
+    assert float(jnp.max(jnp.abs(grad))) > 1e-3  # gradients reach the router
+    eps = 1e-6
+    for i, j in [(0, 0), (1, 3), (2, 7), (3, 15)]:
+        bump = jnp.zeros_like(W).at[i, j].set(eps)
+        fd = (loss(W + bump) - loss(W - bump)) / (2 * eps)
+        np.testing.assert_allclose(grad[i, j], fd, rtol=1e-6, atol=1e-8)
+
+
+def test_dispatch_gradients_agree():
+    dense, sparse = _moe(6, 2), _moe(6, 2, dispatch="sorted")
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(10, D)))
+
+    def loss(m):
+        return jnp.sum(jnp.sin(m(x)))
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    ga, gb = grad(dense), grad(sparse)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "sorted"])
+def test_returns_input_dtype_with_float32_router(dispatch):
+    moe = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a,
+        _moe(4, 2, dispatch=dispatch),
+    )
+    x = jax.random.normal(jax.random.key(1), (5, D), jnp.bfloat16)
+    tr = _trace(moe, x)
+    assert tr.output.dtype == jnp.bfloat16
+    assert tr.logits.dtype == jnp.float32 and tr.load.dtype == jnp.float32
+
+
+def test_load_balancing_loss_pools_blocks():
+    rng = np.random.default_rng(8)
+    load = rng.dirichlet(np.ones(4), size=3)
+    P = rng.dirichlet(np.ones(4), size=3)
+    got = bl.load_balancing_loss(jnp.asarray(load), jnp.asarray(P), 2)
+    np.testing.assert_allclose(got, 4 * np.sum(2 * load.mean(0) * P.mean(0)))
+    # One block: the trace's aux_loss.
+    np.testing.assert_allclose(
+        bl.load_balancing_loss(jnp.asarray(load[0]), jnp.asarray(P[0]), 2),
+        4 * np.sum(2 * load[0] * P[0]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_experts=4, top_k=0), "top_k must lie in \\[1, 4\\], got 0"),
+        (dict(num_experts=4, top_k=5), "top_k must lie in \\[1, 4\\], got 5"),
+        (dict(num_experts=0, top_k=1), "num_experts must lie in \\[1, inf\\], got 0"),
+        (dict(num_experts=True, top_k=1), "num_experts must be an int, got True"),
+        (dict(num_experts=4, top_k=2, routing="switch"), "routing=.switch."),
+        (dict(num_experts=4, top_k=2, dispatch="ragged"), "dispatch=.ragged."),
+        (dict(num_experts=4, top_k=2, bias="no"), "bias"),
+        (dict(num_experts=4, top_k=2, width=0), "width must lie in"),
+        (dict(num_experts=4, top_k=2, act="tanh"), "act=.tanh."),
+    ],
+)
+def test_bad_configuration_names_the_value(kwargs, match):
+    # ConfigError is a ValueError and a TypeError; under the test suite's
+    # jaxtyping hook a wrongly typed flag is refused by its annotation first.
+    with pytest.raises(TypeError, match=match):
+        bl.MoEFeedForward(D, key=jax.random.key(0), **kwargs)
+
+
+def test_router_of_another_width_is_refused():
+    moe = _moe(4, 2)
+    wrong = eqx.tree_at(lambda m: m.router.weight, moe, jnp.zeros((4, D + 1)))
+    with pytest.raises(ValueError, match=r"router.weight must have shape .*\(4, 17\)"):
+        wrong(jnp.zeros((3, D)))
+    with pytest.raises(ValueError, match="num_hiddens=16.*shape \\(3, 8\\)"):
+        moe(jnp.zeros((3, 8)))
+    with pytest.raises(TypeError, match="key"):
+        bl.MoEFeedForward(D, 4, 2, key=None)
+
+
+def test_experts_are_one_stacked_feedforward():
+    moe = eqx.filter_jit(lambda k: bl.MoEFeedForward(D, 4, 2, width=24, key=k))(
+        jax.random.key(0)
+    )
+    assert isinstance(moe.experts, bl.FeedForward)
+    assert moe.experts.W_1.weight.shape == (4, 24, D)
+    assert moe.experts.W_2.weight.shape == (4, D, 24)
+    assert moe.router.weight.shape == (4, D) and moe.router.bias is None
+    # Expert e is the FeedForward built from the e-th expert key.
+    expert_key = jax.random.split(jax.random.key(0))[1]
+    ffn = bl.FeedForward(D, width=24, key=jax.random.split(expert_key, 4)[2])
+    x = jax.random.normal(jax.random.key(1), (3, D))
+    np.testing.assert_allclose(
+        _call(moe.expert(2), x), _call(ffn, x), rtol=1e-6, atol=1e-6
+    )
+    assert not np.allclose(moe.expert(0).W_1.weight, moe.expert(1).W_1.weight)
+    with pytest.raises(IndexError):
+        moe.expert(4)
