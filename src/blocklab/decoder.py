@@ -433,7 +433,7 @@ def _block_options(cfg: DecoderConfig) -> dict[str, Any]:
     return opts
 
 
-def _theta_bits(theta: float) -> np.int32:
+def _theta_bits(theta: float) -> np.ndarray:
     """RoPE base as the attention stores it: the int32 bit pattern of the float32."""
     return np.array(theta, np.float32).view(np.int32)
 

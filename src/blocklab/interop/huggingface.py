@@ -311,9 +311,9 @@ def _gpt2_config(hf) -> DecoderConfig:
 
 def _llama_like(hf, cls: str, preset, **extra) -> DecoderConfig:
     theta = _rope_theta(cls, _get(hf, "rope_parameters"), "rope_parameters")
-    legacy = _get(hf, "rope_scaling")
-    if legacy:
-        raise _refuse(cls, "rope_scaling", legacy, "a rope scaling setting")
+    legacy = _get(hf, "rope_scaling")  # 5.x: an alias of rope_parameters
+    if legacy is not None and legacy != _get(hf, "rope_parameters"):
+        theta = _rope_theta(cls, legacy, "rope_scaling")
     act = _gated_act(cls, hf, "hidden_act")
     return preset(
         hf.vocab_size,
