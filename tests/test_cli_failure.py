@@ -256,3 +256,51 @@ def test_training_commands_print_strict_json_on_success(name, tmp_path, capsys):
         assert {d["lr"] for d in out["diverged"]} == {1e30}
         assert all(p.read_bytes()[:4] == b"\x89PNG" for p in tmp_path.rglob("*.png"))
         assert list(tmp_path.rglob("*.png"))
+
+
+# ------------------------------------------------------------- figures
+def test_sanitize_drops_what_cannot_be_drawn_and_clips_the_rest():
+    from blocklab.plotting import sanitize
+
+    x = [1e-4, 1e-3, 1e30, 1e300, 1.0, 2.0]
+    y = [1.0, math.nan, 2.0, 3.0, -1.0, math.inf]
+    px, py, dropped = sanitize(x, y, logx=True, logy=True)
+    # nan, inf and (log y) the negative value go; 1e300 is clipped to 1e100
+    assert px.tolist() == [1e-4, 1e30, 1e100] and py.tolist() == [1.0, 2.0, 3.0]
+    assert dropped == 3
+    px, py, dropped = sanitize(x, y)  # linear axes keep the negative value
+    assert py.tolist() == [1.0, 2.0, 3.0, -1.0] and dropped == 2
+
+
+def test_figures_of_diverged_runs_are_written(tmp_path):
+    from blocklab.plotting import bar_plot, line_plot
+
+    png = line_plot(
+        tmp_path / "lr.png",
+        {"a": [1e-4, 1e-1, 1e30], "b": [1e-4, 1e-1, 1e30]},
+        {"a": [2.0, math.nan, math.inf], "b": [math.nan] * 3},
+        xlabel="lr",
+        ylabel="loss",
+        logx=True,
+        logy=True,
+        bands={"a": ([1.0, math.nan, 0.0], [3.0, math.inf, 1e308])},
+        hlines={"init": math.nan, "ok": 1.5},
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # finite but huge values on a linear axis: matplotlib's tick arithmetic
+    # overflows ("arange: cannot compute length") unless they are clipped
+    line_plot(
+        tmp_path / "huge.png", [1, 2, 3], {"a": [1.0, -1.7e308, 1.7e308]},
+        xlabel="step", ylabel="loss",
+    )  # fmt: skip
+    png = bar_plot(
+        tmp_path / "bars.png",
+        {"x": {"fresh": math.inf, "donated": 1.0}, "y": {"fresh": 2.0}},
+        ylabel="GB/s",
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bars.png",
+        "huge.png",
+        "lr.png",
+    ]

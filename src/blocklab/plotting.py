@@ -13,7 +13,7 @@ axis, and the figure says how many points it left out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from numpy.typing import ArrayLike  # noqa: E402
 
 from ._io import atomic_path  # noqa: E402
 
@@ -31,7 +32,7 @@ CLIP = 1e100
 
 
 def sanitize(
-    x: Sequence[float], y: Sequence[float], *, logx: bool = False, logy: bool = False
+    x: ArrayLike, y: ArrayLike, *, logx: bool = False, logy: bool = False
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Drop the points of (x, y) that cannot be drawn; clip the extreme ones.
 
@@ -80,16 +81,16 @@ def _save(fig, path: Path) -> Path:
 
 def line_plot(
     path: str | Path,
-    x: Sequence[float] | Mapping[str, Sequence[float]],
-    ys: Mapping[str, Sequence[float]],
+    x: ArrayLike | Mapping[str, ArrayLike],
+    ys: Mapping[str, ArrayLike],
     *,
     xlabel: str,
     ylabel: str,
     title: str | None = None,
     logx: bool = False,
     logy: bool = False,
-    bands: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
-    hlines: Mapping[str, float] | None = None,
+    bands: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+    hlines: Mapping[str, float | int] | None = None,
 ) -> Path:
     """Write a PNG with one line per entry of `ys` and return its path.
 
@@ -142,7 +143,7 @@ def line_plot(
 
 def bar_plot(
     path: str | Path,
-    groups: Mapping[str, Mapping[str, float]],
+    groups: Mapping[str, Mapping[str, float | int | None]],
     *,
     ylabel: str,
     title: str | None = None,
