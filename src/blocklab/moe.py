@@ -484,32 +484,44 @@ def load_balancing_loss(
     return E * jnp.sum(top_k * f * P)
 
 
+def _token_cross_entropy(logits: Array, Y: Array) -> Array:
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, Y[..., None], axis=-1))
+
+
 def moe_loss(
-    loss_fn: Callable[[Any], Any],
+    task_loss: Callable[[Any, Any], Any] | None = None,
     *,
     aux_coef: float = 0.01,
     z_coef: float = 0.001,
 ) -> Callable[..., tuple[Array, dict[str, Array]]]:
     r"""A `loss_fn(model, batch, key) -> (loss, aux)` adding the router losses.
 
-    `loss_fn(logits, batch) -> scalar` scores the model's output on the batch
-    `(X, Y)`; the returned function computes, through `moe_forward`,
+    For a batch `(X, Y)`, the model's output on `X` is computed through
+    `moe_forward` and scored by `task_loss(output, Y)` (default: the mean
+    next-token cross-entropy of the logits, in float32); then
     $$\ell = \ell_\text{task} + c_\text{aux} \frac1L \sum_l L_\text{aux}^{(l)}
     + c_z \frac1L \sum_l L_z^{(l)},$$
-    the means over all MoE blocks of all stacks (Mixtral's default
-    $c_\text{aux}$ is 0.02 on the pooled loss; Switch uses 0.01, ST-MoE
-    $c_z = 0.001$), and returns `(loss, {"task", "aux", "z", "load"})` with
-    `load` the `(L, E)` expert loads.
+    the means over all MoE blocks of all stacks (Switch uses
+    $c_\text{aux} = 0.01$, ST-MoE $c_z = 0.001$; `transformers`' Mixtral adds
+    0.001 times the pooled `load_balancing_loss`). This is the form
+    `blocklab.make_train_step(..., loss_fn=...)` and `train_sweep` take.
+
+    Returns:
+        `fn(model, batch, key=None) -> (loss, {"task", "aux", "z", "load"})`,
+        `load` the `(L, E)` expert loads of the batch.
     """
     from ._validate import check_float
 
     aux_coef = check_float("moe_loss", "aux_coef", aux_coef, min=0.0)
     z_coef = check_float("moe_loss", "z_coef", z_coef, min=0.0)
+    task_loss = _token_cross_entropy if task_loss is None else task_loss
 
     def fn(model, batch, key=None):
         X, Y = batch
         logits, stats = moe_forward(model, X, key=key)
-        task = loss_fn(logits, Y)
+        task = task_loss(logits, Y)
         aux = jnp.mean(jnp.concatenate([s.aux_loss.reshape(-1) for s in stats]))
         z = jnp.mean(jnp.concatenate([s.z_loss.reshape(-1) for s in stats]))
         load = jnp.concatenate([s.load.reshape(-1, s.load.shape[-1]) for s in stats])
