@@ -304,3 +304,40 @@ def test_figures_of_diverged_runs_are_written(tmp_path):
         "huge.png",
         "lr.png",
     ]
+
+
+# ------------------------------------------------------------- strict JSON
+def test_strict_json_of_numpy_jax_dataclasses_and_paths():
+    import dataclasses
+    from pathlib import Path
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from blocklab.experiments import dumps, nonfinite_paths, to_jsonable
+
+    @dataclasses.dataclass
+    class Result:
+        losses: object
+        best: object
+
+    value = {
+        "a": np.array([[1.5, np.nan], [np.inf, -2.0]], np.float32),
+        "b": jnp.asarray(3.0),
+        "c": np.int64(7),
+        "d": (np.bool_(True), Path("x/y.png")),
+        "e": Result(losses=jnp.array([0.5, jnp.nan]), best=np.float64(-np.inf)),
+        1: "int key",
+    }
+    assert to_jsonable(value) == {
+        "a": [[1.5, None], [None, -2.0]],
+        "b": 3.0,
+        "c": 7,
+        "d": [True, "x/y.png"],
+        "e": {"losses": [0.5, None], "best": None},
+        "1": "int key",
+    }
+    assert strict(dumps(value))["e"]["best"] is None
+    assert nonfinite_paths(value) == ["a[0,1]", "e.losses[1]", "e.best"]
+    with pytest.raises(TypeError, match="no JSON form"):
+        to_jsonable({"x": object()})
