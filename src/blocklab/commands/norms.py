@@ -61,4 +61,4 @@ def report_estimate(*, quick: bool) -> float:
 
 def report_section(out_dir: Path, *, quick: bool) -> str:
     shape, reps = study.REPORT_RUNS[quick]
-    return study.run_norms(shape=shape, reps=reps, progress=False).section(out_dir)
+    return study.run_norms(shape=shape, reps=reps, progress=True).section(out_dir)
