@@ -408,3 +408,14 @@ def test_load_state_dict_dtype_must_be_floating(norm_sd):
         load_state_dict(bl.RMSNorm(4), norm_sd, dtype=jnp.int32)
     out = load_state_dict(bl.RMSNorm(4), norm_sd, dtype=jnp.bfloat16)
     assert out.weight.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("bad", [None, 3, "", b"lm.ckpt"])
+def test_checkpoint_path_must_be_a_file_name(lm, bad):
+    for owner, call in (("save", lambda: save(bad, lm)), ("load", lambda: load(bad))):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{owner}: path must be a file name \(a non-empty str or "
+            rf"os.PathLike\), got {re.escape(repr(bad))} of type {type(bad).__name__}",
+        ):
+            call()

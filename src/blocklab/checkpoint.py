@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._io import atomic_path, check_writable
+from ._validate import ConfigError
 from .models import CharLM
 
 __all__ = ["save", "load"]
@@ -54,6 +56,15 @@ _MAGIC_V1 = _PREFIX + b"1\n"
 _SHA_TAG = b"sha256 "
 #: Model classes a checkpoint can hold, by name. Each has `config()`.
 _MODELS: dict[str, type] = {"CharLM": CharLM}
+
+
+def _check_path(owner: str, path: Any) -> Path:
+    if isinstance(path, (str, os.PathLike)) and str(path):
+        return Path(path)
+    raise ConfigError(
+        f"{owner}: path must be a file name (a non-empty str or os.PathLike), got "
+        f"{path!r} of type {type(path).__name__}."
+    )
 
 
 def _array_dtypes(model: Any) -> list[str]:
@@ -87,7 +98,7 @@ def save(path: str | Path, model: Any) -> Path:
             f"save: the config of this {name} cannot be stored as JSON ({err}); "
             "options such as attn_factory / ffn_factory must be rebuilt in code."
         ) from None
-    path = check_writable(path, owner="save", name="path")
+    path = check_writable(_check_path("save", path), owner="save", name="path")
     buf = io.BytesIO()
     eqx.tree_serialise_leaves(buf, model)
     payload = buf.getvalue()
@@ -220,7 +231,7 @@ def load(path: str | Path, like: Any = None) -> Any:
             checksum that does not match), a directory, or a config that
             does not match `like`.
     """
-    path = Path(path)
+    path = _check_path("load", path)
     _, header, payload = _read_file(path)
     name, config = header["class"], header["config"]
     if name not in _MODELS:
