@@ -12,7 +12,8 @@ import reference as ref
 
 from blocklab import CharLM, state_dict
 from blocklab.cli import main
-from blocklab.commands import lr_sweep
+from blocklab.commands import lr_sweep as cmd
+from blocklab.experiments import lr_sensitivity as lr_sweep
 
 TINY = [
     "--steps", "4", "--record-every", "2", "--num-hiddens", "16", "--num-blks", "1",
@@ -76,39 +77,61 @@ def test_decision_rule():
     assert _verdict([5, 60], [5, 5], [1, 1], [1, 1], final=(2.0, 2.01)) == []
 
 
+def strict_loads(text: str):
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_quick_protocol_and_overrides():
     parser = argparse.ArgumentParser()
-    lr_sweep.add_arguments(parser)
-    assert lr_sweep.protocol_of(parser.parse_args(["--quick"])) == lr_sweep.QUICK
-    assert lr_sweep.protocol_of(parser.parse_args([])) == lr_sweep.FULL
-    p = lr_sweep.protocol_of(parser.parse_args(["--quick", "--steps", "60"]))
-    assert p["steps"] == 60 and p["num_hiddens"] == lr_sweep.QUICK["num_hiddens"]
+    cmd.add_arguments(parser)
+    assert cmd.protocol_of(parser.parse_args(["--quick"])) is lr_sweep.QUICK
+    assert cmd.protocol_of(parser.parse_args([])) is lr_sweep.FULL
+    p = cmd.protocol_of(parser.parse_args(["--quick", "--steps", "60"]))
+    assert p.steps == 60 and p.num_hiddens == 64 and p.name == "custom"
     with pytest.raises(ValueError, match="steps must be >= record_every"):
-        lr_sweep.protocol_of(parser.parse_args(["--steps", "5"]))
+        cmd.protocol_of(parser.parse_args(["--steps", "5"]))
+
+
+def test_the_protocols_are_the_exercises_and_named():
+    full = lr_sweep.FULL
+    assert (full.num_hiddens, full.num_blks, full.num_heads, full.seq_len,
+            full.batch_size, full.steps, full.record_every) == (
+            256, 6, 4, 128, 64, 1000, 100)  # fmt: skip
+    assert {p.name for p in (lr_sweep.FULL, lr_sweep.CPU, lr_sweep.QUICK)} == {
+        "full", "cpu", "quick"}  # fmt: skip
+    assert lr_sweep.report_protocol(quick=False, full=False) is lr_sweep.CPU
+    assert lr_sweep.report_protocol(quick=True) is lr_sweep.QUICK
+    assert lr_sweep.report_protocol(full=True) is lr_sweep.FULL
 
 
 def test_cli_json_schema(tmp_path, capsys):
     out = tmp_path / "plots"
     argv = ["lr-sweep", "--json", *TINY, "--lrs", "1e-2", "1e30", "--out", str(out)]
     assert main(argv) == 0
-    r = json.loads(capsys.readouterr().out)
+    r = strict_loads(capsys.readouterr().out)
     for key in ("lrs", "final_loss", "sensitivity", "max_attn_logit",
-                "max_output_logit", "diverged"):  # fmt: skip
+                "max_output_logit", "diverged", "diverged_at", "protocol"):  # fmt: skip
         assert key in r
-    assert r["lrs"] == [1e-2, 1e30]
+    assert r["lrs"] == [1e-2, 1e30] and r["protocol"]["name"] == "custom"
+    assert r["steps"] == [0, 2, 4]
     for m in ("qk_norm", "no_qk_norm"):
         assert len(r["final_loss"][m]) == 2
         # The absurd rate diverges (reported, not raised); the other does not.
-        assert r["diverged"][m][0] == 0 and r["diverged"][m][1] >= 1
-        assert r["final_loss"][m][1] is None
+        assert r["diverged_at"][m][0] == 0 and r["diverged_at"][m][1] >= 1
+        assert r["final_loss"][m][1] is None and r["final_loss"][m][0] is not None
         assert np.asarray(r["max_attn_logit"][m]).shape == (2, 3)  # steps 0, 2, 4
-        # Sensitivity from the reported numbers (a diverged loss counts as l0).
-        l0 = r["initial_loss"][m]
-        capped = [min(x, l0) if x is not None else l0 for x in r["final_loss"][m]]
-        assert r["sensitivity"][m] == pytest.approx(
-            np.mean(np.subtract(capped, min(capped)))
-        )
-    assert r["steps"] == [0, 2, 4]
+        # An untrained character model: every logit near 0, loss near log 28.
+        assert r["initial_loss"][m] == pytest.approx(math.log(28), abs=0.1)
+        # Two rates, one diverged (capped at l0): the sensitivity lies between 0
+        # and half of l0 minus the surviving rate's final loss.
+        gap = r["initial_loss"][m] - r["final_loss"][m][0]
+        assert 0.0 <= r["sensitivity"][m] <= max(gap, 0.0) / 2 + 1e-6
+    assert {(d["model"], d["lr"]) for d in r["diverged"]} == {
+        ("qk_norm", 1e30), ("no_qk_norm", 1e30)}  # fmt: skip
+    # the log axis of the final-loss figure spans 1e-2 .. 1e30 and survives it
     assert sorted(p.name for p in out.iterdir()) == [
         "lr_attn_logits_no_qk_norm.png",
         "lr_attn_logits_qk_norm.png",
@@ -116,6 +139,7 @@ def test_cli_json_schema(tmp_path, capsys):
         "lr_output_logits_no_qk_norm.png",
         "lr_output_logits_qk_norm.png",
     ]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in out.iterdir())
 
 
 def test_cli_table(tmp_path, capsys):
@@ -123,19 +147,45 @@ def test_cli_table(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "learning-rate sensitivity" in text and "| 1.00e-02 |" in text
+    assert "| 1.00e+30 | diverged | diverged |" in text
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--lrs=-1e-3"], "lrs[0] must lie in (0.0, inf]"),
+        (["--lrs", "0"], "lrs[0] must lie in (0.0, inf]"),
+        (["--lrs", "1e-3", "1e-3"], "lrs must be distinct"),
+        (["--lrs", "inf"], "lrs[0] must be finite"),
+        (["--seed", "-1"], "--seed must lie in [0, 4294967295], got -1"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--record-every", "0"], "--record-every must be >= 1, got 0"),
+        (["--quick", "--steps", "5"], "steps must be >= record_every"),
+    ],
+)
+def test_bad_values_are_refused_before_any_training(bad, message, monkeypatch, capsys):
+    monkeypatch.setattr(lr_sweep, "run_study", lambda *a, **k: 1 / 0)
+    assert main(["lr-sweep", *bad, "--json"]) == 2
+    assert message in strict_loads(capsys.readouterr().out)["error"]
+
+
+def test_help_says_a_diverged_run_exits_0(capsys):
+    assert main(["lr-sweep", "--help", "--json"]) == 0
+    text = " ".join(strict_loads(capsys.readouterr().out)["help"].split())
+    assert "the exit status is 0" in text
 
 
 def test_study_flops_hand_worked_and_cpu_warning(capsys):
-    # d=2, 1 block, T=3: per token 6*12*1*4 + 12*1*3*2 = 360; 2 models x 1 rate
+    # d=4, 1 block, T=3: per token 6*12*1*16 + 12*1*3*4 = 1296; 2 models x 1 rate
     # x 1 step x 1 x 3 tokens.
-    tiny = dict(num_hiddens=2, num_blks=1, seq_len=3, steps=1, batch_size=1)
-    assert lr_sweep.study_flops(tiny, [1e-3]) == 2 * 3 * 360
+    tiny = lr_sweep.LRProtocol("t", 4, 1, 1, 3, 1, 1, 1)
+    assert lr_sweep.study_flops(tiny, [1e-3]) == 2 * 3 * 1296
     # The exercise's protocol: 14 runs of 1000 steps at d = 256, 6 blocks.
     full = lr_sweep.study_flops(lr_sweep.FULL, lr_sweep.LRS)
     assert 3.4e15 < full < 3.6e15
-    lr_sweep.warn_if_slow(lr_sweep.QUICK, lr_sweep.LRS)
+    cmd.warn_if_slow(lr_sweep.QUICK, lr_sweep.LRS)
     assert capsys.readouterr().err == ""
-    lr_sweep.warn_if_slow(lr_sweep.FULL, lr_sweep.LRS)
+    cmd.warn_if_slow(lr_sweep.FULL, lr_sweep.LRS)
     err = capsys.readouterr().err
     if jax.default_backend() == "cpu":
         assert "3.5 PFLOP" in err and "5 h on a 2-core CPU" in err and "--quick" in err

@@ -1,0 +1,580 @@
+r"""Learning-rate sensitivity with and without QK-norm: the chapter's exercise 11.
+
+Wortsman et al. (2024) summarize the final loss $\ell(\eta)$ of a model over
+learning rates $\eta$ by its learning-rate sensitivity
+$$\mathbb{E}_\eta\big[\min(\ell(\eta), \ell_0) - \ell^*\big],$$
+$\ell_0$ the loss at initialization and $\ell^*$ the best final loss over the
+rates tried. `run_study` trains `CharLM` with and without QK-norm at seven
+rates $10^{-4}, 10^{-3.5}, \ldots, 10^{-1}$, each model's rates as ONE
+`blocklab.train_sweep` (vmapped over the rates, sharded over the devices),
+and records every `record_every` steps the mean training loss of the last
+`record_every` steps, the largest |attention logit| and the largest |output
+logit| on a fixed batch (`LogitProbe`).
+
+**Protocols** (`LRProtocol`): `FULL` is the exercise's (d = 256, 6 blocks,
+$64 \times 128$ batches, 1000 steps: about 3.5 PFLOP, hours on a 2-core CPU,
+minutes on a GPU); `CPU` is the reduced protocol `blocklab report` runs
+without an accelerator (a few minutes on 2 cores); `QUICK` is smaller still
+(`blocklab lr-sweep --quick`, `blocklab report --quick`).
+
+**Decision rule** (for every rate where the model without QK-norm ends worse,
+i.e. its final loss exceeds the QK-norm model's by more than `GAP` nats, or it
+diverged and the other did not): attention-logit growth explains the gap if
+the no-QK-norm model's largest |attention logit| over the recorded steps is at
+least `GROWTH` times its value at initialization *and* at least `RATIO` times
+the QK-norm model's largest at the same rate. If not, output-logit growth
+explains it if the no-QK-norm model's largest |output logit| is at least
+`RATIO` times the QK-norm model's. Otherwise neither does.
+
+A member that diverges is frozen at its last finite model and reported (its
+final loss is `None` in JSON and its step in `diverged`); divergence at high
+rates is a result of the study, not an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .._validate import check_float, check_int
+from ..data import TimeMachine
+from ..models import CharLM
+from ..plotting import line_plot
+from ..sweep import SweepResult, train_sweep
+from ._seeds import check_seed
+
+__all__ = [
+    "CPU",
+    "FULL",
+    "GAP",
+    "GROWTH",
+    "LRS",
+    "LRProtocol",
+    "LRSensitivityResult",
+    "LogitProbe",
+    "MODELS",
+    "QUICK",
+    "RATIO",
+    "estimate_seconds",
+    "lr_sensitivity",
+    "run_study",
+    "study_flops",
+    "verdicts",
+]
+
+#: The exercise's rates: 10^-4, 10^-3.5, ..., 10^-1.
+LRS = tuple(float(10.0**e) for e in np.arange(-4.0, -0.75, 0.5))
+#: Decision rule: a gap is a final-loss excess of more than GAP nats ...
+GAP = 0.02
+#: ... attention logits "grew" if their max reached GROWTH x their init value ...
+GROWTH = 10.0
+#: ... and "explain" a gap if also RATIO x the QK-norm model's (same for output logits).
+RATIO = 2.0
+MODELS = ("qk_norm", "no_qk_norm")
+#: Sustained training FLOP/s of this model on a 2-core CPU (measured, rounded).
+CPU_FLOPS = 200e9
+
+
+@dataclasses.dataclass(frozen=True)
+class LRProtocol:
+    """The sizes of one learning-rate study (validated at construction).
+
+    Attributes:
+        name: how the report and the tables name it.
+        num_hiddens, num_blks, num_heads: width d, depth, heads of `CharLM`.
+        seq_len: characters per training sequence T.
+        batch_size: sequences per step.
+        steps: optimizer steps per run (a multiple of `record_every` is best;
+            the loss is read per window of `record_every` steps).
+        record_every: steps per window and between two logit probes.
+        probe_batch: sequences in the fixed batch of `LogitProbe`.
+    """
+
+    name: str
+    num_hiddens: int
+    num_blks: int
+    num_heads: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    record_every: int
+    probe_batch: int = 8
+
+    def __post_init__(self):
+        owner = f"LRProtocol({self.name!r})"
+        for f in dataclasses.fields(self):
+            if f.name != "name":
+                check_int(owner, f.name, getattr(self, f.name), min=1)
+        if self.num_hiddens % self.num_heads:
+            raise ValueError(
+                f"{owner}: num_hiddens must be a multiple of num_heads, got "
+                f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}."
+            )
+        if self.steps < self.record_every:
+            raise ValueError(
+                f"{owner}: steps must be >= record_every, got steps={self.steps}, "
+                f"record_every={self.record_every}."
+            )
+
+    def replace(self, **changes: Any) -> LRProtocol:
+        """A copy with some sizes changed (named `"custom"` unless `name` is given)."""
+        changes.setdefault("name", "custom" if changes else self.name)
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self, lrs: Sequence[float] = LRS) -> str:
+        """One sentence: the model, data, optimizer, steps and rates."""
+        return (
+            f"Protocol `{self.name}`: CharLM d = {self.num_hiddens}, {self.num_blks} "
+            f"blocks, {self.num_heads} heads, batches of {self.batch_size} x "
+            f"{self.seq_len} characters, AdamW (no weight decay), {self.steps} steps, "
+            f"{len(lrs)} learning rates {lrs[0]:.0e} .. {lrs[-1]:.0e}; losses are "
+            f"means over each window of {self.record_every} steps, logits on a "
+            f"fixed batch of {self.probe_batch} sequences."
+        )
+
+
+#: The exercise's protocol (the chapter's, section 11.1.4.2, at d = 256, 6 blocks).
+FULL = LRProtocol("full", 256, 6, 4, 128, 64, 1000, 100, 8)
+#: The reduced protocol of `blocklab report` on a CPU (a few minutes on 2 cores).
+CPU = LRProtocol("cpu", 64, 2, 4, 64, 32, 400, 40, 8)
+#: The smallest protocol: `blocklab lr-sweep --quick`, `blocklab report --quick`.
+QUICK = LRProtocol("quick", 64, 2, 4, 32, 16, 300, 30, 8)
+PROTOCOLS = {p.name: p for p in (FULL, CPU, QUICK)}
+
+
+class LogitProbe(eqx.Module):
+    r"""`probe(model) -> {"attn", "out"}`: largest |attention| and |output| logits.
+
+    Both are measured on the fixed batch `tokens` (`(B, T)` token ids). The
+    attention logits $q^\top k/\sqrt p$ are read, block by block, from
+    `TransformerBlock.trace` inside `Stack.scan(..., collect=...)`, over the
+    causal (query, key) pairs only; the output logits are `model(tokens)`.
+    A module (the batch is an array field), so repeated sweeps reuse one
+    compiled probe.
+    """
+
+    tokens: Int[Array, "B T"]
+
+    def _one(self, model: CharLM, t):
+        T = self.tokens.shape[1]
+        causal = jnp.arange(1, T + 1)
+        visible = jnp.tril(jnp.ones((T, T), bool))
+
+        def collect(block, h, key):
+            tr = block.trace(h, causal, key=key)
+            logits = jnp.abs(tr.attention.logits)
+            return tr.output, jnp.max(jnp.where(visible, logits, 0.0))
+
+        h = model.token_emb.weight[t] + model.pos_emb.weight[:T]
+        _, attn = model.stack.scan(h, causal, collect=collect)
+        return jnp.max(attn), jnp.max(jnp.abs(model(t)))
+
+    def __call__(self, model: CharLM) -> dict[str, Float[Array, ""]]:
+        attn, out = jax.vmap(lambda t: self._one(model, t))(self.tokens)
+        return {"attn": jnp.max(attn), "out": jnp.max(out)}
+
+
+@functools.cache
+def _model_factory(vocab_size, num_hiddens, num_heads, num_blks, max_len, qk_norm):
+    # One function per configuration, so that repeated sweeps reuse compilations.
+    def make_model(key):
+        return CharLM(
+            vocab_size, num_hiddens, num_heads, num_blks, max_len=max_len,
+            qk_norm=qk_norm, key=key,
+        )  # fmt: skip
+
+    return make_model
+
+
+def lr_sensitivity(
+    final: Float[np.ndarray, " L"] | Sequence[float], l0: float
+) -> float:
+    r"""$\frac1L\sum_\eta [\min(\ell(\eta), \ell_0) - \ell^*]$.
+
+    A diverged (NaN or None) $\ell(\eta)$ counts as $\ell_0$; $\ell^*$ is the
+    best capped loss.
+    """
+    final = np.asarray([np.nan if v is None else v for v in final], np.float64)
+    capped = np.where(np.isfinite(final), np.minimum(final, l0), l0)
+    return float(np.mean(capped - np.min(capped)))
+
+
+def _window_means(losses: np.ndarray, every: int) -> np.ndarray:
+    """Mean loss over each window of `every` steps: `(K, steps // every)`."""
+    K, S = losses.shape
+    n = S // every
+    return losses[:, : n * every].reshape(K, n, every).mean(-1)
+
+
+def study_flops(p: LRProtocol, lrs: Sequence[float] = LRS) -> float:
+    """Training FLOPs of the study: 2 models x len(lrs) rates x steps.
+
+    Per token, forward and backward: 6 x the matmul weights (about $12 d^2$ per
+    SwiGLU block) plus $12 T d$ per block for the attention scores and mixing.
+    """
+    d, L, T = p.num_hiddens, p.num_blks, p.seq_len
+    per_token = 6 * 12 * L * d * d + 12 * L * T * d
+    return 2.0 * len(lrs) * p.steps * p.batch_size * T * per_token
+
+
+def estimate_seconds(p: LRProtocol, lrs: Sequence[float] = LRS) -> float:
+    """Rough wall time of `run_study(p, lrs)` on an idle 2-core CPU (s).
+
+    `study_flops` at `CPU_FLOPS` scaled by `min(1, d / 256)` (narrow models
+    use the cores less well), plus about 20 s of compilation and probing.
+    """
+    rate = CPU_FLOPS * min(1.0, p.num_hiddens / 256)
+    return study_flops(p, lrs) / rate + 20.0
+
+
+def _clean(values) -> Any:
+    """Nested lists of floats for JSON, non-finite as `None`."""
+    a = np.asarray(values, np.float64)
+    if a.ndim == 0:
+        return float(a) if math.isfinite(float(a)) else None
+    return [_clean(v) for v in a]
+
+
+def _fmt(x) -> str:
+    return "diverged" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def _nanmax(v) -> float:
+    v = np.asarray(v, np.float64)
+    v = v[np.isfinite(v)]
+    return float(v.max()) if v.size else math.nan
+
+
+def _ratio(a, b) -> float:
+    with np.errstate(all="ignore"):
+        return float(np.float64(a) / np.float64(b))
+
+
+def verdicts(final, attn, logit) -> list[dict[str, Any]]:
+    """The decision rule (module docstring) at each rate where no-QK-norm ends worse.
+
+    `final[m]` is `(L,)` final losses, `attn[m]` / `logit[m]` are `(L, R)`
+    recorded largest logits (step 0 first), for m in `MODELS`.
+    """
+    q, n = (np.asarray(final[m], np.float64) for m in MODELS)
+    out = []
+    for i in range(len(q)):
+        worse = (np.isnan(n[i]) and not np.isnan(q[i])) or n[i] - q[i] > GAP
+        if not worse:
+            continue
+        a_n, a_q = _nanmax(attn["no_qk_norm"][i]), _nanmax(attn["qk_norm"][i])
+        o_n, o_q = _nanmax(logit["no_qk_norm"][i]), _nanmax(logit["qk_norm"][i])
+        growth = _ratio(a_n, attn["no_qk_norm"][i][0])
+        if growth >= GROWTH and a_n >= RATIO * a_q:
+            cause = "attention logits"
+        elif o_n >= RATIO * o_q:
+            cause = "output logits"
+        else:
+            cause = "neither"
+        out.append(
+            dict(
+                index=i,
+                gap=None if np.isnan(n[i]) or np.isnan(q[i]) else float(n[i] - q[i]),
+                attn_growth=growth,
+                attn_ratio=_ratio(a_n, a_q),
+                output_ratio=_ratio(o_n, o_q),
+                explained_by=cause,
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LRSensitivityResult:
+    """What `run_study` returns (NumPy float64 arrays; NaN marks a diverged value).
+
+    Attributes:
+        protocol: the `LRProtocol` that ran.
+        lrs: `(L,)` learning rates.
+        seed: the model/data seed.
+        steps: `(R,)` the steps of the logit records (0 is the initialization).
+        final_loss: model -> `(L,)` mean loss of the last window (NaN: diverged).
+        initial_loss: model -> mean loss of the first step over the rates.
+        sensitivity: model -> `lr_sensitivity(final_loss, initial_loss)`.
+        max_attn_logit, max_output_logit: model -> `(L, R)` largest logits.
+        loss_curves: model -> `(L, steps // record_every)` window means.
+        diverged_at: model -> `(L,)` 1-based step of the first non-finite loss or
+            update, 0 for a run that never diverged.
+        verdicts: the decision rule's verdict at each rate where the model
+            without QK-norm ends worse.
+    """
+
+    protocol: LRProtocol
+    lrs: tuple[float, ...]
+    seed: int
+    steps: np.ndarray
+    final_loss: dict[str, np.ndarray]
+    initial_loss: dict[str, float]
+    sensitivity: dict[str, float]
+    max_attn_logit: dict[str, np.ndarray]
+    max_output_logit: dict[str, np.ndarray]
+    loss_curves: dict[str, np.ndarray]
+    diverged_at: dict[str, np.ndarray]
+    verdicts: list[dict[str, Any]]
+
+    @property
+    def diverged(self) -> list[dict[str, Any]]:
+        """One `{"model", "lr", "step"}` per run that diverged."""
+        return [
+            {"model": m, "lr": lr, "step": int(d)}
+            for m in MODELS
+            for lr, d in zip(self.lrs, self.diverged_at[m], strict=True)
+            if d
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        """Strict-JSON data (non-finite -> `None`), with `diverged` naming the runs."""
+        return {
+            "protocol": self.protocol.as_dict(),
+            "lrs": list(self.lrs),
+            "seed": self.seed,
+            "steps": [int(s) for s in self.steps],
+            "final_loss": {m: _clean(v) for m, v in self.final_loss.items()},
+            "initial_loss": {m: _clean(v) for m, v in self.initial_loss.items()},
+            "sensitivity": {m: _clean(v) for m, v in self.sensitivity.items()},
+            "max_attn_logit": {m: _clean(v) for m, v in self.max_attn_logit.items()},
+            "max_output_logit": {
+                m: _clean(v) for m, v in self.max_output_logit.items()
+            },
+            "loss_curves": {m: _clean(v) for m, v in self.loss_curves.items()},
+            "diverged_at": {
+                m: [int(d) for d in v] for m, v in self.diverged_at.items()
+            },
+            "diverged": self.diverged,
+            "verdicts": [
+                {k: (_clean(v) if isinstance(v, float) else v) for k, v in d.items()}
+                for d in self.verdicts
+            ],
+        }
+
+    def table(self) -> str:
+        """Markdown: final loss and largest logits per rate, both models."""
+        lines = [
+            "| lr | final loss QK-norm | final loss no QK-norm | max attn logit QK / no"
+            " | max output logit QK / no |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for i, lr in enumerate(self.lrs):
+            f = [self.final_loss[m][i] for m in MODELS]
+            a = [_nanmax(self.max_attn_logit[m][i]) for m in MODELS]
+            o = [_nanmax(self.max_output_logit[m][i]) for m in MODELS]
+            lines.append(
+                f"| {lr:.2e} | {_fmt(f[0])} | {_fmt(f[1])} | {a[0]:.1f} / {a[1]:.1f} | "
+                f"{o[0]:.1f} / {o[1]:.1f} |"
+            )
+        return "\n".join(lines)
+
+    def explanation(self) -> str:
+        """One line per rate where the model without QK-norm ends worse."""
+        if not self.verdicts:
+            return (
+                f"The model without QK-norm ends worse (by more than {GAP} nats) at "
+                "no learning rate."
+            )
+        lines = []
+        for v in self.verdicts:
+            lr = self.lrs[v["index"]]
+            gap = "it diverged" if v["gap"] is None else f"gap {v['gap']:.3f} nats"
+            lines.append(
+                f"- lr {lr:.2e} ({gap}): attention logits grew {v['attn_growth']:.1f}x"
+                f" from init, {v['attn_ratio']:.1f}x the QK-norm model's; output "
+                f"logits {v['output_ratio']:.1f}x the QK-norm model's: explained by "
+                f"**{v['explained_by']}**."
+            )
+        return "\n".join(lines)
+
+    def sensitivity_line(self) -> str:
+        s = self.sensitivity
+        return (
+            f"Learning-rate sensitivity E[min(l, l0) - l*]: QK-norm "
+            f"{s['qk_norm']:.3f}, no QK-norm {s['no_qk_norm']:.3f} (l0 = "
+            f"{self.initial_loss['no_qk_norm']:.3f})."
+        )
+
+    def figures(self, out_dir: str | Path) -> list[Path]:
+        """Final loss vs lr (both models); attention- and output-logit growth per model.
+
+        Writes `lr_final_loss.png`, `lr_attn_logits_{model}.png` and
+        `lr_output_logits_{model}.png` into `out_dir`; diverged (NaN) points
+        and extreme rates are handled by `blocklab.plotting`.
+        """
+        out_dir = Path(out_dir)
+        lrs = list(self.lrs)
+        paths = [
+            line_plot(
+                out_dir / "lr_final_loss.png",
+                lrs,
+                {m: self.final_loss[m].tolist() for m in MODELS},
+                xlabel="learning rate",
+                ylabel="final training loss (nats/char)",
+                logx=True,
+                title="CharLM: final loss vs learning rate",
+                hlines={"loss at init": self.initial_loss["no_qk_norm"]},
+            )  # fmt: skip
+        ]
+        # One figure per quantity and model: seven rates keep distinct colours.
+        for data, label, stem in (
+            (self.max_attn_logit, "largest |attention logit|", "lr_attn_logits"),
+            (self.max_output_logit, "largest |output logit|", "lr_output_logits"),
+        ):
+            for m in MODELS:
+                ys = {
+                    f"lr {lr:.0e}": r.tolist()
+                    for lr, r in zip(lrs, data[m], strict=True)
+                }
+                paths.append(
+                    line_plot(
+                        out_dir / f"{stem}_{m}.png",
+                        [float(s) for s in self.steps],
+                        ys,
+                        xlabel="step",
+                        ylabel=label,
+                        logy=True,
+                        title=f"{label} on a fixed batch, {m.replace('_', ' ')}",
+                    )  # fmt: skip
+                )
+        return paths
+
+
+def _check_lrs(owner: str, lrs) -> tuple[float, ...]:
+    lrs = tuple(lrs)
+    if not lrs:
+        raise ValueError(f"{owner}: lrs must hold at least one learning rate.")
+    out = tuple(
+        check_float(owner, f"lrs[{i}]", v, min=0.0, min_open=True)
+        for i, v in enumerate(lrs)
+    )
+    if len(set(out)) != len(out):
+        raise ValueError(f"{owner}: lrs must be distinct, got {list(out)}.")
+    return out
+
+
+def run_study(
+    protocol: LRProtocol = FULL,
+    lrs: Sequence[float] = LRS,
+    *,
+    seed: int = 0,
+    data: TimeMachine | None = None,
+    progress: bool = False,
+) -> LRSensitivityResult:
+    """Train both models at every rate under `protocol`; returns the typed result.
+
+    Both models start from `jax.random.key(seed)` and see the batches of
+    `key(seed + 1)` at every rate; each model's rates run as one
+    `train_sweep` (the rates vmapped, sharded over the devices).
+
+    Args:
+        protocol: an `LRProtocol` (`FULL`, `CPU`, `QUICK`, or `FULL.replace(...)`).
+        lrs: distinct positive learning rates (default the exercise's seven).
+        seed: a non-negative int seed.
+        data: the corpus (default `TimeMachine(num_steps=protocol.seq_len)`).
+        progress: a tqdm bar per model.
+    """
+    owner = "run_study"
+    if not isinstance(protocol, LRProtocol):
+        raise TypeError(
+            f"{owner}: protocol must be an LRProtocol (FULL, CPU, QUICK or "
+            f"FULL.replace(...)), got {type(protocol).__name__}."
+        )
+    lrs = _check_lrs(owner, lrs)
+    seed = check_seed(owner, "seed", seed)
+    p = protocol
+    data = TimeMachine(num_steps=p.seq_len) if data is None else data
+    stride = max(1, data.num_train // p.probe_batch)
+    tokens = data.windows(jnp.arange(p.probe_batch) * stride)[0]
+    probe = LogitProbe(tokens)
+    K = len(lrs)
+    results: dict[str, SweepResult] = {}
+    for name in MODELS:
+        make_model = _model_factory(
+            data.vocab_size, p.num_hiddens, p.num_heads, p.num_blks, data.num_steps,
+            name == "qk_norm",
+        )  # fmt: skip
+        results[name] = train_sweep(
+            make_model, data, p.steps, model_keys=[seed] * K, data_keys=[seed + 1] * K,
+            learning_rates=lrs, batch_size=p.batch_size, steps_per_call=p.record_every,
+            probe=probe, validate=False, progress=progress,
+        )  # fmt: skip
+    return _summarize(results, p, lrs, seed)
+
+
+def _summarize(results: dict[str, SweepResult], p: LRProtocol, lrs, seed):
+    final, sens, attn, logit, div, curves, l0 = {}, {}, {}, {}, {}, {}, {}
+    for name, res in results.items():
+        losses = np.asarray(res.losses, np.float64)
+        curves[name] = _window_means(losses, p.record_every)
+        final[name] = curves[name][:, -1]
+        l0[name] = float(np.nanmean(losses[:, 0]))
+        sens[name] = lr_sensitivity(final[name], l0[name])
+        attn[name] = np.asarray(res.probes["attn"], np.float64)
+        logit[name] = np.asarray(res.probes["out"], np.float64)
+        div[name] = np.asarray(res.diverged_at, np.int64)
+    steps = np.asarray(results[MODELS[0]].probe_steps, np.int64)
+    return LRSensitivityResult(
+        p, tuple(lrs), seed, steps, final, l0, sens, attn, logit, curves, div,
+        verdicts(final, attn, logit),
+    )  # fmt: skip
+
+
+def rule_text() -> str:
+    """The decision rule in one paragraph (for reports)."""
+    return (
+        f"Decision rule: a gap is a final loss worse by more than {GAP} nats; "
+        f"attention-logit growth explains it if the largest |attention logit| grew "
+        f">= {GROWTH:g}x from init and reached >= {RATIO:g}x the QK-norm model's; "
+        f"otherwise output-logit growth explains it if the largest |output logit| "
+        f"reached >= {RATIO:g}x the QK-norm model's."
+    )
+
+
+def report_protocol(*, quick: bool = False, full: bool = False) -> LRProtocol:
+    """The protocol `blocklab report` runs: QUICK, FULL, or else CPU."""
+    return QUICK if quick else FULL if full else CPU
+
+
+def report_section(
+    out_dir: str | Path, *, quick: bool = False, full: bool = False
+) -> str:
+    """Run exercise 11 for the report; write its PNGs; return the Markdown section.
+
+    `quick` runs `QUICK`, `full` runs `FULL` (an accelerator, or `--full`),
+    otherwise `CPU`; the section names the protocol, and when it is not the
+    full one, how to run that.
+    """
+    protocol = report_protocol(quick=quick, full=full)
+    result = run_study(protocol)
+    paths = result.figures(out_dir)
+    note = ""
+    if protocol is not FULL:
+        full_text = FULL.describe().split(": ", 1)[1]
+        note = (
+            f"This is the reduced protocol `{protocol.name}`, sized for a CPU; the "
+            f"exercise's protocol (`full`: {full_text}) runs with "
+            "`blocklab report --full` (the default on a GPU or TPU) or "
+            "`blocklab lr-sweep`, and takes hours on a 2-core CPU.\n\n"
+        )
+    return (
+        "## Learning-rate sensitivity with and without QK-norm (exercise 11)\n\n"
+        f"{protocol.describe()}\n\n{note}{result.table()}\n\n"
+        f"{result.sensitivity_line()}\n\n{rule_text()}\n\n{result.explanation()}\n\n"
+        + "\n".join(f"![{p.stem}]({p.name})" for p in paths)
+        + "\n"
+    )
