@@ -10,22 +10,42 @@ The ratio of the two wall times is the speed-up. Memory per member comes from
 XLA's compiled memory analysis of one chunk of fused steps (arguments +
 outputs + temporaries, minus aliased donated buffers) at K = 1 and K = 8.
 
-Run: `python benchmarks/sweep.py [--steps 50] [--members 8] [--json]`.
+With `--processes 2`, instead: the throughput of one `train_sweep` run as 2
+processes x 1 device (`blocklab launch --processes 2`) against 1 process x 2
+devices (`XLA_FLAGS=--xla_force_host_platform_device_count=2`), the same
+layout, members and steps; each side times a second, compiled run.
+
+Run: `python benchmarks/sweep.py [--steps 50] [--members 8] [--json]`, or
+`python benchmarks/sweep.py --processes 2 [--steps 50] [--members 8]`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# Run as a script, this folder comes first on sys.path, where its signal.py
+# would shadow the standard library's `signal` (imported by jax).
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
-from blocklab import CharLM, TimeMachine, train_lm, train_sweep
-from blocklab.sweep import (
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+from blocklab import distributed  # noqa: E402
+
+if "--child" in sys.argv:
+    distributed.initialize()  # joins the launcher's job before any JAX work
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from blocklab import CharLM, TimeMachine, train_lm, train_sweep  # noqa: E402
+from blocklab.sweep import (  # noqa: E402
     _global,
     _init_states,
     _key_data,
@@ -36,7 +56,7 @@ from blocklab.sweep import (
     pad_members,
     sweep_optimizer,
 )
-from blocklab.train import make_train_step
+from blocklab.train import make_train_step  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -48,7 +68,79 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="compare N processes x 1 device with 1 process x N devices",
+    )
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def child(a: argparse.Namespace) -> None:
+    """One timed sweep (after a compiling one) on every device of the job."""
+    data = TimeMachine(num_steps=a.seq_len, num_val=0)
+
+    def make_model(key):
+        return CharLM(
+            data.vocab_size, a.num_hiddens, 4, a.num_blks, max_len=a.seq_len, key=key
+        )
+
+    def sweep():
+        train_sweep(
+            make_model, data, a.steps, model_keys=list(range(a.members)),
+            data_keys=list(range(100, 100 + a.members)), learning_rates=1e-3,
+            batch_size=a.batch_size, steps_per_call=a.steps, validate=False,
+            progress=False,
+        )  # fmt: skip
+
+    sweep()
+    best = float("inf")
+    for _ in range(2):
+        distributed.barrier("bench")
+        t0 = time.perf_counter()
+        sweep()
+        best = min(best, time.perf_counter() - t0)
+    if distributed.is_main_process():
+        print(json.dumps({
+            "processes": jax.process_count(), "devices": jax.device_count(),
+            "seconds": best, "member_steps_per_s": a.members * a.steps / best,
+        }))  # fmt: skip
+
+
+def compare_processes(a: argparse.Namespace) -> None:
+    n = a.processes
+    opts = [
+        "--child", "--members", str(a.members), "--steps", str(a.steps),
+        "--num-hiddens", str(a.num_hiddens), "--num-blks", str(a.num_blks),
+        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
+    ]  # fmt: skip
+    me = [sys.executable, os.path.abspath(__file__), *opts]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    one_env = {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    one = subprocess.run(me, env=one_env, capture_output=True, text=True, check=True)
+    launch = [sys.executable, "-m", "blocklab.cli", "launch", "--processes", str(n)]
+    many = subprocess.run(
+        [*launch, "--", *me], env=env, capture_output=True, text=True, check=True
+    )
+    r1, rn = (json.loads(x.stdout.strip().splitlines()[-1]) for x in (one, many))
+    out = {
+        "config": {k: v for k, v in vars(a).items() if k != "child"},
+        f"1 process x {n} devices": r1,
+        f"{n} processes x 1 device": rn,
+        "throughput_ratio": rn["member_steps_per_s"] / r1["member_steps_per_s"],
+    }
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"CharLM d={a.num_hiddens}, K={a.members}, {a.steps} steps\n")
+    print("| layout | wall (s) | member-steps/s |")
+    print("|---|---:|---:|")
+    for name in (f"1 process x {n} devices", f"{n} processes x 1 device"):
+        r = out[name]
+        print(f"| {name} | {r['seconds']:.2f} | {r['member_steps_per_s']:.1f} |")
+    print(f"\n{n} processes / 1 process: {out['throughput_ratio']:.2f}x")
 
 
 def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
@@ -79,6 +171,12 @@ def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
 
 def main() -> None:
     a = parse()
+    if a.child:
+        child(a)
+        return
+    if a.processes is not None:
+        compare_processes(a)
+        return
     # No validation windows: both sides time training only.
     data = TimeMachine(num_steps=a.seq_len, num_val=0)
     K = a.members

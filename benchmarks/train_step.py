@@ -10,11 +10,18 @@
    Beside it, the step's matrix products alone (`matmul_floor_seconds`):
    what these shapes allow on this machine, since products with a
    contraction of 32 to 128 run well below the 2048^3 peak.
-2. Compile time of a `Stack` (forward + backward) at 8 and 64 blocks: the scan
+2. The general step (`make_train_step`: any loss, batch source and precision)
+   against the chapter's step as it was before it was generalized (kept here,
+   `ChapterStep`, as the reference): the same CharLM, batches and AdamW,
+   timed alternately in one run; the ratio general / chapter must stay within
+   1.05. Beside them, the `precision="bf16"` step (on CPU, bfloat16 products
+   are emulated and slower; the policy pays off on GPUs and TPUs).
+3. Compile time of a `Stack` (forward + backward) at 8 and 64 blocks: the scan
    compiles one block whatever the depth. With `--unrolled`, the same depths
    as a Python loop over blocks, for reference.
 
-Usage: `python benchmarks/train_step.py [--act swiglu] [--fuse 10] [--unrolled]`.
+Usage: `python benchmarks/train_step.py [--act swiglu] [--fuse 10] [--unrolled]`
+(`--general-only`: only part 2).
 Prints a Markdown table.
 """
 
@@ -163,6 +170,68 @@ def bench_step(act: str, fuse: int, reps: int) -> dict:
     )
 
 
+class ChapterStep(eqx.Module):
+    """The chapter's training step before `make_train_step` was generalized:
+    the batch from `data.train_batch(key, B)`, `lm_loss`, one AdamW update,
+    the same divergence guard. The reference for the general step's cost."""
+
+    data: bl.TimeMachine
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+    batch_size: int = eqx.field(static=True)
+
+    def __call__(self, state, key):
+        X, Y = self.data.train_batch(key, self.batch_size)
+        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+        def loss_fn(p):
+            logits = eqx.combine(p, static)(X).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
+        ok = state.finite & finite
+        stepped = bl.TrainState(
+            eqx.apply_updates(state.model, updates), opt_state, state.step + 1, ok
+        )
+        kept = eqx.tree_at(lambda s: s.finite, state, ok)
+        new = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(ok, a, b) if eqx.is_array(a) else a, stepped, kept
+        )
+        return new, jnp.where(ok, loss, jnp.nan)
+
+    def scan(self, state, keys):
+        return jax.lax.scan(lambda s, k: self(s, k), state, keys)
+
+
+def bench_general(act: str, fuse: int, reps: int) -> dict:
+    """ms / step of the chapter's step, the general step and its bf16 policy."""
+    data = bl.TimeMachine()
+    d, heads, blks, T, B = 128, 4, 2, data.num_steps, 64
+    model = bl.CharLM(
+        data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
+    )
+    opt = optax.adamw(1e-3, weight_decay=0.0)
+    state = bl.init_state(model, opt)
+    keys = bl.step_keys(jax.random.key(1), 0, fuse)
+    steps = {
+        "chapter": ChapterStep(data, opt, B),
+        "general": bl.make_train_step(opt, data, batch_size=B),
+        "general_bf16": bl.make_train_step(opt, data, batch_size=B, precision="bf16"),
+    }
+    runs = {name: eqx.filter_jit(step.scan) for name, step in steps.items()}
+    for run in runs.values():  # compile and warm up
+        jax.block_until_ready(run(state, keys))
+    times = {name: [] for name in runs}
+    for _ in range(reps):  # alternate, so that load changes hit both alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(state, keys))
+            times[name].append((time.perf_counter() - t0) / fuse)
+    ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
+    return dict(act=act, **ms, ratio=ms["general"] / ms["chapter"])
+
+
 def bench_depth(num_blks: int, unrolled: bool) -> float:
     """Seconds to compile forward + backward of a depth-`num_blks` stack (d=128)."""
     stack = bl.Stack(
@@ -204,7 +273,25 @@ def main() -> None:
         action="store_true",
         help="also compile the unrolled (Python loop) stacks",
     )
+    parser.add_argument(
+        "--general-only",
+        action="store_true",
+        help="only the general step against the chapter's step",
+    )
     args = parser.parse_args()
+
+    print("| act | chapter step (ms) | general step (ms) | general / chapter "
+          "| general, bf16 (ms) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    for a in args.act:
+        g = bench_general(a, args.fuse, args.reps)
+        print(
+            f"| {a} | {g['chapter']:.0f} | {g['general']:.0f} | {g['ratio']:.3f} | "
+            f"{g['general_bf16']:.0f} |"
+        )
+    print()
+    if args.general_only:
+        return
 
     peak = matmul_peak_flops()
     rows = [bench_step(a, args.fuse, args.reps) for a in args.act]

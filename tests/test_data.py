@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blocklab.data import VOCAB, TimeMachine, decode, encode, preprocess
+from blocklab.data import VOCAB, TimeMachine, TokenDataset, decode, encode, preprocess
 
 
 def test_preprocess_collapses_non_letters_and_lowercases():
@@ -109,3 +109,64 @@ def test_too_short_and_bad_sizes(tmp_path):
         TimeMachine(num_steps=0, path=path)
     with pytest.raises(ValueError, match="num_val must be an int >= 0, got -1"):
         TimeMachine(num_steps=2, num_train=1, num_val=-1, path=path)
+
+
+def test_token_dataset_from_text_has_its_own_sorted_vocabulary():
+    text = "Hello, World! 123"
+    data = TokenDataset.from_text(text, 4, num_val=2)
+    assert data.vocab == tuple(sorted(set(text)))  # nothing dropped or lowered
+    assert data.vocab_size == len(set(text))
+    assert data.decode(data.corpus) == text
+    np.testing.assert_array_equal(
+        data.encode("lo"), [data.vocab.index(c) for c in "lo"]
+    )
+    # len 17, windows of 5: 13 windows, the last 2 validate
+    assert (data.num_train, data.num_val) == (11, 2)
+    with pytest.raises(ValueError, match=r"not in the vocabulary: \['z'\]"):
+        data.encode("z")
+
+
+def test_token_dataset_windows_and_batches_match_numpy():
+    ids = (np.arange(40) * 7) % 11  # any pre-tokenized sequence
+    data = TokenDataset(ids, 5, num_train=30, num_val=5)
+    assert data.vocab_size == 11 and data.vocab is None
+    X, Y = data.windows(jnp.array([0, 3, 34]))
+    ref_x, ref_y = windows_reference(ids, [0, 3, 34], 5)
+    np.testing.assert_array_equal(X, ref_x)
+    np.testing.assert_array_equal(Y, ref_y)
+    Xv, Yv = data.val_batch()
+    ref_x, ref_y = windows_reference(ids, range(30, 35), 5)
+    np.testing.assert_array_equal(Xv, ref_x)
+    np.testing.assert_array_equal(Yv, ref_y)
+    Xb, Yb = jax.jit(lambda k: data.train_batch(k, 32))(jax.random.key(0))
+    starts = [int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(
+        ids, 5) == row, axis=1))[0]) for row in np.asarray(Xb)]  # fmt: skip
+    assert max(starts) < 30  # training windows only
+    np.testing.assert_array_equal(Yb[:, :-1], Xb[:, 1:])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kw", "match"),
+    [
+        (np.array([0, 1, -1, 2] * 3), {}, r"ids must lie in \[0, vocab_size=3\)"),
+        (np.arange(12), {"vocab_size": 5}, r"ids must lie in \[0, vocab_size=5\)"),
+        (np.arange(4), {}, "4 tokens give 0 windows"),
+        (np.arange(20), {"num_train": 0}, r"num_train must lie in \[1, inf\]"),
+        (np.arange(20), {"num_val": -1}, r"num_val must lie in \[0, inf\]"),
+        (np.arange(20), {"num_train": 14, "num_val": 3}, "fewer than num_train"),
+    ],
+)
+def test_token_dataset_refuses_bad_input(tokens, kw, match):
+    with pytest.raises(ValueError, match=match):
+        TokenDataset(tokens, 4, **kw)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [np.zeros((2, 8), np.int32), np.linspace(0, 1, 9), np.array([True, False] * 5)],
+)
+def test_token_dataset_refuses_tokens_that_are_not_1d_integer_ids(tokens):
+    # A TypeError naming tokens (under the suite's type-checking hook, its own;
+    # without it, "tokens must be 1-D" / "must be integer token ids").
+    with pytest.raises(TypeError, match="tokens"):
+        TokenDataset(tokens, 4)

@@ -6,12 +6,12 @@ pytrees acting on one sequence `(T, d)`; batches and seeds come from
 `jax.vmap`.
 """
 
-from . import experiments, functional, identities, init, inplace, theory
+from . import distributed, experiments, functional, identities, init, inplace, theory
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .census import census, count_params
 from .checkpoint import load, save
-from .data import TimeMachine
+from .data import TimeMachine, TokenDataset
 from .decoder import DecoderConfig, DecoderLM
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .functional import (
@@ -50,9 +50,11 @@ from .porting import load_state_dict, state_dict
 from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
 from .sweep import (
     SweepResult,
+    check_seeds,
     member_mesh,
     pad_members,
     sharded_map,
+    sweep_grid,
     sweep_optimizer,
     train_sweep,
 )
@@ -64,14 +66,18 @@ from .theory import (
     qk_logit_bound,
 )
 from .train import (
+    PRECISIONS,
+    LMBatches,
     TrainResult,
     TrainState,
     TrainStep,
     init_state,
     lm_loss,
     make_train_step,
+    next_token_loss,
     step_keys,
     train_lm,
+    train_model,
     validation_loss,
 )
 
@@ -149,6 +155,14 @@ __all__ = [
     "sharded_map",
     "sweep_optimizer",
     "train_sweep",
+    "TokenDataset",
+    "LMBatches",
+    "PRECISIONS",
+    "next_token_loss",
+    "train_model",
+    "sweep_grid",
+    "check_seeds",
+    "distributed",
     "Identity",
     "block_param_count",
     "collapse_spread",

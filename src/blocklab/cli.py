@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse `argv` (default `sys.argv[1:]`), run the subcommand and
     return the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in argv
+    # A `--json` after `--` belongs to the command that `blocklab launch` runs.
+    as_json = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
     out = io.StringIO()
     try:
         parser = build_parser()
@@ -205,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = io.StringIO()
     try:
+        if args.command != "launch":  # join a `blocklab launch` / cluster job
+            from .distributed import initialize
+
+            initialize()
         if as_json:
             with contextlib.redirect_stdout(out):
                 status = int(args._run(args) or 0)

@@ -1,5 +1,10 @@
 """The character-level Time Machine corpus, as device arrays and on-device batches.
 
+`TokenDataset` is the same windowing over any token sequence: a text with
+its own character vocabulary (`TokenDataset.from_text`) or a pre-tokenized
+integer array. Both are batch sources for `blocklab.train` (they have
+`train_batch(key, batch_size)` and `val_batch()`).
+
 The text (H. G. Wells, 1898) ships with the package (`blocklab/data/
 timemachine.txt`); nothing downloads. Preprocessing follows the chapter's
 `d2l.TimeMachine(tokenization='char')`: every run of characters other than
@@ -22,9 +27,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
-__all__ = ["TimeMachine", "VOCAB", "preprocess", "encode", "decode", "corpus_path"]
+from ._validate import ConfigError, check_int
+
+__all__ = [
+    "TimeMachine",
+    "TokenDataset",
+    "VOCAB",
+    "preprocess",
+    "encode",
+    "decode",
+    "corpus_path",
+]
 
 #: The 28 symbols, in the order of d2l's `Vocab` (sorted): space, `<unk>`, a..z.
 VOCAB: tuple[str, ...] = (" ", "<unk>", *"abcdefghijklmnopqrstuvwxyz")
@@ -147,6 +162,165 @@ class TimeMachine(eqx.Module):
     @property
     def vocab_size(self) -> int:
         return len(VOCAB)
+
+    def windows(
+        self, starts: Int[Array, " B"]
+    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+        """Inputs and targets `(X, Y)` of the windows starting at `starts`."""
+        n = self.num_steps + 1
+        win = jax.vmap(lambda s: jax.lax.dynamic_slice(self.corpus, (s,), (n,)))(starts)
+        return win[:, :-1], win[:, 1:]
+
+    def train_batch(
+        self, key: PRNGKeyArray, batch_size: int
+    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+        """`batch_size` training windows, uniform with replacement, from `key`."""
+        starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
+        return self.windows(starts)
+
+    def val_batch(self) -> tuple[Int[Array, "V num_steps"], Int[Array, "V num_steps"]]:
+        """The `num_val` validation windows, in order (always the same)."""
+        return self.windows(jnp.arange(self.num_train, self.num_train + self.num_val))
+
+
+class TokenDataset(eqx.Module):
+    r"""Any token sequence, windowed for next-token prediction like `TimeMachine`.
+
+    With tokens $c_0, c_1, \ldots, c_{L-1}$ and window length $n$ =
+    `num_steps`, window $i$ is $(c_i, \ldots, c_{i+n})$: its first $n$ tokens
+    are the input $X_i$, its last $n$ the target $Y_i$. Windows
+    $0 \ldots$ `num_train - 1` train (drawn uniformly with replacement by
+    `train_batch(key, batch_size)`, on the device); the next `num_val`
+    validate (`val_batch()`, always the same). There are $L - n$ windows in
+    all.
+
+    Build it from a pre-tokenized array (`TokenDataset(tokens, num_steps,
+    vocab_size=...)`) or from any text with its own character vocabulary
+    (`TokenDataset.from_text(text, num_steps)`: the sorted set of the text's
+    characters, nothing dropped or lower-cased).
+
+    Attributes:
+        corpus: `(L,)` int32 token ids.
+        num_steps, num_train, num_val: window length and split sizes.
+        vocab_size: token ids lie in `[0, vocab_size)`.
+        vocab: the symbol of each id (text datasets), or `None`.
+    """
+
+    corpus: Int[Array, " L"]
+    num_steps: int = eqx.field(static=True)
+    num_train: int = eqx.field(static=True)
+    num_val: int = eqx.field(static=True)
+    vocab_size: int = eqx.field(static=True)
+    vocab: tuple[str, ...] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        tokens: Int[ArrayLike, " L"],
+        num_steps: int,
+        *,
+        num_train: int | None = None,
+        num_val: int = 0,
+        vocab_size: int | None = None,
+        vocab: tuple[str, ...] | None = None,
+    ):
+        """Args:
+        tokens: a 1-D sequence of non-negative integer token ids.
+        num_steps: tokens per input sequence $n$ (windows have $n + 1$).
+        num_train: training windows (the first ones); default: every window
+            not used for validation.
+        num_val: validation windows (the ones after the training windows).
+        vocab_size: default `max(tokens) + 1` (or `len(vocab)`).
+        vocab: optional symbol of each id (used by `decode`).
+
+        Raises:
+            ConfigError: tokens that are not a 1-D integer array, an id outside
+                `[0, vocab_size)`, bad sizes, or too few tokens for
+                `num_train + num_val` windows.
+        """
+        owner = "TokenDataset"
+        ids = np.asarray(tokens)
+        if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigError(
+                f"{owner}: tokens must be integer token ids, got dtype {ids.dtype}; "
+                "use TokenDataset.from_text for text."
+            )
+        if ids.ndim != 1:
+            raise ConfigError(
+                f"{owner}: tokens must be 1-D, got shape {ids.shape}; concatenate "
+                "the documents into one sequence."
+            )
+        num_steps = check_int(owner, "num_steps", num_steps, min=1)
+        num_val = check_int(owner, "num_val", num_val, min=0)
+        if vocab is not None:
+            vocab = tuple(str(v) for v in vocab)
+        default_vocab = len(vocab) if vocab is not None else None
+        if vocab_size is None:
+            vocab_size = default_vocab or (int(ids.max()) + 1 if ids.size else 1)
+        vocab_size = check_int(owner, "vocab_size", vocab_size, min=1)
+        if vocab is not None and len(vocab) != vocab_size:
+            raise ConfigError(
+                f"{owner}: vocab has {len(vocab)} symbols but vocab_size={vocab_size}."
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ConfigError(
+                f"{owner}: token ids must lie in [0, vocab_size={vocab_size}), got "
+                f"ids from {int(ids.min())} to {int(ids.max())}."
+            )
+        if vocab_size > np.iinfo(np.int32).max:
+            raise ConfigError(f"{owner}: vocab_size={vocab_size} exceeds int32.")
+        num_windows = max(ids.size - num_steps, 0)
+        if num_train is not None:
+            num_train = check_int(owner, "num_train", num_train, min=1)
+        if (num_train or 1) + num_val > num_windows:
+            raise ConfigError(
+                f"{owner}: {ids.size} tokens give {num_windows} windows of "
+                f"num_steps + 1 = {num_steps + 1}, fewer than num_train + num_val = "
+                f"{(num_train or 1) + num_val} (at least one training window); give "
+                "more tokens or lower them."
+            )
+        if num_train is None:
+            num_train = num_windows - num_val
+        self.corpus = jnp.asarray(ids, dtype=jnp.int32)
+        self.num_steps, self.num_train, self.num_val = num_steps, num_train, num_val
+        self.vocab_size, self.vocab = vocab_size, vocab
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        num_steps: int,
+        *,
+        num_train: int | None = None,
+        num_val: int = 0,
+    ) -> TokenDataset:
+        """A character dataset of `text` with its own vocabulary (sorted characters)."""
+        if not isinstance(text, str) or not text:
+            raise ConfigError(
+                "TokenDataset.from_text: text must be a non-empty str, got "
+                f"{text!r:.40}."
+            )
+        vocab = tuple(sorted(set(text)))
+        index = {c: i for i, c in enumerate(vocab)}
+        ids = np.fromiter((index[c] for c in text), np.int32, len(text))
+        return cls(ids, num_steps, num_train=num_train, num_val=num_val, vocab=vocab)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (text datasets only; every character must be known)."""
+        if self.vocab is None:
+            raise ConfigError("TokenDataset.encode: this dataset has no vocab.")
+        index = {c: i for i, c in enumerate(self.vocab)}
+        unknown = sorted(set(text) - set(index))
+        if unknown:
+            raise ConfigError(
+                f"TokenDataset.encode: characters not in the vocabulary: {unknown}."
+            )
+        return np.array([index[c] for c in text], dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        """Text of token ids (text datasets only)."""
+        if self.vocab is None:
+            raise ConfigError("TokenDataset.decode: this dataset has no vocab.")
+        return "".join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
 
     def windows(
         self, starts: Int[Array, " B"]

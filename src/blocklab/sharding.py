@@ -14,9 +14,10 @@ inserts no collectives. The same code runs on one CPU, a multi-GPU host or a
 TPU slice (`member_mesh()` takes `jax.devices()`). To test many devices on a
 CPU, set `XLA_FLAGS=--xla_force_host_platform_device_count=4` before JAX starts.
 
-**Many hosts.** Call `jax.distributed.initialize()` first on every process
-(coordinator address, process count and id come from the arguments or the
-cluster environment: SLURM, TPU pods, ...); `jax.devices()` then lists the
+**Many hosts.** Call `blocklab.distributed.initialize()` (or
+`jax.distributed.initialize()`) first on every process (coordinator address,
+process count and id come from `blocklab launch` or the cluster environment:
+SLURM, TPU pods, ...); `jax.devices()` then lists the
 devices of *all* hosts and `member_mesh()` spans them. Every process runs the
 same program with the same arguments; the member arrays are built with
 `jax.make_array_from_callback`, so each process only materializes its own
@@ -27,22 +28,34 @@ members, and results are gathered with
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, ArrayLike, Key, PRNGKeyArray, UInt32
+from jaxtyping import Array, ArrayLike, Integer, Key, PRNGKeyArray, UInt32
 
-__all__ = ["AXIS", "MemberKeys", "member_mesh", "pad_members", "sharded_map"]
+from ._validate import ConfigError, check_int
+
+__all__ = [
+    "AXIS",
+    "MemberKeys",
+    "check_seeds",
+    "member_mesh",
+    "pad_members",
+    "sharded_map",
+]
 
 #: The name of the mesh axis that carries the members.
 AXIS = "members"
 
 #: Per-member keys: `(K,)` typed PRNG keys, `(K, 2)` raw uint32 keys, or K int seeds.
-MemberKeys = Key[Array, " K"] | UInt32[Array, "K _"] | Sequence[int]
+MemberKeys = (
+    Key[Array, " K"] | UInt32[Array, "K _"] | Integer[np.ndarray, " K"] | Sequence[int]
+)
 
 
 def member_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -89,12 +102,59 @@ def _host(x: Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _key_data(keys: MemberKeys) -> np.ndarray:
+#: The largest seed: `jax.random.key(seed)` takes a uint32.
+MAX_SEED = 2**32 - 1
+
+
+def check_seeds(
+    owner: str, name: str, seeds: Iterable[Any], *, distinct: bool = True
+) -> tuple[int, ...]:
+    """One rule for seeds: a non-empty sequence of ints in `[0, 2**32 - 1]`.
+
+    Python or NumPy integers (not `bool`); with `distinct=True` (lists of
+    runs, e.g. a CLI's `--seeds`) no seed may repeat, since two equal seeds
+    are the same run twice. Sweeps pass `distinct=False`: members may share a
+    seed and differ in hyperparameters. Returns the seeds as Python ints.
+
+    Raises:
+        ConfigError: naming `owner`, `name`, the offending entry and the rule.
+    """
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Iterable):
+        raise ConfigError(
+            f"{owner}: {name} must be a sequence of int seeds, got {seeds!r}."
+        )
+    out = tuple(
+        check_int(owner, f"{name}[{i}]", s, min=0, max=MAX_SEED)
+        for i, s in enumerate(seeds)
+    )
+    if not out:
+        raise ConfigError(f"{owner}: {name} must hold at least one seed, got none.")
+    if distinct:
+        dup = sorted({s for s in out if out.count(s) > 1})
+        if dup:
+            raise ConfigError(
+                f"{owner}: {name} must be distinct, got {list(out)} (repeated: "
+                f"{dup}); each seed is one run."
+            )
+    return out
+
+
+def _is_seeds(keys: Any) -> bool:
+    """A list/tuple/range of integers, or a 1-D integer NumPy array."""
+    if isinstance(keys, np.ndarray):
+        return keys.ndim == 1 and np.issubdtype(keys.dtype, np.integer)
+    return isinstance(keys, (list, tuple, range)) and all(
+        isinstance(s, numbers.Integral) for s in keys
+    )
+
+
+def _key_data(
+    keys: MemberKeys, owner: str = "sharded_map", name: str = "keys"
+) -> np.ndarray:
     """Raw key data `(K, ...)` of typed keys, legacy uint32 keys or int seeds."""
-    if isinstance(keys, (list, tuple, range)) and all(
-        isinstance(s, (int, np.integer)) for s in keys
-    ):
-        keys = jax.vmap(jax.random.key)(jnp.asarray(list(keys), jnp.uint32))
+    if _is_seeds(keys):
+        seeds = check_seeds(owner, name, keys, distinct=False)
+        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
     if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         return np.asarray(jax.random.key_data(keys))

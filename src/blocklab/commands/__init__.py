@@ -30,7 +30,7 @@ A command whose study belongs in `blocklab report` also defines
 """
 
 #: Subcommand modules (`blocklab NAME`), the report's sections first.
-COMMANDS = ("census", "norms", "train", "signal", "check", "lr_sweep")
+COMMANDS = ("census", "norms", "train", "signal", "check", "lr_sweep", "launch")
 
 #: The sections of `blocklab report`, in the order it presents them.
 REPORT_SECTIONS = ("census", "norms", "train", "signal", "check", "lr_sweep")

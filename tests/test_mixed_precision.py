@@ -1,0 +1,130 @@
+"""Mixed precision (`precision="bf16"`): float32 parameters and optimizer state,
+bfloat16 matrix products, float32 gradients and loss, tracking the float32 run."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from blocklab import CharLM, TimeMachine, init_state, lm_loss, make_train_step, train_lm
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def data():
+    return TimeMachine(num_steps=16, num_train=5000, num_val=100)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # The chapter's protocol (CharLM, 2 blocks, AdamW) at reduced size.
+    return CharLM(28, 32, 2, 2, max_len=16, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def runs(model, data):
+    run = dict(key=jax.random.key(1), batch_size=16, progress=False, steps_per_call=40)
+    opt = optax.adamw(1e-2, weight_decay=0.0)
+    f32 = train_lm(model, data, opt, STEPS, **run)
+    bf16 = train_lm(model, data, opt, STEPS, precision="bf16", **run)
+    return f32, bf16
+
+
+def floats(tree):
+    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_inexact_array))
+
+
+def test_bf16_losses_track_the_float32_losses(runs):
+    """Tolerances. bfloat16 keeps 8 significant bits: each matrix product's
+    output is rounded with a relative error up to 2^-9 ~ 0.002. At step 0 the
+    logits are O(0.1), so the loss (~log 28 = 3.33) moves by ~1e-4 at most:
+    we allow 2e-3. After that the two runs take slightly different steps and
+    drift apart; "tracking" means the drift stays below the noise of the
+    training loss itself: a batch mean over 16 x 16 = 256 tokens of a per-token
+    loss with standard deviation ~1 has a standard error ~1/16 = 0.06, so every
+    step must agree within 0.06 and the average gap over the run within a
+    quarter of that (0.015). Measured on a 2-core CPU: 3.5e-5 at step 0, at
+    most 0.044, 0.006 on average. A float32 run in place of the bf16 one gives
+    exactly 0, and dropping the float32 promotion of the logits (or running the
+    statistics in bf16) moves step 0 by more than 2e-3."""
+    f32, bf16 = runs
+    assert f32.stopped is None and bf16.stopped is None
+    gap = np.abs(bf16.losses - f32.losses)
+    assert gap[0] <= 2e-3, gap[0]
+    assert gap.max() <= 0.06, gap.max()
+    assert gap.mean() <= 0.015, gap.mean()
+    assert bf16.losses[-1] < bf16.losses[0] - 0.3  # and it does learn
+    assert abs(bf16.val_loss - f32.val_loss) <= 0.06
+
+
+def test_parameters_and_optimizer_state_stay_float32(runs):
+    _, bf16 = runs
+    dtypes = {leaf.dtype for leaf in floats(bf16.state)}
+    assert dtypes == {np.dtype("float32")}, dtypes
+
+
+def dot_operand_dtypes(jaxpr) -> set:
+    """The operand dtypes of every matrix product in a jaxpr (and its sub-jaxprs)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= dot_operand_dtypes(inner)
+    return found
+
+
+@pytest.mark.parametrize("precision", ["bf16", "float32"])
+def test_every_matrix_product_of_the_step_runs_in_the_policy_dtype(
+    model, data, precision
+):
+    """Forward and backward: no matrix product has two float32 operands under
+    "bf16". (The attention's weights-times-values product takes the float32
+    softmax weights with bf16 values, so it appears as (float32, bfloat16).)"""
+    opt = optax.adam(1e-3)
+    step = make_train_step(opt, data, batch_size=4, precision=precision)
+    state = init_state(model, opt)
+    jaxpr = jax.make_jaxpr(lambda s, k: step(s, k))(state, jax.random.key(0)).jaxpr
+    dtypes = dot_operand_dtypes(jaxpr)
+    if precision == "float32":
+        assert dtypes == {("float32", "float32")}, dtypes
+    else:
+        assert ("bfloat16", "bfloat16") in dtypes
+        assert all("bfloat16" in pair for pair in dtypes), dtypes
+
+
+def test_the_forward_runs_in_bf16_and_the_loss_is_float32(model, data):
+    """The step's loss is float32 and equals `lm_loss` of the model cast to bf16
+    by hand (an independent cast) up to bf16 rounding (2^-9: fusion under the
+    gradient may round intermediate products at other points)."""
+    key = jax.random.key(2)
+    X, Y = data.train_batch(key, 16)
+    opt = optax.sgd(1.0)
+    step = make_train_step(opt, data, batch_size=16, precision="bf16")
+    new, loss = eqx.filter_jit(step)(init_state(model, opt), key)
+    cast = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model
+    )
+    ref = eqx.filter_jit(lm_loss)(cast, X, Y)
+    assert loss.dtype == jnp.float32 and ref.dtype == jnp.float32
+    assert abs(float(loss) - float(ref)) <= 2.0**-9 * abs(float(ref))
+
+    # SGD at rate 1: the update is minus the gradient, in float32 on float32
+    # weights, finite, and close in direction to the float32 gradient.
+    g16 = [o - n for o, n in zip(floats(model), floats(new.model), strict=True)]
+    ref_step = make_train_step(opt, data, batch_size=16)
+    new32, _ = eqx.filter_jit(ref_step)(init_state(model, opt), key)
+    g32 = [o - n for o, n in zip(floats(model), floats(new32.model), strict=True)]
+    assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all()) for g in g16)
+    a = np.concatenate([np.ravel(g) for g in g16]).astype(np.float64)
+    b = np.concatenate([np.ravel(g) for g in g32]).astype(np.float64)
+    cosine = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    # bf16 rounding of activations perturbs each gradient entry by ~1%
+    assert cosine > 0.99, cosine
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1

@@ -1,0 +1,262 @@
+"""The general training step: any model, loss (with or without aux) and batch source;
+errors checked once by tracing; a frozen run cannot recover after a non-finite step."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from blocklab import (
+    CharLM,
+    TimeMachine,
+    TokenDataset,
+    init_state,
+    make_train_step,
+    step_keys,
+    train_lm,
+    train_model,
+)
+from blocklab._validate import ConfigError
+
+D, B = 3, 5
+W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
+
+
+class Linear(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+def regression_batch(key):
+    """A batch source as a plain callable: y = x . w_true + 0.1 noise."""
+    kx, kn = jax.random.split(key)
+    x = jax.random.normal(kx, (B, D), jnp.float32)
+    return x, x @ W_TRUE + 0.1 * jax.random.normal(kn, (B,), jnp.float32)
+
+
+class RegressionSource(eqx.Module):
+    """The same source in the method form, `source.batch(key)`."""
+
+    scale: jax.Array
+
+    def batch(self, key):
+        x, y = regression_batch(key)
+        return x, self.scale * y
+
+
+def mse(model, batch, key):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def mse_with_aux(model, batch, key):
+    x, y = batch
+    r = model(x) - y
+    return jnp.mean(r**2), {"max_abs_residual": jnp.max(jnp.abs(r))}
+
+
+def zero_model():
+    return Linear(jnp.zeros(D, jnp.float32), jnp.zeros((), jnp.float32))
+
+
+def test_sgd_steps_equal_a_float64_numpy_loop():
+    lr, n = 0.1, 4
+    step = make_train_step(optax.sgd(lr), regression_batch, loss_fn=mse)
+    keys = step_keys(jax.random.key(0), 0, n)
+    state, losses = eqx.filter_jit(step.scan)(
+        init_state(zero_model(), optax.sgd(lr)), keys
+    )
+    w, b = np.zeros(D), 0.0
+    for s, k in enumerate(keys):
+        x, y = (np.asarray(a, np.float64) for a in regression_batch(k))
+        r = x @ w + b - y
+        assert losses[s] == pytest.approx(np.mean(r**2), rel=1e-5)
+        w, b = w - lr * 2 * x.T @ r / B, b - lr * 2 * r.mean()  # d/dw mean(r^2)
+    np.testing.assert_allclose(state.model.w, w, rtol=1e-5)
+    np.testing.assert_allclose(state.model.b, b, rtol=1e-5, atol=1e-7)
+    assert int(state.step) == n and bool(state.finite)
+
+
+def test_callable_and_method_sources_give_the_same_run():
+    run = dict(key=jax.random.key(1), loss_fn=mse, progress=False)
+    a = train_model(zero_model(), regression_batch, optax.adam(0.1), 6, **run)
+    b = train_model(
+        zero_model(), RegressionSource(jnp.float32(1.0)), optax.adam(0.1), 6, **run
+    )
+    np.testing.assert_array_equal(a.losses, b.losses)
+    np.testing.assert_array_equal(a.model.w, b.model.w)
+    assert np.isnan(a.val_loss) and a.aux is None
+
+
+def test_aux_is_returned_per_step_and_equals_its_definition():
+    opt = optax.sgd(0.05)
+    res = train_model(
+        zero_model(),
+        regression_batch,
+        opt,
+        3,
+        key=jax.random.key(2),
+        loss_fn=mse_with_aux,
+        steps_per_call=2,
+        progress=False,
+    )
+    assert res.aux["max_abs_residual"].shape == (3,)
+    # Step 0 starts from the zero model: the residual is -y of the first batch.
+    _, y = regression_batch(step_keys(jax.random.key(2), 0, 1)[0])
+    assert res.aux["max_abs_residual"][0] == pytest.approx(float(np.abs(y).max()))
+    # The step itself returns (loss, aux).
+    step = make_train_step(opt, regression_batch, loss_fn=mse_with_aux)
+    _, (loss, aux) = step(init_state(zero_model(), opt), jax.random.key(3))
+    assert loss.shape == () and set(aux) == {"max_abs_residual"}
+
+
+def poisoned(bad_key):
+    """`mse`, but NaN on the step whose loss key equals `bad_key` (one step only)."""
+    bad = jax.random.key_data(bad_key)
+
+    def loss_fn(model, batch, key):
+        hit = jnp.all(jax.random.key_data(key) == bad)
+        return jnp.where(hit, jnp.nan, mse(model, batch, key))
+
+    return loss_fn
+
+
+def test_a_frozen_run_stays_frozen_although_later_steps_are_finite():
+    """Only step 3 is non-finite; steps 4..6 would be fine. With `ok = finite`
+    (dropping `state.finite &`) they would apply and the run would 'recover'."""
+    key = jax.random.key(4)
+    keys = step_keys(key, 0, 6)
+    loss_fn = poisoned(jax.random.fold_in(keys[2], 1))  # step 3's loss key
+    opt = optax.sgd(0.1)
+    step = make_train_step(opt, regression_batch, loss_fn=loss_fn)
+    state, losses = eqx.filter_jit(step.scan)(init_state(zero_model(), opt), keys)
+    assert np.all(np.isfinite(losses[:2])) and np.all(np.isnan(losses[2:]))
+    assert int(state.step) == 2 and not bool(state.finite)
+    clean = make_train_step(opt, regression_batch, loss_fn=mse)
+    two, _ = eqx.filter_jit(clean.scan)(init_state(zero_model(), opt), keys[:2])
+    np.testing.assert_array_equal(state.model.w, two.model.w)
+    # The loop reports the stop and keeps the model after step 2.
+    with pytest.warns(RuntimeWarning, match="at step 3"):
+        res = train_model(
+            zero_model(),
+            regression_batch,
+            opt,
+            6,
+            key=key,
+            loss_fn=loss_fn,
+            steps_per_call=6,
+            progress=False,
+        )
+    assert res.losses.shape == (2,)
+    np.testing.assert_array_equal(res.model.w, two.model.w)
+
+
+def test_non_scalar_loss_is_refused_before_the_run():
+    def per_example(model, batch, key):
+        x, y = batch
+        return (model(x) - y) ** 2  # forgot .mean()
+
+    with pytest.raises(ConfigError, match=r"real scalar loss.*float32\[5\]"):
+        train_model(
+            zero_model(),
+            regression_batch,
+            optax.sgd(0.1),
+            2,
+            key=jax.random.key(0),
+            loss_fn=per_example,
+        )
+
+
+def test_integer_loss_and_three_outputs_are_refused():
+    with pytest.raises(ConfigError, match="real scalar loss"):
+        train_model(
+            zero_model(),
+            regression_batch,
+            optax.sgd(0.1),
+            1,
+            key=jax.random.key(0),
+            loss_fn=lambda m, b, k: jnp.int32(1),
+        )
+    with pytest.raises(ConfigError, match="real scalar loss.*tuple"):
+        train_model(
+            zero_model(),
+            regression_batch,
+            optax.sgd(0.1),
+            1,
+            key=jax.random.key(0),
+            loss_fn=lambda m, b, k: (mse(m, b, k), 1.0, 2.0),
+        )
+
+
+def test_a_batch_the_loss_cannot_take_names_its_shapes():
+    def wrong(key):  # 4 features for a 3-weight model
+        return jnp.ones((B, 4)), jnp.ones(B)
+
+    with pytest.raises(ConfigError, match=r"failed on a batch of.*float\d+\[5, 4\]"):
+        train_model(
+            zero_model(), wrong, optax.sgd(0.1), 1, key=jax.random.key(0), loss_fn=mse
+        )
+
+
+def test_a_source_that_returns_no_arrays_is_refused():
+    with pytest.raises(ConfigError, match="batch source failed"):
+        train_model(
+            zero_model(),
+            lambda key: "not a batch",
+            optax.sgd(0.1),
+            1,
+            key=jax.random.key(0),
+            loss_fn=mse,
+        )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        lambda key: (jnp.zeros((2, 4)), jnp.zeros((2, 4), jnp.int32)),  # float X
+        lambda key: (jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 3), jnp.int32)),
+        lambda key: jnp.zeros((2, 4), jnp.int32),  # not a pair
+    ],
+)
+def test_the_next_token_loss_checks_its_batches(source):
+    model = CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
+    with pytest.raises(ConfigError, match=r"next-token loss takes batches \(X, Y\)"):
+        train_model(model, source, optax.sgd(0.1), 1, key=jax.random.key(0))
+
+
+def test_bad_step_options():
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        make_train_step(optax.sgd(0.1), regression_batch, precision="fp8")
+    with pytest.raises(ConfigError, match="batch_size applies to token datasets"):
+        make_train_step(optax.sgd(0.1), regression_batch, batch_size=4)
+    with pytest.raises(ConfigError, match="source must be a batch source"):
+        make_train_step(optax.sgd(0.1), np.zeros(3))
+    with pytest.raises(ConfigError, match="loss_fn must be callable"):
+        make_train_step(optax.sgd(0.1), regression_batch, loss_fn="mse")
+    # (a TypeError: under the test suite's type-checking hook it comes from there)
+    with pytest.raises(TypeError, match="data"):
+        train_lm(
+            zero_model(), regression_batch, optax.sgd(0.1), 1, key=jax.random.key(0)
+        )
+
+
+def test_train_lm_runs_on_a_token_dataset_like_on_the_time_machine(tmp_path):
+    """TimeMachine over a file and TokenDataset over the same ids: one run."""
+    text = "the quick brown fox jumps over the lazy dog " * 6
+    path = tmp_path / "fox.txt"
+    path.write_text(text)
+    tm = TimeMachine(num_steps=8, num_train=200, num_val=10, path=path)
+    tokens = TokenDataset(
+        np.asarray(tm.corpus), 8, num_train=200, num_val=10, vocab_size=28
+    )
+    model = CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
+    run = dict(key=jax.random.key(1), batch_size=4, progress=False)
+    a = train_lm(model, tm, optax.adam(1e-2), 3, **run)
+    b = train_lm(model, tokens, optax.adam(1e-2), 3, **run)
+    np.testing.assert_array_equal(a.losses, b.losses)
+    assert a.val_loss == b.val_loss
