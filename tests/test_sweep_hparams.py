@@ -218,3 +218,19 @@ def test_sweep_optimizer_injects_every_numeric_argument():
     hyper = opt.init({"w": jnp.zeros(2, jnp.float32)}).hyperparams
     assert {"learning_rate", "weight_decay", "b1", "b2"} <= set(hyper)
     assert all(hyper[n].dtype == jnp.float32 for n in ("learning_rate", "b2"))
+
+
+def test_sweep_chunks_do_not_retrace():
+    def counting(traces):
+        def loss_fn(model, batch, key):
+            traces.append(1)
+            return mse(model, batch, key)
+
+        return loss_fn
+
+    one, three = [], []
+    for steps, traces in ((2, one), (6, three)):
+        train_sweep(make_model, source, steps, model_keys=[0, 1], data_keys=[2, 3],
+                    learning_rates=0.1, loss_fn=counting(traces), steps_per_call=2,
+                    progress=False)  # fmt: skip
+    assert len(three) == len(one) >= 2

@@ -260,3 +260,28 @@ def test_train_lm_runs_on_a_token_dataset_like_on_the_time_machine(tmp_path):
     b = train_lm(model, tokens, optax.adam(1e-2), 3, **run)
     np.testing.assert_array_equal(a.losses, b.losses)
     assert a.val_loss == b.val_loss
+
+
+def counting(traces):
+    """`mse` that records each time it is traced (a Python side effect)."""
+
+    def loss_fn(model, batch, key):
+        traces.append(1)
+        return mse(model, batch, key)
+
+    return loss_fn
+
+
+def test_chunks_do_not_retrace():
+    """Compiled once per configuration: 3 chunks cost the traces of 1 (the
+    check's eval_shape and the compile), and a rerun only the check's."""
+    run = dict(key=jax.random.key(0), steps_per_call=2, progress=False)
+    one, three = [], []
+    train_model(zero_model(), regression_batch, optax.sgd(0.1), 2,
+                loss_fn=counting(one), **run)  # fmt: skip
+    fn, opt = counting(three), optax.sgd(0.1)  # the optimizer is static: reuse it
+    train_model(zero_model(), regression_batch, opt, 6, loss_fn=fn, **run)
+    assert len(three) == len(one) >= 2
+    three.clear()
+    train_model(zero_model(), regression_batch, opt, 6, loss_fn=fn, **run)
+    assert len(three) == 1  # TrainStep.check only: the chunk was cached
