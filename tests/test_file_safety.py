@@ -84,8 +84,10 @@ def test_failed_rename_keeps_the_old_file(models, saved, monkeypatch):
     assert_intact(*saved, models[0])
 
 
-def test_unserialisable_config_touches_nothing(saved):
-    lm = CharLM(
+def test_unserialisable_config_touches_nothing(models, saved):
+    # the structure alone (no weights drawn): the config is checked first
+    lm = eqx.filter_eval_shape(
+        CharLM,
         28,
         16,
         2,
@@ -94,10 +96,9 @@ def test_unserialisable_config_touches_nothing(saved):
         key=jax.random.key(2),
         attn_factory=lambda key: MultiHeadAttention(16, 2, key=key),
     )
-    old = CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
     with pytest.raises(TypeError, match="cannot be stored as JSON"):
         save(saved[0], lm)
-    assert_intact(*saved, old)
+    assert_intact(*saved, models[0])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
