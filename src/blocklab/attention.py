@@ -138,9 +138,13 @@ class MultiHeadAttention(eqx.Module):
     Masked keys and values never contribute: their scores are replaced (not
     added to) before the float32 softmax, and non-finite key/value rows are
     zeroed before the products, so a NaN or inf in a padding or future token
-    cannot reach a row that does not see it (output or gradient). A row that
-    does see a non-finite key or value is NaN. A query with no visible key
-    attends uniformly (the chapter's `masked_softmax`).
+    cannot reach a row that does not see it (output, or gradient with respect
+    to the input). A row that does see a non-finite key or value, or whose
+    own query is non-finite, is NaN. A query with no visible key attends
+    uniformly (the chapter's `masked_softmax`). Limit: the gradient with
+    respect to the *weights* of a non-finite input row is NaN even when that
+    row is unused (zero cotangent times NaN input in $G^\top X$), so pad with
+    finite values when training.
 
     Logits and softmax are computed in float32; the output has the input's
     dtype. Dropout acts on the attention weights when a `key` is passed.
@@ -302,9 +306,12 @@ class MultiHeadAttention(eqx.Module):
         # Non-finite key/value rows are zeroed so that zero weights (masked
         # keys) multiply finite numbers: 0 * NaN would leak into every row.
         # Rows that *see* such a key are set to NaN below instead.
-        k_ok, v_ok = jnp.isfinite(k), jnp.isfinite(v)
+        # Queries too: a NaN query row times its zero cotangent would put NaN
+        # into the gradient of every key (dK = dS^T Q).
+        q_ok, k_ok, v_ok = jnp.isfinite(q), jnp.isfinite(k), jnp.isfinite(v)
         bad = ~(jnp.all(k_ok, -1) & jnp.all(v_ok, -1))  # (..., KV, Tk)
-        k, v = jnp.where(k_ok, k, 0), jnp.where(v_ok, v, 0)
+        bad_query = ~jnp.all(q_ok, -1, keepdims=True)  # (..., KV, G, Tq, 1)
+        q, k, v = jnp.where(q_ok, q, 0), jnp.where(k_ok, k, 0), jnp.where(v_ok, v, 0)
 
         # float32 logits for low-precision input; float64 input stays float64.
         stat = jnp.promote_types(q.dtype, jnp.float32)
@@ -323,7 +330,7 @@ class MultiHeadAttention(eqx.Module):
         sees_bad = bad[..., :, None, None, :]
         if mask is not None:
             sees_bad = sees_bad & mask
-        poisoned = jnp.any(sees_bad, axis=-1, keepdims=True)  # (..., KV, 1, Tq, 1)
+        poisoned = jnp.any(sees_bad, axis=-1, keepdims=True) | bad_query
         mixed = jnp.where(poisoned, jnp.nan, mixed)
         mixed = jnp.moveaxis(mixed, -2, -4).reshape(*lead, T, H * p)
         out = dense(self.W_o, mixed)
