@@ -419,3 +419,11 @@ def test_checkpoint_path_must_be_a_file_name(lm, bad):
             rf"os.PathLike\), got {re.escape(repr(bad))} of type {type(bad).__name__}",
         ):
             call()
+
+
+def test_charlm_call_key_must_be_a_key_or_none(lm):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^CharLM: key must be a JAX PRNG key, got 1 of type int; {FIX}",
+    ):
+        lm(jnp.array([1, 2]), key=1)

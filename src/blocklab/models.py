@@ -324,6 +324,8 @@ class CharLM(eqx.Module):
                 text (JAX wraps every error raised at run time that way; wrap
                 the program in `eqx.filter_jit` to get the short form).
         """
+        if key is not None:
+            key = check_key("CharLM", "key", key)
         tokens = jnp.asarray(tokens)
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
