@@ -151,7 +151,7 @@ def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
     opt = sweep_optimizer(optax.adamw, weight_decay=0.0)
     keys = _global(_pad(_key_data(list(range(K))), size), mesh)
     lrs = _global(_pad(np.full(K, 1e-3, np.float32), size), mesh)
-    states = _init_states(make_model, opt, sharding, keys, lrs)
+    states = _init_states(make_model, opt, sharding, keys, {"learning_rate": lrs})
     step = make_train_step(opt, data, batch_size=batch_size)
     fixed = (step, keys, jnp.asarray(0, jnp.int32))
     compiled = _run_chunk.lower(fixed, states, steps, sharding).compile()

@@ -134,7 +134,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(
-        f"{out['members']} members on {out['devices']} devices of "
+        f"{out['members']} members on {out['devices']} device(s) of "
         f"{out['processes']} process(es); {steps} steps\n"
     )
     print("| learning rate | weight decay | seed | final loss | final accuracy |")
