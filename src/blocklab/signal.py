@@ -45,6 +45,7 @@ from .block import PLACEMENTS, TransformerBlock
 from .ffn import FeedForward
 from .functional import attention_entropy, token_spread
 from .models import Stack
+from .moe import MoETrace
 from .sharding import sharded_map
 
 __all__ = [
@@ -81,6 +82,11 @@ class SignalStats(eqx.Module):
         grad_norms: `"W_q"`, `"W_k"`, `"W_v"`, `"W_o"` -> Frobenius norm of the
             gradient of $\\mathrm{mean}(R \\odot H_N)$ with respect to that
             projection's weight in block k.
+        router_entropy: for a stack of mixture-of-experts blocks (FFN a
+            `blocklab.MoEFeedForward`), the mean router entropy in nats over
+            the batch's tokens ($\\log E$ is uniform routing); `None` otherwise.
+        expert_load: `(..., N, E)` for MoE blocks: the fraction of the token
+            slots routed to each expert (sums to 1 over E); `None` otherwise.
     """
 
     stream_rms: Float[Array | np.ndarray, "*seeds N"]
@@ -90,6 +96,8 @@ class SignalStats(eqx.Module):
     attn_entropy: Float[Array | np.ndarray, "*seeds N"]
     max_logit: Float[Array | np.ndarray, "*seeds N"]
     grad_norms: dict[str, Float[Array | np.ndarray, "*seeds N"]]
+    router_entropy: Float[Array | np.ndarray, "*seeds N"] | None = None
+    expert_load: Float[Array | np.ndarray, "*seeds N E"] | None = None
 
     def as_dict(self) -> dict[str, Array | np.ndarray]:
         """The fields as a flat dict (`grad_norms` entries as `grad_W_q`, ...).
@@ -108,6 +116,8 @@ class SignalStats(eqx.Module):
             )
         }
         out.update({f"grad_{n}": g for n, g in self.grad_norms.items()})
+        if self.router_entropy is not None:  # MoE stacks (expert_load: per expert)
+            out["router_entropy"] = self.router_entropy
         return out
 
 
@@ -146,6 +156,8 @@ def _collect(block, h, key):
         attn_entropy=jnp.mean(attention_entropy(tr.attention.weights)),
         max_logit=jnp.max(jnp.abs(tr.attention.logits)),
     )
+    if isinstance(tr.ffn_trace, MoETrace):
+        stats.update(router_entropy=tr.ffn_trace.entropy, expert_load=tr.ffn_trace.load)
     return tr.output, stats
 
 
@@ -207,6 +219,8 @@ def signal_stats(
         attn_entropy=stats["attn_entropy"],
         max_logit=stats["max_logit"],
         grad_norms=grad_norms,
+        router_entropy=stats.get("router_entropy"),
+        expert_load=stats.get("expert_load"),
     )
 
 
