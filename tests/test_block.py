@@ -149,3 +149,175 @@ def test_dropout_is_off_without_a_key_and_on_with_one():
     x = jnp.asarray(np.random.default_rng(5).normal(size=(T, D)), jnp.float32)
     np.testing.assert_array_equal(blk(x), ref_blk(x))
     assert np.abs(np.asarray(blk(x, key=jax.random.key(1)) - blk(x))).max() > 1e-3
+
+
+# ------------------------------------------------- validation (issue 13, 4-6)
+KEY = jax.random.key(0)
+
+
+@pytest.fixture
+def plain_python(monkeypatch):
+    """No run-time type checker, as in a user's program: blocklab's own errors.
+
+    (With the suite's jaxtyping + beartype hook on, a wrong type is already
+    refused by the annotation, and NumPy scalars by `int`/`float` hints.)
+    """
+    import jaxtyping
+
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+
+
+BUILDERS = {
+    "block": lambda **kw: bl.TransformerBlock(16, 4, key=KEY, **kw),
+    "attention": lambda **kw: bl.MultiHeadAttention(16, 4, key=KEY, **kw),
+    "ffn": lambda **kw: bl.FeedForward(16, key=KEY, **kw),
+}
+
+
+@pytest.mark.parametrize(
+    ("builder", "kwargs", "pattern"),
+    [
+        ("block", {"bias": "no"}, r"bias must be a bool \(True or False\), got 'no'"),
+        ("attention", {"bias": 1}, r"bias must be a bool"),
+        ("ffn", {"bias": "no"}, r"FeedForward: bias must be a bool"),
+        ("block", {"attn_bias": "yes"}, r"attn_bias must be a bool"),
+        ("block", {"qk_norm": "false"}, r"qk_norm must be one of \[False, True, "),
+        ("attention", {"qk_norm": 1}, r"qk_norm must be one of"),
+        ("attention", {"qk_norm_unit_offset": None}, r"qk_norm_unit_offset must be"),
+        ("attention", {"num_kv_heads": True}, r"num_kv_heads must be an int"),
+        ("attention", {"num_kv_heads": 3}, r"num_kv_heads must divide num_heads"),
+        ("attention", {"head_dim": 2.0}, r"head_dim must be an int"),
+        ("attention", {"scale": 0.0}, r"scale must lie in \(0.0, inf\]"),
+        ("attention", {"rope_theta": float("nan")}, r"rope_theta must be finite"),
+        ("attention", {"rope_theta": 1e4, "head_dim": 3}, r"RoPE needs an even"),
+        ("attention", {"window": -1}, r"window must lie in \[0, inf\]"),
+        ("attention", {"qk_norm_eps": -1e-6}, r"qk_norm_eps must lie in \[0.0, inf\]"),
+        ("block", {"norm_eps": float("nan")}, r"eps must be finite"),
+        ("block", {"dropout": float("nan")}, r"dropout must be finite"),
+        ("block", {"dropout": "0.1"}, r"dropout must be a real number"),
+        ("ffn", {"width": 8.5}, r"width must be an int"),
+    ],
+)
+def test_options_of_the_wrong_type_or_value_are_refused(
+    builder, kwargs, pattern, plain_python
+):
+    with pytest.raises(ValueError, match=pattern):
+        BUILDERS[builder](**kwargs)
+
+
+@pytest.mark.parametrize("cls", [bl.TransformerBlock, bl.MultiHeadAttention])
+def test_counts_must_not_be_bools(cls, plain_python):
+    with pytest.raises(ValueError, match=r"num_heads must be an int, got True"):
+        cls(16, True, key=KEY)
+    with pytest.raises(ValueError, match=r"num_hiddens must be an int, got False"):
+        cls(False, 4, key=KEY)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers(plain_python):
+    blk = bl.TransformerBlock(
+        np.int64(16),
+        np.int32(4),
+        dropout=np.float32(0.25),
+        norm_eps=np.float64(1e-5),
+        num_kv_heads=np.int64(2),
+        rope_theta=np.float32(1e4),
+        window=np.int16(3),
+        bias=np.bool_(True),
+        key=KEY,
+    )
+    assert type(blk.num_hiddens) is int and type(blk.dropout) is float
+    assert blk.dropout == 0.25 and blk.attention.num_kv_heads == 2
+    assert type(blk.norm1.eps) is float and blk.norm1.eps == 1e-5
+    y = jax.jit(lambda b, x: b(x))(blk, jnp.ones((T, 16)))  # static fields hash
+    assert y.shape == (T, 16)
+    assert bl.RMSNorm(np.int64(4), np.float32(0.0)).eps == 0.0
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "1e-6", True])
+@pytest.mark.parametrize("cls", [bl.RMSNorm, bl.LayerNorm])
+def test_norm_eps_must_be_finite_and_non_negative(cls, eps, plain_python):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: eps must"):
+        cls(8, eps)
+
+
+@pytest.mark.parametrize("builder", list(BUILDERS))
+@pytest.mark.parametrize("key", [None, 0, np.uint32(3)], ids=["none", "int", "npint"])
+def test_a_missing_or_non_key_is_refused_clearly(builder, key, plain_python):
+    fn = {"block": bl.TransformerBlock, "attention": bl.MultiHeadAttention}.get(builder)
+    with pytest.raises(ValueError, match=r"key .*jax\.random\.key\(0\)"):
+        if fn is None:
+            bl.FeedForward(16, key=key)
+        else:
+            fn(16, 4, key=key)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        BUILDERS["block"](),
+        BUILDERS["attention"](),
+        BUILDERS["ffn"](),
+        bl.RMSNorm(16),
+        bl.LayerNorm(16),
+    ],
+    ids=["block", "attention", "ffn", "rms", "layer"],
+)
+def test_integer_inputs_are_refused_not_truncated(module, plain_python):
+    with pytest.raises(ValueError, match=r"must have a floating dtype, got int32"):
+        module(jnp.ones((T, 16), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    ("lens", "pattern"),
+    [
+        (jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), r"integer dtype, got dtype float"),
+        (jnp.ones(T, bool), r"integer dtype, got dtype bool"),
+        (True, r"must be integers, got the bool True"),
+        (jnp.array([1, 2, -1, 4, 5, 6]), r"non-negative, got \[1, 2, -1, 4, 5, 6\]"),
+        (jnp.array(-2), r"non-negative, got -2"),
+        (jnp.arange(3), r"got shape \(3,\).*\(B, 1\) for one length per sequence"),
+    ],
+)
+@pytest.mark.parametrize("builder", ["block", "attention"])
+def test_bad_valid_lens_are_refused(builder, lens, pattern, plain_python):
+    with pytest.raises(ValueError, match=pattern):
+        BUILDERS[builder]()(jnp.ones((T, 16)), lens)
+
+
+def test_per_sequence_lengths_are_unambiguous():
+    """A batch of B = T sequences: (B, 1) is per sequence, (T,) per query."""
+    blk = bl.TransformerBlock(16, 4, key=KEY)
+    xs = jax.random.normal(jax.random.key(1), (T, T, 16))
+    per_seq = jnp.arange(1, T + 1)[:, None]
+    want = jnp.stack([blk(xs[b], b + 1) for b in range(T)])
+    np.testing.assert_allclose(blk(xs, per_seq), want, rtol=1e-5, atol=1e-6)
+    per_query = jnp.arange(1, T + 1)
+    want = jnp.stack([blk(xs[b], per_query) for b in range(T)])
+    np.testing.assert_allclose(blk(xs, per_query), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("placement", "act", "size"),
+    [("post", "gelu", 2.5e4), ("output", "gelu", 2e4), ("output", "swiglu", 50.0)],
+)
+def test_float16_stream_near_its_range_stays_finite(placement, act, size):
+    """fp16's max is 65504. At |x| ~ 2.5e4 the post residual sum x + branch
+    reaches ~7e4: it is computed in float32 before the norm now (in float16 it
+    was inf, then NaN). The norms' statistics (x^2 ~ 4e9) are float32 too.
+    The documented limit: a gated FFN grows as |x|^2, so with "output"
+    placement (raw stream in) it stays finite only for |x| up to ~1e2."""
+    blk = bl.TransformerBlock(
+        16, 4, norm="layer", act=act, placement=placement, key=KEY
+    )
+    x = (size * jax.random.normal(jax.random.key(2), (T, 16))).astype(jnp.float16)
+    causal = jnp.arange(1, T + 1)
+    got = blk(x, causal)
+    assert got.dtype == jnp.float16 and np.isfinite(got).all()
+    want = blk(x.astype(jnp.float32), causal)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2 * scale)
+    if placement == "post":  # the sum really leaves float16's range here
+        branch = blk.trace(x, causal).attn_out.astype(jnp.float32)
+        assert np.abs(x.astype(jnp.float32) + branch).max() > 65504
+    for norm in (bl.RMSNorm(16), bl.LayerNorm(16)):
+        assert np.isfinite(norm((6e4 * jnp.sign(x)).astype(jnp.float16))).all()

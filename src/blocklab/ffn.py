@@ -7,8 +7,10 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from . import init
+from ._validate import check_bool, check_int, check_key
 from .attention import dense
 from .functional import ACTIVATIONS
+from .norms import check_float_input
 
 __all__ = ["FeedForward", "ACTS", "GATED_ACTS", "ffn_width"]
 
@@ -29,7 +31,7 @@ GATED_ACTS = tuple(a for a, (_, gated) in _ACTS.items() if gated)
 
 
 def _check_act(act: str, owner: str) -> None:
-    if act not in _ACTS:
+    if not isinstance(act, str) or act not in _ACTS:
         raise ValueError(f"{owner}: act must be one of {list(ACTS)}, got act={act!r}.")
 
 
@@ -42,10 +44,12 @@ def ffn_width(num_hiddens: int, act: str, multiple_of: int | None = None) -> int
     \rfloor$ (gated) or $4d$ (ungated); $d = 4096, m = 256$ gives 11008.
     """
     _check_act(act, "ffn_width")
+    num_hiddens = check_int("ffn_width", "num_hiddens", num_hiddens, min=1)
     gated = _ACTS[act][1]
     if multiple_of is None:
         return round(8 * num_hiddens / 3) if gated else 4 * num_hiddens
-    if not isinstance(multiple_of, int) or multiple_of < 1:
+    multiple_of = check_int("ffn_width", "multiple_of", multiple_of)
+    if multiple_of < 1:
         raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}.")
     base = (8 * num_hiddens) // 3 if gated else 4 * num_hiddens
     return -(-base // multiple_of) * multiple_of
@@ -56,11 +60,14 @@ class FeedForward(eqx.Module):
 
     Ungated (`relu`, `gelu` = tanh GELU, `gelu_exact`):
     $$\mathrm{FFN}(x) = W_2\, \phi(W_1 x).$$
-    Gated (Shazeer, 2020): `swiglu` ($\phi$ = SiLU), `geglu` (GELU), `reglu`
-    (ReLU) and `bilinear` (no activation):
+    Gated (Shazeer, 2020): `swiglu` ($\phi$ = SiLU), `geglu` (the tanh GELU,
+    `transformers`' `gelu_pytorch_tanh`, which Gemma 3 uses), `reglu` (ReLU)
+    and `bilinear` (no activation):
     $$\mathrm{FFN}(x) = W_2\, \big(\phi(W_g x) \odot W_1 x\big).$$
     Widths follow `ffn_width`, so all seven settings hold about $8d^2$
-    weights (all gated ones exactly the same number).
+    weights (all gated ones exactly the same number); any explicit `width`
+    (Llama's `intermediate_size`) may be given instead. `W_g` is Llama's
+    `gate_proj`, `W_1` its `up_proj`, `W_2` its `down_proj`.
     """
 
     W_1: eqx.nn.Linear
@@ -88,11 +95,17 @@ class FeedForward(eqx.Module):
         multiple_of: round the default width up with the Llama rule.
         key: PRNG key for the weights.
         """
-        _check_act(act, "FeedForward")
-        if not isinstance(num_hiddens, int) or num_hiddens < 1:
+        owner = "FeedForward"
+        _check_act(act, owner)
+        num_hiddens = check_int(owner, "num_hiddens", num_hiddens)
+        if num_hiddens < 1:
             raise ValueError(
                 f"FeedForward: num_hiddens must be a positive int, got {num_hiddens!r}."
             )
+        width = check_int(owner, "width", width, optional=True)
+        multiple_of = check_int(owner, "multiple_of", multiple_of, optional=True)
+        bias = check_bool(owner, "bias", bias)
+        key = check_key(owner, "key", key)
         if width is not None and multiple_of is not None:
             raise ValueError(
                 "FeedForward: give width or multiple_of, not both "
@@ -100,7 +113,7 @@ class FeedForward(eqx.Module):
             )
         if width is None:
             width = ffn_width(num_hiddens, act, multiple_of)
-        elif not isinstance(width, int) or width < 1:
+        elif width < 1:
             raise ValueError(
                 f"FeedForward: width must be a positive int, got {width!r}."
             )
@@ -117,14 +130,15 @@ class FeedForward(eqx.Module):
         """Apply the FFN to each row of `x` (`(T, d)` or any `(..., d)`).
 
         `key` is accepted for the sublayer call signature and unused (the FFN
-        is deterministic). Returns the dtype of `x`.
+        is deterministic). Returns the dtype of `x`; integer input is refused.
         """
         del key
-        if x.shape[-1] != self.num_hiddens:
+        if x.ndim == 0 or x.shape[-1] != self.num_hiddens:
             raise ValueError(
                 f"FeedForward was built with num_hiddens={self.num_hiddens}, but "
                 f"its input x has shape {tuple(x.shape)}."
             )
+        check_float_input(x, "FeedForward")
         name, gated = _ACTS[self.act]
         phi = (lambda z: z) if name is None else ACTIVATIONS[name]
         hidden = dense(self.W_1, x)
