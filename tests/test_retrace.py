@@ -98,6 +98,7 @@ def test_train_lm_chunks_compile_once(guard, data):
         )
 
 
+@pytest.mark.slow  # tests/test_sweep_hparams.py covers it in the fast suite
 def test_train_sweep_compiles_once(guard, data):
     def make(k):
         return _model(k, data)
