@@ -1,5 +1,6 @@
 """RMSNorm and LayerNorm modules against the NumPy reference."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +82,39 @@ def test_block_norm_eps_reaches_every_norm(norm):
     x[:, ::2] *= -1
     expected = x / np.sqrt(1e-6 + 1e-5)  # mean square 1e-6 (rms and layer agree here)
     np.testing.assert_allclose(blk.norm1(jnp.asarray(x)), expected, rtol=1e-6)
+
+
+def test_gemma_rmsnorm_gain_is_one_plus_weight_in_float32():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, 8))
+    w = 0.3 * rng.normal(size=8)
+    norm = bl.RMSNorm(8, 1e-6, unit_offset=True)
+    np.testing.assert_array_equal(norm.weight, 0.0)  # gain 1 at init
+    np.testing.assert_allclose(norm(jnp.asarray(x)), ref.rms_norm(x), rtol=1e-12)
+    norm = eqx.tree_at(lambda n: n.weight, norm, jnp.asarray(w))
+    np.testing.assert_allclose(norm(jnp.asarray(x)), ref.rms_norm(x, 1 + w), rtol=1e-12)
+    # bfloat16 weights: 1 + w is formed in float32, not rounded to bfloat16
+    wb = jnp.asarray(w, jnp.bfloat16)
+    nb = eqx.tree_at(lambda n: n.weight, norm, wb)
+    want = ref.rms_norm(x, 1 + np.asarray(wb, np.float64))
+    np.testing.assert_allclose(nb(jnp.asarray(x, jnp.float32)), want, rtol=2e-6)
+
+
+def test_gemma_rmsnorm_matches_transformers():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(0)
+    theirs = Gemma3RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.copy_(0.2 * torch.randn(16))
+    x = torch.randn(2, 5, 16)
+    ours = eqx.tree_at(
+        lambda n: n.weight,
+        bl.RMSNorm(16, 1e-6, unit_offset=True),
+        jnp.asarray(theirs.weight.detach().numpy()),
+    )
+    with torch.no_grad():
+        want = theirs(x).numpy()
+    np.testing.assert_allclose(ours(jnp.asarray(x.numpy())), want, rtol=1e-6, atol=1e-6)

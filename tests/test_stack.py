@@ -117,3 +117,20 @@ def test_bad_depth_and_index_raise():
         Stack(lambda k: TransformerBlock(D, H, key=k), 0, key=jax.random.key(0))
     with pytest.raises(IndexError, match="block index 3 out of range for a Stack of 3"):
         make_stack().block(3)
+
+
+def test_positions_reach_every_block(x):
+    def make(key):
+        return TransformerBlock(D, H, rope_theta=100.0, num_kv_heads=1, key=key)
+
+    stack = Stack(make, N, key=jax.random.key(0))
+    packed = jnp.array([0, 1, 2, 0, 1])  # two packed sequences
+    h = x
+    for i in range(N):
+        h = stack.block(i)(h, CAUSAL, positions=packed)
+    np.testing.assert_allclose(
+        stack(x, CAUSAL, positions=packed), h, rtol=1e-5, atol=1e-6
+    )
+    out, _ = stack.scan(x, CAUSAL, positions=packed)
+    np.testing.assert_allclose(out, h, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(stack(x, CAUSAL), h, atol=1e-4)  # default arange(T)

@@ -232,10 +232,10 @@ def _lengths(
 
 
 def valid_mask(
-    valid_lens: Int[ArrayLike, "*#rows"] | None,
+    valid_lens: Int[ArrayLike, "..."] | None,
     num_queries: int,
     num_keys: int,
-) -> Bool[Array, "*rows Tq Tk"] | None:
+) -> Bool[Array, "... Tq Tk"] | None:
     """Boolean `(..., Tq, Tk)` mask from valid lengths: key `j` is visible from
     query `i` iff `j < L_i`.
 
