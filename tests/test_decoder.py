@@ -207,3 +207,19 @@ def test_call_errors():
         model(jnp.zeros(4))  # floats (the jaxtyping hook may refuse them first)
     with pytest.raises((ValueError, TypeError), match="positions"):
         model(jnp.zeros(4, jnp.int32), positions=jnp.arange(5))
+
+
+def test_import_does_not_load_torch():
+    """torch and transformers are a test extra: `import blocklab` never imports them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, blocklab; "
+        "blocklab.DecoderLM; blocklab.from_huggingface; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
