@@ -112,18 +112,35 @@ for name, make, extra in (
     )
 
 window = max(1, STEPS // 10)
+
+
+def task_losses(result):
+    """`(K, steps)` next-token losses (the MoE's without its aux terms)."""
+    return np.asarray(result.losses if result.aux is None else result.aux["task"])
+
+
 print(
     f"\nCharLM d={D}, {HEADS} heads, {BLKS} block(s), batch {B} x {T}, {STEPS} "
     f"steps, seeds {SEEDS}; MoE: {E} experts of width {W // 2}, top-{K}"
 )
-print("| model | parameters | active FFN parameters | final train loss | val loss |")
+print(
+    "| model | parameters | active FFN parameters | final train loss (task) "
+    "| val loss |"
+)
 print("|---|---:|---:|---:|---:|")
+final = {}
 for name, r in runs.items():
-    final = np.nanmean(r["result"].losses[:, -window:], axis=1)
+    final[name] = np.nanmean(task_losses(r["result"])[:, -window:], axis=1)
     print(
-        f"| {name} | {r['params']} | {r['active']} | {final.mean():.3f} ± "
-        f"{final.std():.3f} | {r['val'].mean():.3f} ± {r['val'].std():.3f} |"
+        f"| {name} | {r['params']} | {r['active']} | {final[name].mean():.3f} ± "
+        f"{final[name].std():.3f} | {r['val'].mean():.3f} ± {r['val'].std():.3f} |"
     )
+aux = runs["moe"]["result"].aux
+print(
+    f"MoE aux terms over the last {window} steps (mean over seeds): "
+    f"load-balancing {np.mean(aux['aux'][:, -window:]):.3f} (uniform routing: "
+    f"{K}), z-loss {np.mean(aux['z'][:, -window:]):.3f}"
+)
 
 moe = runs["moe"]["result"]
 load = np.asarray(moe.probes)  # (seeds, probes, blocks, E)
@@ -137,9 +154,6 @@ for r, step in enumerate(moe.probe_steps):
             f"| {int(step)} | {b} | {row.min():.3f} | {row.max():.3f} | "
             f"{' '.join(f'{v:.2f}' for v in row)} |"
         )
-loss_gap = np.nanmean(
-    runs["moe"]["result"].losses[:, -window:]
-    - runs["dense"]["result"].losses[:, -window:]
-)
-print(f"\nMoE - dense final train loss (mean over seeds): {loss_gap:+.3f}")
+gap = final["moe"] - final["dense"]
+print(f"\nMoE - dense final train loss (task; per seed): {np.round(gap, 3).tolist()}")
 print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
