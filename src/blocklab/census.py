@@ -21,6 +21,8 @@ def _is_param(leaf) -> bool:
 def count_params(module) -> int:
     """Number of trainable scalars: the sizes of all floating-point arrays in `module`.
 
+    Integer leaves are not parameters: the per-layer attention settings
+    (`MultiHeadAttention.window`, `.rope_theta`, int32 data) are not counted.
     Works on abstract modules too (`eqx.filter_eval_shape`), so a census of a
     large configuration allocates nothing.
     """
