@@ -41,6 +41,8 @@ def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # mkstemp creates 0600; give the file the mode a plain open() would.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -76,6 +78,13 @@ def check_writable(path: str | Path, *, owner: str, name: str) -> Path:
             "writable folder)."
         )
     return path
+
+
+def _umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
