@@ -155,5 +155,8 @@ for r, step in enumerate(moe.probe_steps):
             f"{' '.join(f'{v:.2f}' for v in row)} |"
         )
 gap = final["moe"] - final["dense"]
-print(f"\nMoE - dense final train loss (task; per seed): {np.round(gap, 3).tolist()}")
+print(
+    "\nMoE - dense final train loss (task; per seed): "
+    + ", ".join(f"{g:+.3f}" for g in gap)
+)
 print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
