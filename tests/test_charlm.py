@@ -137,3 +137,12 @@ def test_generate_bad_arguments(model):
         generate(model, "a", -1, key=jax.random.key(0))
     with pytest.raises(ValueError, match="prompt must contain at least one character"):
         generate(model, "", 3, key=jax.random.key(0))
+
+
+def test_constant_ids_closed_over_inside_jit():
+    """Ids that are a constant inside `jit` run (the eager id check uses NumPy)."""
+    model = CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
+    ids = np.array([1, 2, 3])
+    np.testing.assert_allclose(
+        jax.jit(lambda: model(ids))(), model(jnp.asarray(ids)), rtol=1e-6, atol=1e-6
+    )

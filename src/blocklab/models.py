@@ -339,10 +339,13 @@ class CharLM(eqx.Module):
                 f"max_len={self.max_len} token ids, got "
                 f"tokens.shape={tuple(tokens.shape)}; split longer sequences."
             )
-        outside = (tokens < 0) | (tokens >= self.vocab_size)
         if not isinstance(tokens, jax.core.Tracer):
-            if bool(jnp.any(outside)):
-                where = tuple(int(i) for i in np.argwhere(np.asarray(outside))[0])
+            # Concrete ids (also constants closed over inside `jit`, where a
+            # jnp comparison would already be traced): check them in NumPy.
+            ids = np.asarray(tokens)
+            outside = (ids < 0) | (ids >= self.vocab_size)
+            if outside.any():
+                where = tuple(int(i) for i in np.argwhere(outside)[0])
                 raise ValueError(
                     f"CharLM: token ids must lie in [0, vocab_size="
                     f"{self.vocab_size}), got tokens{list(where)}="
@@ -352,7 +355,7 @@ class CharLM(eqx.Module):
         else:
             tokens = eqx.error_if(
                 tokens,
-                outside,
+                (tokens < 0) | (tokens >= self.vocab_size),
                 f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}); "
                 "a token id outside it was given (check the vocabulary the ids "
                 "were encoded with).",
