@@ -211,3 +211,25 @@ def test_unsupported_version_is_named(model, tmp_path):
 def test_load_on_a_directory_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="is a directory; pass the checkpoint file"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mixtral"])
+def test_decoder_models_round_trip(tmp_path, family):
+    """DecoderLM (with per-layer window / RoPE leaves) and its MoE variant
+    come back with their config class and every leaf bit-exact."""
+    from blocklab import DecoderConfig, DecoderLM
+    from blocklab.interop.mixtral import MoEDecoderConfig
+
+    cfg = (
+        DecoderConfig.gemma3(num_blks=3)
+        if family == "gemma3"
+        else MoEDecoderConfig.mixtral(num_blks=2)
+    )
+    model = DecoderLM(cfg, key=jax.random.key(0))
+    loaded = load(save(tmp_path / "m.ckpt", model))
+    assert type(loaded.cfg) is type(cfg) and loaded.cfg == cfg
+    for a, b in zip(
+        jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded), strict=True
+    ):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -45,6 +45,7 @@ import numpy as np
 
 from ._io import atomic_path, check_writable
 from ._validate import ConfigError
+from .decoder import DecoderLM
 from .models import CharLM
 
 __all__ = ["save", "load"]
@@ -55,7 +56,7 @@ _MAGIC = _PREFIX + str(_VERSION).encode() + b"\n"
 _MAGIC_V1 = _PREFIX + b"1\n"
 _SHA_TAG = b"sha256 "
 #: Model classes a checkpoint can hold, by name. Each has `config()`.
-_MODELS: dict[str, type] = {"CharLM": CharLM}
+_MODELS: dict[str, type] = {"CharLM": CharLM, "DecoderLM": DecoderLM}
 
 
 def _check_path(owner: str, path: Any) -> Path:

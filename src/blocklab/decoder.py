@@ -49,6 +49,11 @@ QK_NORMS = (False, True, "head", "full")
 _OWNER = "DecoderConfig"
 
 
+#: `DecoderConfig` and its subclasses by name, so `DecoderLM.config()` can
+#: name the class a checkpoint must rebuild (e.g. `MoEDecoderConfig`).
+CONFIG_CLASSES: dict[str, type] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     r"""The hyperparameters of a `DecoderLM` (frozen, hashable, validated).
@@ -258,6 +263,10 @@ class DecoderConfig:
             self.rope_theta if self.is_global(i) else local
             for i in range(self.num_blks)
         )
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        CONFIG_CLASSES[cls.__name__] = cls
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-friendly values (tuples as lists)."""
@@ -530,17 +539,30 @@ class DecoderLM(eqx.Module):
     head: eqx.nn.Linear | None
     cfg: DecoderConfig = eqx.field(static=True)
 
-    def __init__(self, config: DecoderConfig | Mapping[str, Any], *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: DecoderConfig | Mapping[str, Any],
+        *,
+        config_class: str = "DecoderConfig",
+        key: PRNGKeyArray,
+    ):
         """Args:
         config: a `DecoderConfig`, or the mapping of its fields (as
             `DecoderLM.config()["config"]` returns it).
+        config_class: with a mapping, the name of the config class to build
+            (`"DecoderConfig"` or a subclass such as `"MoEDecoderConfig"`).
         key: PRNG key for every weight.
         """
         if isinstance(config, Mapping):
+            if config_class not in CONFIG_CLASSES:
+                raise ConfigError(
+                    f"DecoderLM: config_class must be one of "
+                    f"{sorted(CONFIG_CLASSES)}, got {config_class!r}."
+                )
             config = dict(config)
             if config.get("global_layers") is not None:
                 config["global_layers"] = tuple(config["global_layers"])
-            config = DecoderConfig(**config)
+            config = CONFIG_CLASSES[config_class](**config)
         if not isinstance(config, DecoderConfig):
             raise ConfigError(
                 "DecoderLM: config must be a DecoderConfig, got "
@@ -553,7 +575,10 @@ class DecoderLM(eqx.Module):
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (without `key`) that rebuild this structure."""
-        return {"config": self.cfg.to_dict()}
+        out: dict[str, Any] = {"config": self.cfg.to_dict()}
+        if type(self.cfg) is not DecoderConfig:
+            out["config_class"] = type(self.cfg).__name__
+        return out
 
     @property
     def head_weight(self) -> Float[Array, "vocab d"]:
@@ -632,3 +657,6 @@ class DecoderLM(eqx.Module):
         """
         h = self.hidden(ids, positions=positions, key=key)
         return linear(h, self.head_weight).astype(jnp.float32)
+
+
+CONFIG_CLASSES["DecoderConfig"] = DecoderConfig
