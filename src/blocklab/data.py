@@ -84,7 +84,36 @@ def _read_corpus(path: Path) -> str:
     return raw
 
 
-class TimeMachine(eqx.Module):
+class _Windowed(eqx.Module):
+    """A token corpus cut into windows of `num_steps + 1` tokens (the shared
+    machinery of `TimeMachine` and `TokenDataset`)."""
+
+    corpus: Int[Array, " L"]
+    num_steps: int = eqx.field(static=True)
+    num_train: int = eqx.field(static=True)
+    num_val: int = eqx.field(static=True)
+
+    def windows(
+        self, starts: Int[Array, " B"]
+    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+        """Inputs and targets `(X, Y)` of the windows starting at `starts`."""
+        n = self.num_steps + 1
+        win = jax.vmap(lambda s: jax.lax.dynamic_slice(self.corpus, (s,), (n,)))(starts)
+        return win[:, :-1], win[:, 1:]
+
+    def train_batch(
+        self, key: PRNGKeyArray, batch_size: int
+    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+        """`batch_size` training windows, uniform with replacement, from `key`."""
+        starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
+        return self.windows(starts)
+
+    def val_batch(self) -> tuple[Int[Array, "V num_steps"], Int[Array, "V num_steps"]]:
+        """The `num_val` validation windows, in order (always the same)."""
+        return self.windows(jnp.arange(self.num_train, self.num_train + self.num_val))
+
+
+class TimeMachine(_Windowed):
     r"""The character-level Time Machine, windowed for next-character prediction.
 
     With the encoded corpus $c_0, c_1, \ldots$, window $i$ is
@@ -103,11 +132,6 @@ class TimeMachine(eqx.Module):
         corpus: `(L,)` int32 token ids of the whole preprocessed text.
         num_steps, num_train, num_val: window length and split sizes.
     """
-
-    corpus: Int[Array, " L"]
-    num_steps: int = eqx.field(static=True)
-    num_train: int = eqx.field(static=True)
-    num_val: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -163,27 +187,8 @@ class TimeMachine(eqx.Module):
     def vocab_size(self) -> int:
         return len(VOCAB)
 
-    def windows(
-        self, starts: Int[Array, " B"]
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
-        """Inputs and targets `(X, Y)` of the windows starting at `starts`."""
-        n = self.num_steps + 1
-        win = jax.vmap(lambda s: jax.lax.dynamic_slice(self.corpus, (s,), (n,)))(starts)
-        return win[:, :-1], win[:, 1:]
 
-    def train_batch(
-        self, key: PRNGKeyArray, batch_size: int
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
-        """`batch_size` training windows, uniform with replacement, from `key`."""
-        starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
-        return self.windows(starts)
-
-    def val_batch(self) -> tuple[Int[Array, "V num_steps"], Int[Array, "V num_steps"]]:
-        """The `num_val` validation windows, in order (always the same)."""
-        return self.windows(jnp.arange(self.num_train, self.num_train + self.num_val))
-
-
-class TokenDataset(eqx.Module):
+class TokenDataset(_Windowed):
     r"""Any token sequence, windowed for next-token prediction like `TimeMachine`.
 
     With tokens $c_0, c_1, \ldots, c_{L-1}$ and window length $n$ =
@@ -206,10 +211,6 @@ class TokenDataset(eqx.Module):
         vocab: the symbol of each id (text datasets), or `None`.
     """
 
-    corpus: Int[Array, " L"]
-    num_steps: int = eqx.field(static=True)
-    num_train: int = eqx.field(static=True)
-    num_val: int = eqx.field(static=True)
     vocab_size: int = eqx.field(static=True)
     vocab: tuple[str, ...] | None = eqx.field(static=True)
 
@@ -321,22 +322,3 @@ class TokenDataset(eqx.Module):
         if self.vocab is None:
             raise ConfigError("TokenDataset.decode: this dataset has no vocab.")
         return "".join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
-
-    def windows(
-        self, starts: Int[Array, " B"]
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
-        """Inputs and targets `(X, Y)` of the windows starting at `starts`."""
-        n = self.num_steps + 1
-        win = jax.vmap(lambda s: jax.lax.dynamic_slice(self.corpus, (s,), (n,)))(starts)
-        return win[:, :-1], win[:, 1:]
-
-    def train_batch(
-        self, key: PRNGKeyArray, batch_size: int
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
-        """`batch_size` training windows, uniform with replacement, from `key`."""
-        starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
-        return self.windows(starts)
-
-    def val_batch(self) -> tuple[Int[Array, "V num_steps"], Int[Array, "V num_steps"]]:
-        """The `num_val` validation windows, in order (always the same)."""
-        return self.windows(jnp.arange(self.num_train, self.num_train + self.num_val))

@@ -145,6 +145,24 @@ def state_dict(module) -> dict[str, np.ndarray]:
     return {name: value for group in entries for name, value in group}
 
 
+def _check_keys(
+    owner: str, expected: Any, given: Any, model: str, *, hint: str = ""
+) -> None:
+    """Raise `ConfigError` naming every missing and every unexpected key."""
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        raise ConfigError(
+            f"{owner}: the state dict does not match {model}: "
+            f"{'; '.join(problems)}.{hint}"
+        )
+
+
 def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
     """Return a copy of `module` with every parameter taken from `state_dict`.
 
@@ -167,19 +185,13 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
             arrays are refused rather than cast) or holds NaN or infinities.
     """
     expected = _shapes(module)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"missing keys {missing}")
-        if unexpected:
-            problems.append(f"unexpected keys {unexpected}")
-        raise ValueError(
-            f"load_state_dict: the state dict does not match the "
-            f"{type(module).__name__}: {'; '.join(problems)}. The module's keys "
-            f"are {list(expected)}."
-        )
+    _check_keys(
+        "load_state_dict",
+        expected,
+        state_dict,
+        f"the {type(module).__name__}",
+        hint=f" The module's keys are {list(expected)}.",
+    )
     if dtype is not None:
         try:
             dtype = jnp.dtype(dtype)

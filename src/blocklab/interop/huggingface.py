@@ -34,7 +34,7 @@ import numpy as np
 
 from .._validate import ConfigError
 from ..decoder import DecoderConfig, DecoderLM, _set_layer_data
-from ..porting import _shapes, load_state_dict, state_dict
+from ..porting import _check_keys, _shapes, load_state_dict, state_dict
 
 __all__ = [
     "FAMILIES",
@@ -731,18 +731,12 @@ def load_huggingface_state_dict(
         and "lm_head.weight" not in expected
     ):
         tied_head = _to_numpy(given.pop("lm_head.weight"))
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"missing keys {missing}")
-        if unexpected:
-            problems.append(f"unexpected keys {unexpected}")
-        raise ConfigError(
-            f"load_huggingface_state_dict: the state dict does not match the "
-            f"{fam.name} model of this config: {'; '.join(problems)}."
-        )
+    _check_keys(
+        "load_huggingface_state_dict",
+        expected,
+        given,
+        f"the {fam.name} model of this config",
+    )
     arrays = {}
     for hf, shape in expected.items():
         arr = _to_numpy(given[hf])
