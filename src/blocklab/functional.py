@@ -8,6 +8,8 @@ input already is) and returned in the input dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,15 +46,21 @@ def _stat_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _safe_rsqrt(ms: Array) -> Array:
-    r"""$1/\sqrt{m}$, with $m = 0$ (only reachable with `eps=0`) read as $m = 1$.
+def _safe_rsqrt(ms: Array, eps: Any) -> Array:
+    r"""$1/\sqrt{m + \epsilon}$, with $m + \epsilon = 0$ (only reachable with
+    `eps=0`) read as 1.
 
     The statistic's row is then exactly zero (all entries, or all deviations
     from the mean, are zero), so the output row is zero instead of
     $0 \cdot \infty = $ NaN. The `where` acts on the *input* of the rsqrt,
     so the untaken branch is finite and the gradient is too (a `where` on the
-    output would still send $0 \cdot \infty$ back).
+    output would still send $0 \cdot \infty$ back). With a positive Python
+    `eps` the guard cannot trigger and is left out: it splits XLA's single
+    fused pass over `x` into two (1.5x the bytes moved).
     """
+    if isinstance(eps, (int, float)) and eps > 0:
+        return jax.lax.rsqrt(ms + eps)
+    ms = ms + eps
     return jax.lax.rsqrt(jnp.where(ms > 0, ms, jnp.ones_like(ms)))
 
 
@@ -101,7 +109,7 @@ def rms_norm(
         gradient stays finite.
     """
     xf = x.astype(_stat_dtype(x.dtype))
-    y = xf * _safe_rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * _safe_rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True), eps)
     if weight is not None:
         y = y * weight.astype(xf.dtype)
     return y.astype(x.dtype)
@@ -131,7 +139,7 @@ def layer_norm(
     xf = x.astype(_stat_dtype(x.dtype))
     centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
-    y = centred * _safe_rsqrt(var + eps)
+    y = centred * _safe_rsqrt(var, eps)
     if weight is not None:
         y = y * weight.astype(xf.dtype)
     if bias is not None:
