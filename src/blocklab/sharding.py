@@ -107,7 +107,7 @@ MAX_SEED = 2**32 - 1
 
 
 def check_seeds(
-    owner: str, name: str, seeds: Iterable[Any], *, distinct: bool = True
+    owner: str, name: str, seeds: Any, *, distinct: bool = True
 ) -> tuple[int, ...]:
     """One rule for seeds: a non-empty sequence of ints in `[0, 2**32 - 1]`.
 
