@@ -88,6 +88,32 @@ def test_activation_plot_survives_an_all_nan_curve(tmp_path):
     assert strict(r.to_json())["results"]["gelu"]["val_loss"] == [None, None]
 
 
+def test_activation_report_section_sizes_to_the_machine(tmp_path, monkeypatch):
+    """cpu: seed 0, the protocol named and the way to the full one; full: seeds
+    0-2 and no note; the progress flag reaches the training."""
+    calls = []
+    real = activations.compare_activations
+    data = bl.TimeMachine(num_steps=8, num_train=200, num_val=10)
+
+    def tiny(acts, seeds, steps, **kw):
+        calls.append((tuple(seeds), steps, kw.get("progress")))
+        return real(acts, seeds, 3, num_hiddens=16, num_heads=2, num_blks=1,
+                    batch_size=4, data=data)  # fmt: skip
+
+    monkeypatch.setattr(activations, "compare_activations", tiny)
+    text = activations.report_section(tmp_path, progress=True)
+    assert calls[-1] == ((0,), 600, True)
+    assert "protocol `cpu`" in text and "`blocklab report --full`" in text
+    assert "`blocklab train --seeds 0 1 2`" in text
+    # the note sits between the protocol's description and the table
+    assert text.index("batches of") < text.index("protocol `cpu`") < text.index("|")
+    text = activations.report_section(tmp_path, full=True)
+    assert calls[-1] == ((0, 1, 2), 600, False) and "protocol `cpu`" not in text
+    activations.report_section(tmp_path, quick=True)
+    assert calls[-1] == ((0,), 90, False)
+    assert (tmp_path / "train_losses.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ----------------------------------------------------------------- signal
 @pytest.mark.parametrize(
     "kwargs, message",

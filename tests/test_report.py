@@ -100,6 +100,40 @@ def test_cli_full_flag_and_estimates(stub_sections, tmp_path, monkeypatch, capsy
     assert "census: about" not in err  # short sections get no line of their own
 
 
+def test_sections_with_their_own_bar_get_the_progress_flag(
+    stub_sections, tmp_path, monkeypatch
+):
+    module = importlib.import_module("blocklab.commands.train")
+    seen = []
+
+    def section(out_dir, *, quick, full, progress):
+        seen.append((quick, full, progress))
+        return "## train\n"
+
+    monkeypatch.setattr(module, "report_section", section)
+    monkeypatch.setattr(report, "on_accelerator", lambda: False)
+    write_report(tmp_path, only=["train", "census"], progress=False)
+    write_report(tmp_path, only=["train"], full=True, progress=True)
+    assert seen == [(False, False, False), (False, True, True)]
+    assert stub_sections == [("census", {"quick": False})]  # no flag it lacks
+
+
+def test_real_estimates_fit_the_cpu_budget():
+    """The estimates the report prints: about 15 min on 2 CPU cores by default,
+    the full protocols far longer, quick mode a few minutes."""
+
+    def total(**kw):
+        return sum(
+            report._estimate(m, report._sizing(m, **kw))
+            for m in (importlib.import_module(f"blocklab.commands.{n}")
+                      for n in REPORT_SECTIONS)
+        )  # fmt: skip
+
+    assert 600 < total(quick=False, full=False) < 17 * 60
+    assert total(quick=False, full=True) > 3600
+    assert total(quick=True, full=False) < 8 * 60
+
+
 def test_quick_and_full_exclude_each_other(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path), "--quick", "--full", "--json"]) == 2
     assert "error" in json.loads(capsys.readouterr().out)

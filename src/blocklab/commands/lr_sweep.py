@@ -117,8 +117,10 @@ def report_estimate(*, quick: bool = False, full: bool = False) -> float:
     return study.estimate_seconds(study.report_protocol(quick=quick, full=full))
 
 
-def report_section(out_dir: Path, *, quick: bool, full: bool = False) -> str:
+def report_section(
+    out_dir: Path, *, quick: bool, full: bool = False, progress: bool = False
+) -> str:
     protocol = study.report_protocol(quick=quick, full=full)
     if not quick:
         warn_if_slow(protocol, study.LRS)
-    return study.report_section(out_dir, quick=quick, full=full)
+    return study.report_section(out_dir, quick=quick, full=full, progress=progress)

@@ -42,6 +42,7 @@ from ._seeds import check_seeds
 
 __all__ = [
     "CHAPTER_JAX",
+    "REPORT_PROTOCOLS",
     "ActivationComparison",
     "compare_activations",
     "checkpoints",
@@ -368,7 +369,8 @@ def report_markdown(result: ActivationComparison, png_name: str) -> str:
         f"batches of {p['batch_size']} x {p['seq_len']} characters, AdamW "
         f"(lr {p['lr']:g}, no weight decay), {p['steps']} steps, seeds "
         f"{list(result.seeds)}. Training loss averaged over the {result.window} "
-        "steps before each checkpoint; mean ± std over seeds.\n\n"
+        "steps before each checkpoint"
+        f"{'; mean ± std over seeds' if len(result.seeds) > 1 else ''}.\n\n"
         f"{result.table()}\n\n"
         "The chapter (Flax NNX, seed 0), loss at 200 / 400 / 600:\n\n"
         f"| act | chapter |\n|---|---|\n{chapter}\n\n"
@@ -376,13 +378,51 @@ def report_markdown(result: ActivationComparison, png_name: str) -> str:
     )
 
 
-def report_section(out_dir: str | Path, *, quick: bool = False) -> str:
+#: The protocols of the report's comparison: name -> (steps, seeds). `cpu` is
+#: the chapter's own comparison (seed 0, as the chapter prints it); `full` adds
+#: seeds 1 and 2 for a mean and a spread (3x the time: about 16 min on 2 CPU
+#: cores); `quick` is a smoke run.
+REPORT_PROTOCOLS: dict[str, tuple[int, tuple[int, ...]]] = {
+    "full": (600, (0, 1, 2)),
+    "cpu": (600, (0,)),
+    "quick": (90, (0,)),
+}
+
+
+def report_protocol(*, quick: bool = False, full: bool = False) -> str:
+    """The name of the protocol `blocklab report` runs: quick, full, or else cpu."""
+    return "quick" if quick else "full" if full else "cpu"
+
+
+def report_section(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
+) -> str:
     """Run the report's comparison (GELU vs SwiGLU) and return its Markdown section.
 
-    Full: 600 steps, seeds 0, 1, 2. `quick`: 90 steps, seed 0. Writes
-    `out_dir/train_losses.png`.
+    `full` (an accelerator, or `blocklab report --full`): 600 steps, seeds 0, 1,
+    2. Otherwise on a CPU: 600 steps, seed 0, the chapter's own comparison;
+    the section names that protocol and how to run the full one. `quick`: 90
+    steps, seed 0. Writes `out_dir/train_losses.png`.
     """
-    steps, seeds = (90, (0,)) if quick else (600, (0, 1, 2))
-    result = compare_activations(("gelu", "swiglu"), seeds, steps)
+    name = report_protocol(quick=quick, full=full)
+    steps, seeds = REPORT_PROTOCOLS[name]
+    result = compare_activations(("gelu", "swiglu"), seeds, steps, progress=progress)
     png = result.plot(Path(out_dir) / "train_losses.png")
-    return report_markdown(result, png.name)
+    text = report_markdown(result, png.name)
+    if name == "cpu":
+        full_steps, full_seeds = REPORT_PROTOCOLS["full"]
+        note = (
+            "This is the protocol `cpu`, sized for a CPU: the chapter's own "
+            "comparison, seed 0 only. The full one (`full`: "
+            f"{full_steps} steps, seeds {list(full_seeds)}, a mean and a spread "
+            "over seeds) runs with `blocklab report --full` (the default on a GPU "
+            f"or TPU) or `blocklab train --seeds {' '.join(map(str, full_seeds))}`, "
+            "and takes about 16 min on 2 CPU cores.\n\n"
+        )
+        head, description, rest = text.split("\n\n", 2)
+        text = f"{head}\n\n{description}\n\n{note}{rest}"
+    return text

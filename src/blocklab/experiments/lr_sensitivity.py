@@ -551,16 +551,20 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> LRProtocol:
 
 
 def report_section(
-    out_dir: str | Path, *, quick: bool = False, full: bool = False
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
 ) -> str:
     """Run exercise 11 for the report; write its PNGs; return the Markdown section.
 
     `quick` runs `QUICK`, `full` runs `FULL` (an accelerator, or `--full`),
     otherwise `CPU`; the section names the protocol, and when it is not the
-    full one, how to run that.
+    full one, how to run that. `progress`: a tqdm bar per model.
     """
     protocol = report_protocol(quick=quick, full=full)
-    result = run_study(protocol)
+    result = run_study(protocol, progress=progress)
     paths = result.figures(out_dir)
     note = ""
     if protocol is not FULL:
