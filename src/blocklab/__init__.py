@@ -35,6 +35,7 @@ from .interop import (
     load_huggingface_state_dict,
     to_huggingface_state_dict,
 )
+from .launcher import LaunchError, LaunchResult, launch_local
 from .models import CharLM, Stack, generate
 from .moe import (
     MoEFeedForward,
@@ -163,6 +164,9 @@ __all__ = [
     "sweep_grid",
     "check_seeds",
     "distributed",
+    "LaunchError",
+    "LaunchResult",
+    "launch_local",
     "Identity",
     "block_param_count",
     "collapse_spread",
