@@ -8,7 +8,17 @@ import numpy as np
 import optax
 import pytest
 
-from blocklab import CharLM, TimeMachine, init_state, lm_loss, make_train_step, train_lm
+from blocklab import (
+    CharLM,
+    DecoderConfig,
+    DecoderLM,
+    TimeMachine,
+    init_state,
+    linear,
+    lm_loss,
+    make_train_step,
+    train_lm,
+)
 
 STEPS = 40
 
@@ -128,3 +138,45 @@ def test_the_forward_runs_in_bf16_and_the_loss_is_float32(model, data):
     # bf16 rounding of activations perturbs each gradient entry by ~1%
     assert cosine > 0.99, cosine
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
+
+
+def test_out_dtype_accumulates_bf16_products_in_float32():
+    """`linear(..., out_dtype=float32)` on bf16 operands: float32 sums of the
+    exact products (vs a float64 NumPy product of the same bf16 values), ten
+    times closer than the bf16-rounded product; float64 operands stay float64."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(32, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 512)), jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    wide = linear(x, w, out_dtype=jnp.float32)
+    narrow = linear(x, w)
+    assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
+    err_wide = np.abs(np.asarray(wide, np.float64) - exact).max()
+    err_narrow = np.abs(np.asarray(narrow, np.float64) - exact).max()
+    assert err_wide <= 1e-5 * np.abs(exact).max(), err_wide
+    assert err_narrow > 10 * err_wide
+    # (conftest enables float64)
+    x64 = jnp.asarray(rng.normal(size=(3, 4)), jnp.float64)
+    w64 = jnp.asarray(rng.normal(size=(2, 4)), jnp.float64)
+    y = linear(x64, w64, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float64
+    np.testing.assert_allclose(y, np.asarray(x64) @ np.asarray(w64).T, rtol=1e-14)
+
+
+@pytest.mark.parametrize("family", ["charlm", "gpt2"])
+def test_a_bf16_models_logits_are_float32_not_bf16_rounded(family):
+    """The head of a bf16 model accumulates in float32: its logits are float32
+    and do not all lie on the bfloat16 grid (a bf16 product's would)."""
+    key = jax.random.key(0)
+    if family == "charlm":
+        model = CharLM(28, 32, 2, 1, max_len=16, key=key)
+    else:
+        model = DecoderLM(DecoderConfig.gpt2(96, 32, 2, 1, max_len=16), key=key)
+    cast = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model
+    )
+    tokens = jnp.arange(12) % 28
+    logits = np.asarray(cast(tokens))
+    assert logits.dtype == np.float32
+    on_grid = logits == logits.astype(jnp.bfloat16).astype(np.float32)
+    assert on_grid.mean() < 0.5, on_grid.mean()

@@ -656,7 +656,8 @@ class DecoderLM(eqx.Module):
             after `ids[..., i]`.
         """
         h = self.hidden(ids, positions=positions, key=key)
-        return linear(h, self.head_weight).astype(jnp.float32)
+        # float32 accumulation: the logits of a bf16 model are not rounded
+        return linear(h, self.head_weight, out_dtype=jnp.float32).astype(jnp.float32)
 
 
 CONFIG_CLASSES["DecoderConfig"] = DecoderConfig

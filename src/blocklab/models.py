@@ -311,8 +311,9 @@ class CharLM(eqx.Module):
             key: enables dropout (when the blocks have any); `None` evaluates.
 
         Returns:
-            `(..., T, vocab_size)` logits; row `i` scores the token after
-            `tokens[..., i]`.
+            `(..., T, vocab_size)` logits, float32 (float64 for a float64
+            model; a bfloat16 model's head accumulates in float32); row `i`
+            scores the token after `tokens[..., i]`.
 
         Raises:
             ValueError: `tokens` is a scalar, longer than `max_len` or not of
@@ -363,7 +364,8 @@ class CharLM(eqx.Module):
         T = tokens.shape[-1]
         h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
         h = self.stack(h, jnp.arange(1, T + 1), key=key)
-        return linear(self.norm(h), self.token_emb.weight)
+        # float32 accumulation and output: logits of a bf16 model are not rounded
+        return linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
 
 
 def generate(
