@@ -9,6 +9,7 @@ known in advance.
 import json
 import math
 
+import numpy as np
 import pytest
 
 from blocklab import cli
@@ -157,3 +158,20 @@ def test_full_quick_table_flags_exactly_the_explained_disagreements():
         "holds"
     ]
     assert next(r for c, r in rows.items() if "GPT-1 init, FFN removed" in c)["holds"]
+
+
+def test_measuring_a_few_seeds_at_a_time_gives_each_seed_its_own_values(
+    monkeypatch,
+):
+    """Seeds are measured in chunks (to bound memory); seed k gets the same
+    stack and input in any chunking: chunks of 1 and 2 give the values of all
+    three seeds at once, and the seeds differ from each other."""
+    opts = dict(num_blks=2, num_hiddens=32, num_heads=4)
+    runs = {}
+    for chunk in (3, 2, 1):
+        monkeypatch.setattr(check, "_CHUNK", chunk)
+        runs[chunk] = check._measure(3, **opts).token_spread
+    assert runs[3].shape == (3, 2)
+    np.testing.assert_allclose(runs[2], runs[3], rtol=1e-6)
+    np.testing.assert_allclose(runs[1], runs[3], rtol=1e-6)
+    assert len({round(float(v), 6) for v in runs[3][:, -1]}) == 3

@@ -179,6 +179,11 @@ def test_sweep_over_seeds_equals_a_loop_over_runs():
     np.testing.assert_array_equal(
         np.asarray(count.stream_rms), np.asarray(swept.stream_rms)
     )
+    # one seed per compiled call (memory-bounded): the same values
+    chunked = sg.signal_sweep("post", [0, 1, 2], chunk=1, **opts)
+    np.testing.assert_allclose(
+        np.asarray(chunked.stream_rms), np.asarray(swept.stream_rms), rtol=1e-6
+    )
 
 
 def test_sweep_rejects_a_non_positive_seed_count():

@@ -171,6 +171,27 @@ def test_sharded_map_equals_a_python_loop():
         np.testing.assert_allclose(out["x"][i], ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 9])
+def test_sharded_map_in_chunks_equals_a_python_loop_and_compiles_once(chunk):
+    """Chunks of any size (the last one padded) give each member its own values,
+    and every chunk runs the same compiled program: one trace."""
+    traces = []
+
+    def fn(key, scale):
+        traces.append(1)
+        return {"x": scale * jax.random.normal(key, (3,), jnp.float32)}
+
+    seeds = [3, 1, 4, 1, 5]
+    scales = np.arange(5, dtype=np.float32)
+    out = sharded_map(fn, seeds, scales, chunk=chunk)
+    assert out["x"].shape == (5, 3) and len(traces) == 1
+    for i, s in enumerate(seeds):
+        ref = np.asarray(fn(jax.random.key(s), scales[i])["x"])
+        np.testing.assert_allclose(out["x"][i], ref, rtol=1e-6)
+    with pytest.raises(ValueError, match="chunk must lie in"):
+        sharded_map(fn, seeds, scales, chunk=0)
+
+
 @pytest.mark.parametrize(
     ("members", "devices", "padded"), [(1, 1, 1), (4, 4, 4), (5, 4, 8), (7, 2, 8)]
 )

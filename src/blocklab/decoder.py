@@ -48,6 +48,12 @@ DECODER_NORMS = ("rms", "layer", "gemma_rms")
 QK_NORMS = (False, True, "head", "full")
 _OWNER = "DecoderConfig"
 
+#: What Llama and OLMo 2 share: RMSNorm, SwiGLU, RoPE (theta 1e4), untied head.
+_LLAMA_FAMILY = dict(
+    act="swiglu", norm="rms", positions="rope", rope_theta=10000.0,
+    tie_embeddings=False,
+)  # fmt: skip
+
 
 #: `DecoderConfig` and its subclasses by name, so `DecoderLM.config()` can
 #: name the class a checkpoint must rebuild (e.g. `MoEDecoderConfig`).
@@ -319,18 +325,12 @@ class DecoderConfig:
         """Llama: pre-norm RMSNorm (eps 1e-6), SwiGLU, RoPE (theta 1e4),
         grouped-query attention, no biases, untied head."""
         fields = dict(
-            num_kv_heads=num_kv_heads,
-            act="swiglu",
-            norm="rms",
-            norm_eps=1e-6,
-            placement="pre",
-            positions="rope",
-            rope_theta=10000.0,
-            max_len=max_len,
-            tie_embeddings=False,
+            _LLAMA_FAMILY, num_kv_heads=num_kv_heads, norm_eps=1e-6,
+            placement="pre", max_len=max_len,
+        )  # fmt: skip
+        return cls(
+            vocab_size, num_hiddens, num_heads, num_blks, **{**fields, **overrides}
         )
-        fields.update(overrides)
-        return cls(vocab_size, num_hiddens, num_heads, num_blks, **fields)
 
     @classmethod
     def olmo2(
@@ -347,19 +347,12 @@ class DecoderConfig:
         """OLMo 2: norm on each branch output (`"output"`), RMSNorm (eps 1e-5),
         full-width QK-norm, SwiGLU, RoPE (theta 1e4), no biases, untied head."""
         fields = dict(
-            num_kv_heads=num_kv_heads,
-            act="swiglu",
-            norm="rms",
-            norm_eps=1e-5,
-            placement="output",
-            qk_norm="full",
-            positions="rope",
-            rope_theta=10000.0,
-            max_len=max_len,
-            tie_embeddings=False,
+            _LLAMA_FAMILY, num_kv_heads=num_kv_heads, norm_eps=1e-5,
+            placement="output", qk_norm="full", max_len=max_len,
+        )  # fmt: skip
+        return cls(
+            vocab_size, num_hiddens, num_heads, num_blks, **{**fields, **overrides}
         )
-        fields.update(overrides)
-        return cls(vocab_size, num_hiddens, num_heads, num_blks, **fields)
 
     @classmethod
     def gemma3(

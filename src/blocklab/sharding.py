@@ -174,6 +174,7 @@ def sharded_map(
     keys: MemberKeys,
     *args: ArrayLike,
     mesh: Mesh | None = None,
+    chunk: int | None = None,
 ) -> Any:
     """`jax.vmap(fn)(keys, *args)` as one jitted program sharded over the devices.
 
@@ -182,18 +183,25 @@ def sharded_map(
     (`member_mesh()` by default), mapped, and the padding dropped. Used for
     the seed axis of `blocklab.signal` experiments.
 
+    With `chunk`, the members run `chunk` at a time (rounded up to a multiple
+    of the device count): memory then grows with `chunk`, not K, and every
+    call has the same shape, so the program still compiles once (the last
+    chunk is padded). Member k's values do not depend on the chunking.
+
     Args:
         fn: `fn(key, *row)` for one member; returns a pytree of arrays.
         keys: `(K,)` PRNG keys or a sequence of int seeds (seed s is
             `jax.random.key(s)`).
         *args: arrays with leading axis K (e.g. per-member hyperparameters).
         mesh: a 1-D mesh with axis `"members"`.
+        chunk: members per compiled call (>= 1); `None`: all K at once.
 
     Returns:
         `fn`'s pytree with a leading axis K on every leaf (gathered onto the
         default device; the padding dropped).
     """
     mesh = member_mesh() if mesh is None else mesh
+    check_int("sharded_map", "chunk", chunk, min=1, optional=True)
     data = _key_data(keys)
     K = data.shape[0]
     for i, a in enumerate(args):
@@ -202,10 +210,14 @@ def sharded_map(
                 f"sharded_map: args[{i}] must have leading axis K={K}, got shape "
                 f"{np.shape(a)}."
             )
-    size = pad_members(K, mesh.devices.size)
-    inputs = [_global(_pad(np.asarray(a), size), mesh) for a in (data, *args)]
-    out = _mapped(fn, _sharding_of(mesh))(*inputs)
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(_host(x)[:K]), out)
+    rows = [np.asarray(a) for a in (data, *args)]
+    step = pad_members(min(K, chunk or K), mesh.devices.size)
+    program = _mapped(fn, _sharding_of(mesh))
+    parts = []
+    for start in range(0, K, step):
+        inputs = [_global(_pad(r[start : start + step], step), mesh) for r in rows]
+        parts.append(jax.tree_util.tree_map(_host, program(*inputs)))
+    return jax.tree_util.tree_map(lambda *p: jnp.asarray(np.concatenate(p)[:K]), *parts)
 
 
 @functools.lru_cache(maxsize=64)

@@ -357,6 +357,8 @@ def _seed_fn(placement, options):
 def signal_sweep(
     placement: str,
     seeds: int | Sequence[int] | PRNGKeyArray,
+    *,
+    chunk: int | None = None,
     **options,
 ) -> SignalStats:
     """`signal_run` over many seeds as one compiled, vmapped program.
@@ -368,6 +370,9 @@ def signal_sweep(
         placement: as for `chapter_stack`.
         seeds: a number S (seeds 0..S-1), a sequence of int seeds, or an array
             of PRNG keys; seed s uses `jax.random.key(s)`.
+        chunk: seeds per compiled call, to bound memory on deep or wide
+            stacks (each seed holds its stack, gradients and activations);
+            `None`: all at once. The values do not depend on it.
         **options: keyword options of `signal_run` (`num_blks`, `alpha`, ...).
 
     Returns:
@@ -382,7 +387,8 @@ def signal_sweep(
     )
     if not is_keys:
         seeds = jax.vmap(jax.random.key)(jnp.asarray(list(seeds), jnp.uint32))
-    return sharded_map(_seed_fn(placement, tuple(sorted(options.items()))), seeds)
+    fn = _seed_fn(placement, tuple(sorted(options.items())))
+    return sharded_map(fn, seeds, chunk=chunk)
 
 
 def variance_budget(stats: SignalStats) -> tuple[Array, Array]:

@@ -213,10 +213,14 @@ def _check_protocol(owner, seeds, num_blks, num_hiddens, num_heads, alpha):
 
 
 def run_placements(
-    placements: Sequence[str], seeds: int, **options
+    placements: Sequence[str], seeds: int, *, chunk: int | None = None, **options
 ) -> dict[str, SignalStats]:
-    """`signal_sweep` per placement, as float64 NumPy arrays `(seeds, N)` per field."""
-    return {p: _numpy(signal_sweep(p, seeds, **options)) for p in placements}
+    """`signal_sweep` per placement, as float64 NumPy arrays `(seeds, N)` per field.
+
+    `chunk`: seeds per compiled call (bounds memory; see `signal_sweep`)."""
+    return {
+        p: _numpy(signal_sweep(p, seeds, chunk=chunk, **options)) for p in placements
+    }
 
 
 def signal_propagation(
@@ -657,7 +661,12 @@ def report_section(out_dir: str | Path, *, quick: bool = False) -> str:
     main = signal_propagation(PLACEMENTS, seeds=seeds, num_blks=n, **opts)
     figures = main.plot(out_dir)
     pre = main.stats["pre"]
-    deep = pre if quick else run_placements(["pre"], seeds, num_blks=128, **opts)["pre"]
+    # 128 blocks of d = 256 hold about 1.5 GB per seed: one seed at a time
+    deep = (
+        pre
+        if quick
+        else run_placements(["pre"], seeds, chunk=1, num_blks=128, **opts)["pre"]
+    )
     ex3 = exercise_3c(deep)
     ex4 = exercise_4(pre)
     ex5 = exercise_5(seeds, n, **opts)
