@@ -181,9 +181,12 @@ def test_a_process_that_dies_mid_sweep_ends_the_other(tmp_path):
 
 
 # The caller of launch_local, run as its own process and interrupted.
+# (A shell's background job inherits SIGINT ignored, and Python then installs
+# no KeyboardInterrupt handler: the caller restores it, as a terminal has it.)
 CALLER = textwrap.dedent(
     """
-    import sys
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import blocklab as bl
     child = "import os, sys, time; print(os.getpid(), file=sys.stderr, flush=True);"
     bl.launch_local([sys.executable, "-c", child + " time.sleep(600)"], 2)
@@ -210,8 +213,14 @@ def test_an_interrupted_caller_ends_every_process():
         assert sorted(pids) == ["[0", "[1"], "the children never reported"
         assert not any(gone(p) for p in pids.values())
         os.kill(caller.pid, signal.SIGINT)
-        caller.wait(timeout=30)
-        assert caller.returncode != 0  # the interrupt went on after the cleanup
+        try:  # drain its stderr meanwhile: a full pipe must not hold it up
+            _, rest = caller.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(caller.pid, signal.SIGKILL)
+            _, rest = caller.communicate()
+            pytest.fail(f"the interrupted caller did not exit:\n{rest[-3000:]}")
+        assert caller.returncode != 0, rest[-2000:]  # it went on after the cleanup
+        assert "KeyboardInterrupt" in rest
         time.sleep(0.2)
         assert all(gone(p) for p in pids.values())
     finally:
