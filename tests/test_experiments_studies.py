@@ -160,6 +160,13 @@ def test_exercise_3c_and_4_on_hand_built_statistics():
     b, a = ex4.fits["8-16"]
     assert b == pytest.approx(0.5) and a == pytest.approx(1.0)
     assert "| 16 | 0.250 | 0.500 | 13.00 | 16.00 |" in ex4.table()
+    # a flat start (RMS 3 up to block 7), then sqrt(k): the 8-16 fit sees only
+    # the power law; the 1-16 fit does not
+    k = np.arange(1, n + 1)
+    bent = signal.exercise_4(_stats(np.where(k < 8, 3.0, np.sqrt(k)), np.ones(n)))
+    b, a = bent.fits["8-16"]
+    assert b == pytest.approx(0.5) and a == pytest.approx(1.0)
+    assert bent.fits["1-16"][0] < 0.3
 
 
 def test_signal_json_names_non_finite_placements(tmp_path):
