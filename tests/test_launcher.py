@@ -79,7 +79,9 @@ def test_a_typed_result_and_the_environment_each_process_gets(monkeypatch):
     assert r.stdout.startswith("not json\n")
     lines = sorted(err.getvalue().splitlines())
     assert lines == [f"[{i}] hello from {i}" for i in range(3)]
-    assert r.to_json()["output"] == env and r.to_json()["returncodes"] == [0, 0, 0]
+    data = r.to_json()
+    assert data["output"] == env and data["returncodes"] == [0, 0, 0]
+    assert data["pids"] == list(r.pids)
 
 
 @pytest.mark.parametrize(

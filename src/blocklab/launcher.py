@@ -125,6 +125,7 @@ class LaunchResult:
             "processes": self.processes,
             "coordinator": self.coordinator,
             "returncodes": list(self.returncodes),
+            "pids": list(self.pids),
             "seconds": self.seconds,
             "output": self.output(),
         }
