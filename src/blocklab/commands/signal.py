@@ -117,5 +117,5 @@ def report_estimate(*, quick: bool = False) -> float:
     return 20.0 if quick else 140.0
 
 
-def report_section(out_dir: Path, *, quick: bool) -> str:
-    return study.report_section(out_dir, quick=quick)
+def report_section(out_dir: Path, *, quick: bool, progress: bool = False) -> str:
+    return study.report_section(out_dir, quick=quick, progress=progress)

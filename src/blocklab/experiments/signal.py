@@ -34,6 +34,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from .._validate import check_bool, check_float, check_int
 from ..block import PLACEMENTS
@@ -650,15 +651,20 @@ OUTPUT_FAILURE = (
 )
 
 
-def report_section(out_dir: str | Path, *, quick: bool = False) -> str:
+def report_section(
+    out_dir: str | Path, *, quick: bool = False, progress: bool = False
+) -> str:
     """Run the signal study and its exercises; write 4 PNGs; return the Markdown.
 
     Full: 4 seeds, 32 blocks, d = 256, exercise 3c on a 128-block pre-LN run.
-    `quick`: 1 seed, exercise 3c on the 32-block run.
+    `quick`: 1 seed, exercise 3c on the 32-block run. `progress`: a tqdm bar
+    over the study's five runs (stderr).
     """
     seeds, n = (1, 32) if quick else (4, 32)
     opts = dict(num_hiddens=256, num_heads=4)
+    bar = tqdm(total=5, desc="signal", unit="run", leave=False, disable=not progress)
     main = signal_propagation(PLACEMENTS, seeds=seeds, num_blks=n, **opts)
+    bar.update()
     figures = main.plot(out_dir)
     pre = main.stats["pre"]
     # 128 blocks of d = 256 hold about 1.5 GB per seed: one seed at a time
@@ -667,11 +673,16 @@ def report_section(out_dir: str | Path, *, quick: bool = False) -> str:
         if quick
         else run_placements(["pre"], seeds, chunk=1, num_blks=128, **opts)["pre"]
     )
+    bar.update()
     ex3 = exercise_3c(deep)
     ex4 = exercise_4(pre)
     ex5 = exercise_5(seeds, n, **opts)
+    bar.update()
     ex6 = exercise_6c(256, seeds)
+    bar.update()
     ex7 = exercise_7(seeds, n, **opts)
+    bar.update()
+    bar.close()
     chapter = "\n".join(
         f"| {p} (chapter, JAX) | {rms:.2f} | "
         + " | ".join(f"{s:.1e}" for s in spreads)
