@@ -199,20 +199,29 @@ CALLER = textwrap.dedent(
 def test_an_interrupted_caller_ends_every_process():
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKLAB_")}
     caller = subprocess.Popen(
-        [sys.executable, "-c", CALLER], stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", CALLER], stderr=subprocess.PIPE, env=env,
         start_new_session=True,
     )  # fmt: skip
     pids: dict[str, int] = {}
+    seen = b""
     try:
+        # Raw reads of the pipe (a buffered readline could hold the second
+        # line in its buffer while select waits on the empty pipe).
+        fd = caller.stderr.fileno()
         deadline = time.monotonic() + 120
         while len(pids) < 2 and time.monotonic() < deadline:
-            ready, _, _ = select.select([caller.stderr], [], [], 1.0)
+            ready, _, _ = select.select([fd], [], [], 1.0)
             if ready:
-                line = caller.stderr.readline()
-                if line.startswith("[") and "] " in line:
-                    index, pid = line.strip().split("] ")
-                    pids[index] = int(pid)
-        assert sorted(pids) == ["[0", "[1"], "the children never reported"
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                seen += chunk
+                for line in seen.decode(errors="replace").splitlines():
+                    if line.startswith("[") and "] " in line:
+                        index, pid = line.strip().split("] ", 1)
+                        if pid.isdigit():
+                            pids[index] = int(pid)
+        assert sorted(pids) == ["[0", "[1"], seen.decode(errors="replace")[-3000:]
         assert not any(gone(p) for p in pids.values())
         os.kill(caller.pid, signal.SIGINT)
         try:  # drain its stderr meanwhile: a full pipe must not hold it up
@@ -220,7 +229,8 @@ def test_an_interrupted_caller_ends_every_process():
         except subprocess.TimeoutExpired:
             os.killpg(caller.pid, signal.SIGKILL)
             _, rest = caller.communicate()
-            pytest.fail(f"the interrupted caller did not exit:\n{rest[-3000:]}")
+            pytest.fail(f"the interrupted caller did not exit:\n{rest[-3000:]!r}")
+        rest = rest.decode(errors="replace")
         assert caller.returncode != 0, rest[-2000:]  # it went on after the cleanup
         assert "KeyboardInterrupt" in rest
         time.sleep(0.2)
