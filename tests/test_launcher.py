@@ -95,6 +95,8 @@ def test_a_typed_result_and_the_environment_each_process_gets(monkeypatch):
         (dict(timeout=-1.0), "timeout must lie in"),
         (dict(init_timeout=0), "init_timeout must lie in"),
         (dict(heartbeat_timeout=0), "heartbeat_timeout must lie in"),
+        (dict(stdout="out.txt"), "stdout must be a text stream"),
+        (dict(stderr=3), "stderr must be a text stream"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(kwargs, match, tmp_path):

@@ -180,3 +180,10 @@ def test_a_bf16_models_logits_are_float32_not_bf16_rounded(family):
     assert logits.dtype == np.float32
     on_grid = logits == logits.astype(jnp.bfloat16).astype(np.float32)
     assert on_grid.mean() < 0.5, on_grid.mean()
+
+
+@pytest.mark.parametrize("bad", ["float32x", jnp.int32, bool])
+def test_out_dtype_must_be_a_floating_dtype(bad):
+    x, w = jnp.ones((2, 3)), jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="linear: out_dtype must be a floating dtype"):
+        linear(x, w, out_dtype=bad)

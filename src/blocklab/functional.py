@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._validate import ConfigError
+
 __all__ = [
     "linear",
     "rms_norm",
@@ -64,6 +66,20 @@ def _safe_rsqrt(ms: Array, eps: Any) -> Array:
     return jax.lax.rsqrt(jnp.where(ms > 0, ms, jnp.ones_like(ms)))
 
 
+def _wider(dtype: Any, out_dtype: Any) -> Any:
+    """The wider of `dtype` and the floating dtype `out_dtype` (refused otherwise)."""
+    try:
+        wide = jnp.promote_types(dtype, out_dtype)
+    except TypeError:
+        wide = None
+    if wide is None or not jnp.issubdtype(out_dtype, jnp.floating):
+        raise ConfigError(
+            f"linear: out_dtype must be a floating dtype (e.g. jnp.float32) or None, "
+            f"got {out_dtype!r}."
+        )
+    return wide
+
+
 def linear(
     x: Float[Array, "*batch n"],
     weight: Float[Array, "m n"],
@@ -94,11 +110,8 @@ def linear(
     if out_dtype is None:
         y = rows @ weight.T.astype(dtype)
     else:
-        y = jnp.matmul(
-            rows,
-            weight.T.astype(dtype),
-            preferred_element_type=jnp.promote_types(dtype, out_dtype),
-        )
+        wide = _wider(dtype, out_dtype)
+        y = jnp.matmul(rows, weight.T.astype(dtype), preferred_element_type=wide)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 

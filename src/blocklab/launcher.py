@@ -351,6 +351,13 @@ def launch_local(
         timeout = check_float(owner, "timeout", timeout, min=0.0, min_open=True)
     init_timeout = check_int(owner, "init_timeout", init_timeout, min=1)
     heartbeat_timeout = check_int(owner, "heartbeat_timeout", heartbeat_timeout, min=1)
+    for name, stream in (("stdout", stdout), ("stderr", stderr)):
+        # a pump thread would die on a bad sink and leave the child's pipe full
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ConfigError(
+                f"{owner}: {name} must be a text stream (with .write) or None, got "
+                f"{type(stream).__name__}."
+            )
     address = f"127.0.0.1:{free_port()}"
     env = job_environment(
         address, processes, devices_per_process=devices_per_process,

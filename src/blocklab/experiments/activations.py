@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._validate import check_float, check_int
+from .._validate import check_bool, check_float, check_int
 from ..data import TimeMachine
 from ..ffn import ACTS
 from ..models import CharLM
@@ -408,6 +408,9 @@ def report_section(
     the section names that protocol and how to run the full one. `quick`: 90
     steps, seed 0. Writes `out_dir/train_losses.png`.
     """
+    owner = "activations.report_section"
+    quick, full = check_bool(owner, "quick", quick), check_bool(owner, "full", full)
+    progress = check_bool(owner, "progress", progress)
     name = report_protocol(quick=quick, full=full)
     steps, seeds = REPORT_PROTOCOLS[name]
     result = compare_activations(("gelu", "swiglu"), seeds, steps, progress=progress)

@@ -660,6 +660,8 @@ def report_section(
     `quick`: 1 seed, exercise 3c on the 32-block run. `progress`: a tqdm bar
     over the study's five runs (stderr).
     """
+    quick = check_bool("signal.report_section", "quick", quick)
+    progress = check_bool("signal.report_section", "progress", progress)
     seeds, n = (1, 32) if quick else (4, 32)
     opts = dict(num_hiddens=256, num_heads=4)
     bar = tqdm(total=5, desc="signal", unit="run", leave=False, disable=not progress)
