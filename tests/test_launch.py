@@ -72,6 +72,7 @@ def test_two_processes_join_one_job_on_the_loopback():
     assert res["returncodes"] == [0, 0]
     assert res["coordinator"].startswith("127.0.0.1:")
     child = res["output"]
+    assert isinstance(child, dict), res  # process 0's JSON line, parsed
     assert child["job"] == [0, 2, "blocklab-launch"]
     assert child["seen"] == [0, 1] and child["devices"] == 4
     assert child["coordinator"] == res["coordinator"]

@@ -302,8 +302,10 @@ class _Job:
 
     def close(self) -> None:
         _end(self.procs)
+        # Every process has exited: its pipes end once the pumps have read what
+        # is left in them, which on a loaded machine can take seconds.
         for t in self.threads:
-            t.join(timeout=5)
+            t.join(timeout=30)
 
 
 def launch_local(
