@@ -10,7 +10,7 @@
 2. Training step. A CharLM whose FFNs are 8-expert top-2 MoEs against a dense
    SwiGLU CharLM with the same active parameters (FFN width 2w), one AdamW
    step each (the MoE step includes the router's auxiliary losses through
-   `blocklab.moe_loss`). Target: the MoE step within 1.5x of the dense one.
+   `blocklab.nn.moe.moe_loss`). Target: the MoE step within 1.5x of the dense one.
 
 Usage: `python benchmarks/moe.py [--tokens 4096] [--d 128] [--batch 32]`.
 Prints Markdown tables.
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import blocklab as bl  # noqa: E402
-from blocklab.timing import time_call  # noqa: E402
+from blocklab.experiments.timing import time_call  # noqa: E402
 
 
 def _fwd_bwd(module):
@@ -51,7 +51,7 @@ def _fwd_bwd(module):
 def dispatch_table(d: int, tokens: int, reps: int) -> list[str]:
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32)
-    w = bl.ffn_width(d, "swiglu")
+    w = bl.nn.ffn.ffn_width(d, "swiglu")
     dense_ffn = bl.FeedForward(d, "swiglu", width=2 * w, key=key)
     run, p = _fwd_bwd(dense_ffn)
     ref = time_call(run, p, x, reps=reps).median
@@ -79,7 +79,7 @@ def dispatch_table(d: int, tokens: int, reps: int) -> list[str]:
 
 def train_table(d: int, batch: int, seq: int, dispatch: str, reps: int) -> list[str]:
     data = bl.TimeMachine(seq)
-    w = bl.ffn_width(d, "swiglu")
+    w = bl.nn.ffn.ffn_width(d, "swiglu")
 
     def moe_factory(*, key):
         return bl.MoEFeedForward(d, 8, 2, dispatch=dispatch, key=key)
@@ -95,7 +95,7 @@ def train_table(d: int, batch: int, seq: int, dispatch: str, reps: int) -> list[
             logits.astype(jnp.float32), Y
         ).mean()
 
-    moe_loss = bl.moe_loss(lm)
+    moe_loss = bl.nn.moe.moe_loss(lm)
 
     def dense_loss(model, batch, key=None):
         return lm(model(batch[0]), batch[1]), {}

@@ -11,7 +11,7 @@
    of ours from every peer, and the issue's targets as ratios: ours donated
    >= 0.8 x donated 2X, ours no slower than any peer in either mode.
 2. `--block-rows R ...`: the in-place norms at each block size against
-   donated 2X in the same run (how `blocklab.inplace.BLOCK_BYTES` was chosen).
+   donated 2X in the same run (how `blocklab.nn.inplace.BLOCK_BYTES` was chosen).
 
 Candidates run round-robin (one call of each per round), so a shared, noisy
 machine slows them alike; medians and bests over the rounds are reported.
@@ -38,8 +38,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from blocklab.cli import main as cli_main  # noqa: E402
-from blocklab.inplace import layer_norm_, rms_norm_  # noqa: E402
-from blocklab.timing import time_call  # noqa: E402
+from blocklab.experiments.timing import time_call  # noqa: E402
+from blocklab.nn.inplace import layer_norm_, rms_norm_  # noqa: E402
 
 
 def block_rows_sweep(shape, block_rows, reps: int) -> dict:

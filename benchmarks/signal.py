@@ -10,7 +10,7 @@
    written, eager, 3.9 s warm and 11.8 s cold) and against the FLOP limit: its
    FLOPs (counted analytically, cross-checked with XLA's cost analysis) over
    this machine's float32 matmul peak measured in the same run
-   (`blocklab.timing.matmul_peak_flops`).
+   (`blocklab.experiments.timing.matmul_peak_flops`).
 3. 16 seeds of the whole experiment (build, Xavier init, input, readout,
    statistics) vmapped in one compiled program (`signal_sweep`) against 16
    sequential calls of the jitted single-seed program (`signal_run`).
@@ -35,8 +35,9 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from blocklab import chapter_stack, signal_run, signal_stats, signal_sweep  # noqa: E402
-from blocklab.timing import matmul_peak_flops, time_call  # noqa: E402
+from blocklab import chapter_stack, signal_stats, signal_sweep  # noqa: E402
+from blocklab.diagnostics.propagation import signal_run
+from blocklab.experiments.timing import matmul_peak_flops, time_call  # noqa: E402
 
 #: The chapter's implementations on this project's 2-core CPUs (seconds).
 PEERS = {"PyTorch (eager), warm": 0.5, "Flax NNX as written, warm": 3.9}

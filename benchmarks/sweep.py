@@ -34,7 +34,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from blocklab import distributed  # noqa: E402
+from blocklab.training import distributed as distributed
 
 if "--child" in sys.argv:
     distributed.initialize()  # joins the launcher's job before any JAX work
@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from blocklab import CharLM, TimeMachine, train_lm, train_sweep  # noqa: E402
-from blocklab.sweep import (  # noqa: E402
+from blocklab.training.sweep import (  # noqa: E402
     _global,
     _init_states,
     _key_data,
@@ -56,7 +56,7 @@ from blocklab.sweep import (  # noqa: E402
     pad_members,
     sweep_optimizer,
 )
-from blocklab.train import make_train_step  # noqa: E402
+from blocklab.training.train import make_train_step  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

@@ -5,7 +5,7 @@
    AdamW), with `--fuse` steps per compiled call (`TrainStep.scan`), and its
    model-FLOPs utilization (MFU): the step's FLOPs over its time, divided by
    this machine's float32 matmul peak measured in the same run
-   (`blocklab.timing.matmul_peak_flops`). The step's FLOPs are counted
+   (`blocklab.experiments.timing.matmul_peak_flops`). The step's FLOPs are counted
    analytically (`step_flops`) and cross-checked with XLA's cost analysis.
    Beside it, the step's matrix products alone (`matmul_floor_seconds`):
    what these shapes allow on this machine, since products with a
@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import blocklab as bl  # noqa: E402
-from blocklab.timing import matmul_peak_flops, time_call  # noqa: E402
+from blocklab.experiments.timing import matmul_peak_flops, time_call  # noqa: E402
 
 
 def step_flops(
@@ -82,16 +82,16 @@ def matmul_floor_seconds(
     """Seconds per step of the step's matrix products alone: its attainable floor.
 
     The same products as a CharLM training step, in the same layouts
-    (`blocklab.functional.linear` on the flattened batch, heads-major
+    (`blocklab.nn.functional.linear` on the flattened batch, heads-major
     attention), forward and backward, with every other operation removed: no
     norms, softmax, mask, activation (a gated FFN keeps its elementwise
     product) or optimizer arithmetic. `fuse` steps in one `lax.scan`, each a
     plain gradient step, exactly as the real step is timed.
     """
-    from blocklab.functional import linear
+    from blocklab.nn.functional import linear
 
-    f = bl.ffn_width(d, act)
-    gated = act in bl.GATED_ACTS
+    f = bl.nn.ffn.ffn_width(d, act)
+    gated = act in bl.nn.ffn.GATED_ACTS
     p = d // heads
     keys = iter(jax.random.split(jax.random.key(0), 64))
 
@@ -145,8 +145,8 @@ def bench_step(act: str, fuse: int, reps: int) -> dict:
     )
     opt = optax.adamw(1e-3, weight_decay=0.0)
     step = bl.make_train_step(opt, data, batch_size=B)
-    state = bl.init_state(model, opt)
-    keys = bl.step_keys(jax.random.key(1), 0, fuse)
+    state = bl.training.train.init_state(model, opt)
+    keys = bl.training.train.step_keys(jax.random.key(1), 0, fuse)
 
     one = jax.jit(lambda s, k: step(s, k)).lower(state, keys[0]).compile()
     run = eqx.filter_jit(step.scan)
@@ -156,7 +156,13 @@ def bench_step(act: str, fuse: int, reps: int) -> dict:
     timing = time_call(run, state, keys, reps=reps, warmup=1)
     seconds = timing.median / fuse
     flops = step_flops(
-        data.vocab_size, d, blks, T, B, bl.ffn_width(d, act), act in bl.GATED_ACTS
+        data.vocab_size,
+        d,
+        blks,
+        T,
+        B,
+        bl.nn.ffn.ffn_width(d, act),
+        act in bl.nn.ffn.GATED_ACTS,
     )
     floor = matmul_floor_seconds(data.vocab_size, d, heads, blks, T, B, act, fuse, reps)
     return dict(
@@ -191,7 +197,7 @@ class ChapterStep(eqx.Module):
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
         ok = state.finite & finite
-        stepped = bl.TrainState(
+        stepped = bl.training.train.TrainState(
             eqx.apply_updates(state.model, updates), opt_state, state.step + 1, ok
         )
         kept = eqx.tree_at(lambda s: s.finite, state, ok)
@@ -212,8 +218,8 @@ def bench_general(act: str, fuse: int, reps: int) -> dict:
         data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
     )
     opt = optax.adamw(1e-3, weight_decay=0.0)
-    state = bl.init_state(model, opt)
-    keys = bl.step_keys(jax.random.key(1), 0, fuse)
+    state = bl.training.train.init_state(model, opt)
+    keys = bl.training.train.step_keys(jax.random.key(1), 0, fuse)
     steps = {
         "chapter": ChapterStep(data, opt, B),
         "general": bl.make_train_step(opt, data, batch_size=B),

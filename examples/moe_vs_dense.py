@@ -7,7 +7,7 @@ FFN of width w = round(8d/3)); in the MoE one every FFN is a
 (2 x w // 2 hidden units) plus the router's 8 x d. Each model trains over
 seeds 0, 1, 2 as one vmapped `train_sweep` (AdamW 1e-3); the MoE loss adds
 the load-balancing loss (0.01 x) and the router z-loss (0.001 x) through
-`blocklab.moe_loss`. A probe records every block's expert load (fraction of
+`blocklab.nn.moe.moe_loss`. A probe records every block's expert load (fraction of
 token slots per expert) on a fixed batch during training.
 
 Protocols:
@@ -40,7 +40,7 @@ else:
     D, HEADS, BLKS, T, B, STEPS = 64, 4, 2, 64, 16, 300
 E, K = 8, 2
 SEEDS = [0, 1, 2]
-W = bl.ffn_width(D, "swiglu")
+W = bl.nn.ffn.ffn_width(D, "swiglu")
 
 data = bl.TimeMachine(
     num_steps=T, num_train=2000 if TINY else 100000, num_val=20 if TINY else 1000
@@ -68,7 +68,7 @@ def expert_load(model):
     """`(blocks, E)` expert load of `model` on a fixed batch."""
     # jnp.copy: a traced operand (CharLM's eager id check trips on constants
     # closed over inside jit).
-    _, (stats,) = bl.moe_forward(model, jnp.copy(probe_X))
+    _, (stats,) = bl.nn.moe.moe_forward(model, jnp.copy(probe_X))
     return stats.load
 
 
@@ -83,7 +83,7 @@ def active_ffn_params(model):
 runs = {}
 for name, make, extra in (
     ("dense", make_dense, {}),
-    ("moe", make_moe, {"loss_fn": bl.moe_loss(), "probe": expert_load}),
+    ("moe", make_moe, {"loss_fn": bl.nn.moe.moe_loss(), "probe": expert_load}),
 ):
     result = bl.train_sweep(
         make,
@@ -99,7 +99,9 @@ for name, make, extra in (
     )
     val = np.array(
         [
-            float(eqx.filter_jit(bl.validation_loss)(result.model(k), data))
+            float(
+                eqx.filter_jit(bl.training.train.validation_loss)(result.model(k), data)
+            )
             for k in range(len(SEEDS))
         ]
     )

@@ -13,7 +13,7 @@ The same script runs unchanged in one process and in several:
     python examples/research_sweep.py
     blocklab launch --processes 2 -- python examples/research_sweep.py
 
-Under the launcher, `blocklab.distributed.initialize()` joins the job, the
+Under the launcher, `blocklab.training.distributed.initialize()` joins the job, the
 members are spread over the devices of both processes, every process gets the
 same `SweepResult`, and only process 0 prints. Tiny by default (seconds);
 `--big` trains a wider model longer.
@@ -26,7 +26,7 @@ import hashlib
 import json
 
 import blocklab as bl
-from blocklab import distributed
+from blocklab.training import distributed as distributed
 
 distributed.initialize()  # first: joins a `blocklab launch` job, else a no-op
 
@@ -107,7 +107,7 @@ def main() -> None:
             "learning_rate": grid["learning_rate"],
             "weight_decay": grid["weight_decay"],
         },
-        optimizer=bl.sweep_optimizer(optax.adamw, weight_decay=0.0),
+        optimizer=bl.training.sweep.sweep_optimizer(optax.adamw, weight_decay=0.0),
         loss_fn=loss_fn,
         batch_size=batch,
         steps_per_call=10,

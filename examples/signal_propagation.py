@@ -43,7 +43,7 @@ def main() -> None:
         f"{'placement':>9} {'RMS':>6} {'spread':>8} {'|dW_q|':>8} {'|dW_v|':>8} "
         f"{'entropy':>8}"
     )
-    for placement in bl.PLACEMENTS:
+    for placement in bl.nn.block.PLACEMENTS:
         s = bl.signal_sweep(placement, SEEDS, num_blks=N, num_hiddens=D)
         top = {k: np.asarray(v)[:, -1] for k, v in s.as_dict().items()}
         print(

@@ -93,7 +93,7 @@ def test_qk_norm_bounds_logits_by_sqrt_head_dim():
     mha = bl.MultiHeadAttention(
         D, H, qk_norm=True, qk_norm_eps=0.0, key=jax.random.key(3)
     )
-    mha = bl.init.scale(mha, 1000.0)
+    mha = bl.nn.init.scale(mha, 1000.0)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)), jnp.float32)
     logits = np.asarray(mha.trace(x).logits)
     p = D // H

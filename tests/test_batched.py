@@ -1,7 +1,7 @@
 """A leading batch axis: each module's batched call equals a loop over sequences.
 
 The batched call flattens the batch into the rows of every projection
-(`blocklab.functional.linear`); `jax.vmap` leaves the batch as a separate
+(`blocklab.nn.functional.linear`); `jax.vmap` leaves the batch as a separate
 axis. Both must give the NumPy float64 reference of each sequence, and the
 same gradients (float64 throughout).
 """
@@ -14,7 +14,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-from blocklab.functional import linear
+from blocklab.nn.functional import linear
 
 D, H, T, B = 16, 4, 6, 3
 CAUSAL = jnp.arange(1, T + 1)

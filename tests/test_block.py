@@ -45,7 +45,7 @@ def _block_and_dict(seed, *, placement, norm, act, bias, qk_norm=False):
 
 def test_there_are_112_configurations():
     assert len(CONFIGS) == 112
-    assert bl.PLACEMENTS == ref.ALL_PLACEMENTS
+    assert bl.nn.block.PLACEMENTS == ref.ALL_PLACEMENTS
 
 
 @pytest.mark.parametrize(

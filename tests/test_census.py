@@ -136,7 +136,7 @@ def _real_arch_configs():
             qk_norm=qk,
             norm=norm,
             placement=placement,
-            act=rng.choice(bl.ACTS),
+            act=rng.choice(bl.nn.ffn.ACTS),
             ffn_width=rng.choice([None, 40]),
             attn_bias=rng.choice([None, False, True]),
             ffn_bias=rng.choice([None, False, True]),

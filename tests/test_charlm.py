@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blocklab import CharLM, count_params, ffn_width, generate
+from blocklab import CharLM, count_params, generate
 from blocklab.data import decode, encode
+from blocklab.nn.ffn import ffn_width
 
 V, D, H, L = 28, 16, 2, 8
 

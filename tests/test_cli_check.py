@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from blocklab import cli
+from blocklab.cli import app as cli
 from blocklab.experiments import check
 
 
@@ -67,7 +67,7 @@ def test_table_prints_every_column_and_flags_failures(stubbed, capsys):
 
 
 def test_report_section_counts_the_claims_and_explains_failures(stubbed, tmp_path):
-    from blocklab.commands import check as cmd
+    from blocklab.cli.commands import check as cmd
 
     section = cmd.report_section(tmp_path, quick=True)
     assert section.startswith("## ")

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from blocklab import cli
-from blocklab.commands import REPORT_SECTIONS
+from blocklab.cli import app as cli
+from blocklab.cli.commands import REPORT_SECTIONS
 
 
 def strict(text):
@@ -39,8 +39,8 @@ def _options(name):
 
 def _module(name):
     if name == "report":
-        return importlib.import_module("blocklab.report")
-    return importlib.import_module(f"blocklab.commands.{name.replace('-', '_')}")
+        return importlib.import_module("blocklab.cli.report")
+    return importlib.import_module(f"blocklab.cli.commands.{name.replace('-', '_')}")
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_an_unexpected_exception_is_status_1_with_a_json_error(
 
 def test_non_finite_results_become_null_and_are_named(monkeypatch, capsys):
     """A command that writes NaN (Python's json does) still gives strict JSON."""
-    from blocklab.commands import census
+    from blocklab.cli.commands import census
 
     def diverging(args):
         print(json.dumps({"loss": [1.0, math.nan], "final": math.inf, "ok": 2}))
@@ -155,7 +155,7 @@ def test_non_finite_results_become_null_and_are_named(monkeypatch, capsys):
 
 
 def test_a_command_that_names_its_diverged_run_is_left_alone(monkeypatch, capsys):
-    from blocklab.commands import census
+    from blocklab.cli.commands import census
 
     def diverging(args):
         print(json.dumps({"loss": math.nan, "diverged": {"seed 1": 17}}))
@@ -198,7 +198,7 @@ def sections(monkeypatch):
     """Every section a marker; `interrupt_at` makes one raise KeyboardInterrupt."""
     state = {"interrupt_at": None}
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.commands.{name}")
+        module = importlib.import_module(f"blocklab.cli.commands.{name}")
 
         def section(out_dir, *, quick, _name=name):
             if _name == state["interrupt_at"]:
@@ -260,7 +260,7 @@ def test_training_commands_print_strict_json_on_success(name, tmp_path, capsys):
 
 # ------------------------------------------------------------- figures
 def test_sanitize_drops_what_cannot_be_drawn_and_clips_the_rest():
-    from blocklab.plotting import sanitize
+    from blocklab.experiments.plotting import sanitize
 
     x = [1e-4, 1e-3, 1e30, 1e300, 1.0, 2.0]
     y = [1.0, math.nan, 2.0, 3.0, -1.0, math.inf]
@@ -273,7 +273,7 @@ def test_sanitize_drops_what_cannot_be_drawn_and_clips_the_rest():
 
 
 def test_figures_of_diverged_runs_are_written(tmp_path):
-    from blocklab.plotting import bar_plot, line_plot
+    from blocklab.experiments.plotting import bar_plot, line_plot
 
     png = line_plot(
         tmp_path / "lr.png",

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import reference as ref
 
-from blocklab import signal as sg
 from blocklab import state_dict
 from blocklab.cli import main
-from blocklab.commands import signal as cmd
+from blocklab.cli.commands import signal as cmd
+from blocklab.diagnostics import propagation as sg
 from blocklab.experiments import signal as study
 
 N, D, H = 2, 16, 4

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from blocklab.cli import main
-from blocklab.commands import COMMANDS
-from blocklab.commands import train as cmd
+from blocklab.cli.commands import COMMANDS
+from blocklab.cli.commands import train as cmd
 from blocklab.experiments import activations as study
 
 TINY = [

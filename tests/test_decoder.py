@@ -19,9 +19,9 @@ import pytest
 
 from blocklab import DecoderConfig, DecoderLM, load_state_dict
 from blocklab._validate import ConfigError
-from blocklab.decoder import _set_layer_data
-from blocklab.functional import layer_norm, rms_norm
-from blocklab.porting import _shapes
+from blocklab.interop.porting import _shapes
+from blocklab.nn.decoder import _set_layer_data
+from blocklab.nn.functional import layer_norm, rms_norm
 
 PRESETS = {
     "gpt2": DecoderConfig.gpt2(64, 32, 4, 2, max_len=16),

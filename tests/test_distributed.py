@@ -1,4 +1,4 @@
-"""`blocklab.distributed`: a plain process is left alone, a malformed job is refused,
+"""`blocklab.training.distributed`: a plain process is left alone, a malformed job is refused,
 and a 2-process sweep equals 1 process x 2 devices BIT FOR BIT."""
 
 import json
@@ -9,8 +9,9 @@ import jax
 import pytest
 from _procs import blocklab, run
 
-from blocklab import CharLM, distributed, load
+from blocklab import CharLM, load
 from blocklab._validate import ConfigError
+from blocklab.training import distributed as distributed
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "research_sweep.py")
 ENV = (

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import blocklab as bl
-import blocklab.functional as F
+import blocklab.nn.functional as F
 
 RATES = [0.1, 0.3, 0.75]
 

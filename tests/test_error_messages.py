@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blocklab as bl
-from blocklab import CharLM, Stack, generate, init, load, load_state_dict, save
+from blocklab import CharLM, Stack, generate, load, load_state_dict, save
 from blocklab._validate import ConfigError
+from blocklab.nn import init as init
 
 KEY = jax.random.key(0)
 FIX = re.escape("pass key=jax.random.key(0)")

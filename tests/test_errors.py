@@ -8,11 +8,11 @@ import jaxtyping
 import pytest
 
 import blocklab as bl
-from blocklab import init
-from blocklab.norms import make_norm
+from blocklab.nn import init as init
+from blocklab.nn.normalization import make_norm
 
 KEY = jax.random.key(0)
-ACTS = re.escape(str(list(bl.ACTS)))
+ACTS = re.escape(str(list(bl.nn.ffn.ACTS)))
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_ffn_rejects_bad_act_and_widths():
     with pytest.raises(
         ValueError, match=rf"ffn_width: act must be one of {ACTS}, got act='elu'"
     ):
-        bl.ffn_width(8, "elu")
+        bl.nn.ffn.ffn_width(8, "elu")
     with pytest.raises(
         ValueError,
         match=r"give width or multiple_of, not both \(got width=8, multiple_of=4\)",
@@ -91,7 +91,7 @@ def test_ffn_rejects_bad_act_and_widths():
     with pytest.raises(ValueError, match=r"width must be a positive int, got 0"):
         bl.FeedForward(8, width=0, key=KEY)
     with pytest.raises(ValueError, match=r"multiple_of must be a positive int, got -1"):
-        bl.ffn_width(8, "gelu", -1)
+        bl.nn.ffn.ffn_width(8, "gelu", -1)
 
 
 def test_make_norm_rejects_unknown_norm():

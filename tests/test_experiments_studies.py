@@ -140,7 +140,7 @@ def test_signal_arch_refuses_an_unknown_architecture():
 def _stats(rms, spread):
     n = len(rms)
     z = np.zeros((1, n))
-    return bl.SignalStats(
+    return bl.diagnostics.propagation.SignalStats(
         stream_rms=np.asarray([rms], float), token_spread=np.asarray([spread], float),
         c_attn=z + 0.25, c_ffn=z + 0.5, attn_entropy=z, max_logit=z,
         grad_norms={p: z for p in ("W_q", "W_k", "W_v", "W_o")},

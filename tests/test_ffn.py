@@ -27,8 +27,8 @@ def _ffn_dict(rng, act, bias, width):
 
 
 def test_acts_are_the_seven_settings():
-    assert bl.ACTS == ref.ALL_ACTS
-    assert set(bl.GATED_ACTS) == set(ref.GATED)
+    assert bl.nn.ffn.ACTS == ref.ALL_ACTS
+    assert set(bl.nn.ffn.GATED_ACTS) == set(ref.GATED)
 
 
 @pytest.mark.parametrize("act", ref.ALL_ACTS)
@@ -70,7 +70,7 @@ def test_ffn_acts_row_by_row_over_any_leading_axes():
     ],
 )
 def test_ffn_width_rule(d, act, multiple_of, width):
-    assert bl.ffn_width(d, act, multiple_of) == width
+    assert bl.nn.ffn.ffn_width(d, act, multiple_of) == width
 
 
 def test_ffn_multiple_of_sets_the_module_width_without_allocating():
@@ -94,9 +94,9 @@ def test_gated_acts_hold_the_same_parameter_count():
                 lambda a=a: bl.FeedForward(96, a, key=jax.random.key(0))
             )
         )
-        for a in bl.ACTS
+        for a in bl.nn.ffn.ACTS
     }
-    assert {counts[a] for a in bl.GATED_ACTS} == {3 * 96 * 256}
+    assert {counts[a] for a in bl.nn.ffn.GATED_ACTS} == {3 * 96 * 256}
     assert {counts[a] for a in ("relu", "gelu", "gelu_exact")} == {8 * 96 * 96}
 
 

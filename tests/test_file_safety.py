@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import blocklab.checkpoint as ckpt
+import blocklab.training.checkpoint as ckpt
 from blocklab import CharLM, MultiHeadAttention, load, save
 
 

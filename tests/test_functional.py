@@ -9,7 +9,7 @@ import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import blocklab.functional as F
+import blocklab.nn.functional as F
 
 SHAPES = [(8,), (5, 8), (2, 3, 8)]
 

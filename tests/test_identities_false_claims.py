@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from blocklab import MultiHeadAttention, TransformerBlock
-from blocklab import functional as F
-from blocklab import identities as ids
+from blocklab.diagnostics import identities as ids
+from blocklab.nn import functional as F
 
 FALSE = 1e-4  # every broken claim below misses by far more than this
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from reference import layer_norm as np_layer_norm
 from reference import rms_norm as np_rms_norm
 
-from blocklab import identities as ids
+from blocklab.diagnostics import identities as ids
 
 TOL = 1e-10
 
@@ -139,7 +139,7 @@ def test_gradient_through_layer_norm_is_orthogonal_to_x_and_ones_only_at_eps0(ep
     gradient of any loss of it is orthogonal to x and to the all-ones vector;
     with eps = 1 it is no longer scale invariant and the cosine with x is not 0.
     (The cosine with 1 stays 0: the shift invariance does not need eps = 0.)"""
-    from blocklab.functional import layer_norm
+    from blocklab.nn.functional import layer_norm
 
     with jax.enable_x64(True):
         x = _x(8, (16,), offset=1.0)

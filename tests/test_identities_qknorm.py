@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blocklab import MultiHeadAttention
-from blocklab import identities as ids
+from blocklab.diagnostics import identities as ids
 
 TOL = 1e-10
 

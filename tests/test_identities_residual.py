@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blocklab import Stack, TransformerBlock, init, theory
-from blocklab import identities as ids
+from blocklab import Stack, TransformerBlock
+from blocklab.diagnostics import identities as ids
+from blocklab.diagnostics import theory as theory
+from blocklab.nn import init as init
 
 TOL = 1e-10
 

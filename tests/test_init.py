@@ -9,9 +9,8 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-from blocklab import init
+from blocklab.nn import init as init
 
-# Truncating N(0, 1) at +-2 leaves variance 0.7737; Flax divides the draw by
 # its standard deviation 0.87962566 so the variance is exactly 1/fan_in.
 TRUNC_STD = 0.87962566103423978
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import blocklab
-from blocklab.inplace import default_block_rows, layer_norm_, rms_norm_
+from blocklab.nn.inplace import default_block_rows, layer_norm_, rms_norm_
 
 
 def _np_rms(x, w, eps):
@@ -147,4 +147,4 @@ def test_bad_block_rows_raises(bad):
 
 def test_exported_at_top_level():
     assert blocklab.rms_norm_ is rms_norm_ and blocklab.layer_norm_ is layer_norm_
-    assert blocklab.inplace.rms_norm_ is rms_norm_
+    assert blocklab.nn.inplace.rms_norm_ is rms_norm_

@@ -14,7 +14,7 @@ from _procs import blocklab
 JOIN = textwrap.dedent(
     """
     import json, os, sys
-    from blocklab import distributed
+    from blocklab.training import distributed as distributed
     job = distributed.initialize()
     import jax, numpy as np
     from jax.experimental import multihost_utils
@@ -30,7 +30,7 @@ JOIN = textwrap.dedent(
 DIES = textwrap.dedent(
     """
     import os, sys
-    from blocklab import distributed
+    from blocklab.training import distributed as distributed
     job = distributed.initialize()
     if job.process_id == 1:
         print("process 1 dies now", file=sys.stderr, flush=True)
@@ -45,7 +45,7 @@ NEVER_JOINS = textwrap.dedent(
     import os, time
     if os.environ["BLOCKLAB_PROCESS_ID"] == "1":
         time.sleep(600)
-    from blocklab import distributed
+    from blocklab.training import distributed as distributed
     distributed.initialize()
     """
 )

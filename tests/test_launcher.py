@@ -59,7 +59,7 @@ def test_a_typed_result_and_the_environment_each_process_gets(monkeypatch):
         [sys.executable, "-c", ENV_AND_JSON], 3, devices_per_process=2,
         init_timeout=7, heartbeat_timeout=4, stderr=err, timeout=120,
     )  # fmt: skip
-    assert isinstance(r, bl.LaunchResult)
+    assert isinstance(r, bl.training.launcher.LaunchResult)
     assert r.processes == 3 and r.returncodes == (0, 0, 0) and len(r.pids) == 3
     assert all(gone(p) for p in r.pids)
     env = r.output()  # the last JSON line of process 0's stdout
@@ -109,7 +109,9 @@ def test_bad_arguments_are_refused_before_anything_starts(kwargs, match, tmp_pat
 
 def test_a_job_past_its_timeout_is_ended():
     t0 = time.monotonic()
-    with pytest.raises(bl.LaunchError, match="ran past its timeout of 1 s") as info:
+    with pytest.raises(
+        bl.training.launcher.LaunchError, match="ran past its timeout of 1 s"
+    ) as info:
         bl.launch_local(
             [sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout=1
         )
@@ -126,7 +128,7 @@ DIES_MID_SWEEP = textwrap.dedent(
     """
     import os, sys, threading, time
     from pathlib import Path
-    from blocklab import distributed
+    from blocklab.training import distributed as distributed
     job = distributed.initialize()
     import jax
     import blocklab as bl
@@ -141,7 +143,7 @@ DIES_MID_SWEEP = textwrap.dedent(
 
     def loss(model, batch, key=None):
         jax.debug.callback(tick)
-        return bl.next_token_loss(model, batch)
+        return bl.training.train.next_token_loss(model, batch)
 
     def die_after_30_steps():
         while not marker.exists():
@@ -164,7 +166,7 @@ DIES_MID_SWEEP = textwrap.dedent(
 
 def test_a_process_that_dies_mid_sweep_ends_the_other(tmp_path):
     marker = tmp_path / "30-steps"
-    with pytest.raises(bl.LaunchError) as info:
+    with pytest.raises(bl.training.launcher.LaunchError) as info:
         bl.launch_local(
             [sys.executable, "-c", DIES_MID_SWEEP, str(marker)], 2,
             heartbeat_timeout=120, timeout=240, stdout=io.StringIO(),

@@ -13,12 +13,12 @@ from blocklab import (
     DecoderConfig,
     DecoderLM,
     TimeMachine,
-    init_state,
-    linear,
     lm_loss,
     make_train_step,
     train_lm,
 )
+from blocklab.nn.functional import linear
+from blocklab.training.train import init_state
 
 STEPS = 40
 

@@ -12,7 +12,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-from blocklab.moe import route
+from blocklab.nn.moe import route
 
 D = 16
 
@@ -215,11 +215,11 @@ def test_load_balancing_loss_pools_blocks():
     rng = np.random.default_rng(8)
     load = rng.dirichlet(np.ones(4), size=3)
     P = rng.dirichlet(np.ones(4), size=3)
-    got = bl.load_balancing_loss(jnp.asarray(load), jnp.asarray(P), 2)
+    got = bl.nn.moe.load_balancing_loss(jnp.asarray(load), jnp.asarray(P), 2)
     np.testing.assert_allclose(got, 4 * np.sum(2 * load.mean(0) * P.mean(0)))
     # One block: the trace's aux_loss.
     np.testing.assert_allclose(
-        bl.load_balancing_loss(jnp.asarray(load[0]), jnp.asarray(P[0]), 2),
+        bl.nn.moe.load_balancing_loss(jnp.asarray(load[0]), jnp.asarray(P[0]), 2),
         4 * np.sum(2 * load[0] * P[0]),
     )
 
@@ -305,7 +305,7 @@ def test_stack_of_moe_blocks_scans_and_reports_each_block():
     )
     x = jax.random.normal(jax.random.key(1), (2, 6, D))
     causal = jnp.arange(1, 7)
-    h, stats = eqx.filter_jit(bl.stack_moe_stats)(stack, x, causal)
+    h, stats = eqx.filter_jit(bl.nn.moe.stack_moe_stats)(stack, x, causal)
     np.testing.assert_allclose(
         h, eqx.filter_jit(stack)(x, causal), rtol=1e-6, atol=1e-6
     )
@@ -324,7 +324,7 @@ def test_stack_of_moe_blocks_scans_and_reports_each_block():
     # signal_stats reports the router entropy and expert load of every block
     # (at initialization, on the unmasked batch).
     sig = bl.signal_stats(stack, x)
-    _, plain = eqx.filter_jit(bl.stack_moe_stats)(stack, x)
+    _, plain = eqx.filter_jit(bl.nn.moe.stack_moe_stats)(stack, x)
     np.testing.assert_allclose(sig.router_entropy, plain.entropy, rtol=1e-5)
     np.testing.assert_allclose(sig.expert_load, plain.load, rtol=1e-5, atol=1e-7)
     assert sig.expert_load.shape == (N_BLKS, E_STACK)
@@ -336,10 +336,10 @@ def test_moe_forward_and_loss_on_a_charlm():
     model = _charlm()
     X = jax.random.randint(jax.random.key(4), (3, 8), 0, 28)
     Y = jnp.roll(X, -1, axis=-1)
-    logits, (stats,) = eqx.filter_jit(bl.moe_forward)(model, X)
+    logits, (stats,) = eqx.filter_jit(bl.nn.moe.moe_forward)(model, X)
     np.testing.assert_allclose(logits, eqx.filter_jit(model)(X), rtol=1e-5, atol=1e-5)
     assert stats.load.shape == (N_BLKS, E_STACK)
-    loss_fn = bl.moe_loss(aux_coef=0.5, z_coef=0.25)
+    loss_fn = bl.nn.moe.moe_loss(aux_coef=0.5, z_coef=0.25)
     loss, aux = eqx.filter_jit(loss_fn)(model, (X, Y))
     task = optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
     np.testing.assert_allclose(aux["task"], task, rtol=1e-5)
@@ -353,7 +353,7 @@ def test_moe_forward_and_loss_on_a_charlm():
     assert g.shape == (N_BLKS, E_STACK, D) and float(jnp.abs(g).min()) > 0.0
     with pytest.raises(ValueError, match="MoEFeedForward"):
         dense = bl.CharLM(28, D, H, 1, max_len=8, key=jax.random.key(0))
-        bl.moe_forward(dense, X)
+        bl.nn.moe.moe_forward(dense, X)
 
 
 @pytest.mark.slow
@@ -368,7 +368,7 @@ def test_vmapped_seed_sweep_trains_moe_blocks_with_aux_losses():
         model_keys=[0, 1],
         data_keys=[10, 11],
         learning_rates=1e-2,
-        loss_fn=bl.moe_loss(aux_coef=0.01, z_coef=0.001),
+        loss_fn=bl.nn.moe.moe_loss(aux_coef=0.01, z_coef=0.001),
         batch_size=8,
         steps_per_call=15,
         validate=False,

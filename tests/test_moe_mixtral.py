@@ -47,7 +47,7 @@ def test_logits_and_load_balancing_loss_match_transformers(top_k, window):
     assert isinstance(model.cfg, MoEDecoderConfig)
     assert (model.cfg.num_experts, model.cfg.top_k) == (4, top_k)
     assert model.cfg.num_kv_heads == 2 and model.cfg.window == window
-    logits, stats = bl.moe_forward(model, jnp.asarray(ids.numpy()))
+    logits, stats = bl.nn.moe.moe_forward(model, jnp.asarray(ids.numpy()))
     scale = np.abs(want).max()
     assert scale > 1.0
     np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4 * scale)
@@ -58,7 +58,7 @@ def test_logits_and_load_balancing_loss_match_transformers(top_k, window):
     # transformers' load_balancing_loss_func over all layers (pooled), and the
     # router logits through the load: E * sum_e (k f_e) P_e.
     (s,) = stats
-    aux = bl.load_balancing_loss(s.load, s.router_prob, top_k)
+    aux = bl.nn.moe.load_balancing_loss(s.load, s.router_prob, top_k)
     np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
     for layer, gate_logits in enumerate(out.router_logits):
         p = torch.softmax(gate_logits.float(), -1)

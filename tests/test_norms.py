@@ -8,7 +8,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-from blocklab.norms import make_norm
+from blocklab.nn.normalization import make_norm
 
 
 def test_default_parameters_are_unit_gain_and_zero_bias():
@@ -66,7 +66,7 @@ def test_make_norm_builds_the_named_norm():
     assert isinstance(make_norm("layer", 4), bl.LayerNorm)
     gemma = make_norm("gemma_rms", 4)
     assert isinstance(gemma, bl.RMSNorm) and gemma.unit_offset
-    assert set(bl.NORMS) == {"rms", "layer", "gemma_rms"}
+    assert set(bl.nn.normalization.NORMS) == {"rms", "layer", "gemma_rms"}
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

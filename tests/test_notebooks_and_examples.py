@@ -72,8 +72,8 @@ def test_examples_and_notebooks_use_only_the_public_api(path):
 
 
 def test_the_public_api_check_can_fail():
-    assert _private_imports("from blocklab.commands import signal as cmd") == [
-        "blocklab.commands"
+    assert _private_imports("from blocklab.cli.commands import signal as cmd") == [
+        "blocklab.cli.commands"
     ]
     assert _private_imports("import blocklab.experiments._render") == [
         "blocklab.experiments._render"

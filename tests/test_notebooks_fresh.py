@@ -56,7 +56,7 @@ def test_figures_are_embedded(nb):
 
 def test_notebooks_use_only_the_public_api(nb):
     for cell in _code_cells(nb):
-        assert "blocklab.commands" not in cell.source
+        assert "blocklab.cli.commands" not in cell.source
         assert "blocklab.cli" not in cell.source
 
 

@@ -168,7 +168,7 @@ def test_load_into_an_abstract_module_allocates_only_the_given_arrays():
         lambda: bl.TransformerBlock(D, H, key=KEY, **CHAPTER["2017"])
     )
     assert isinstance(shell.attention.W_q.weight, jax.ShapeDtypeStruct)
-    assert set(bl.porting._shapes(shell)) == TORCH_KEYS_2017
+    assert set(bl.interop.porting._shapes(shell)) == TORCH_KEYS_2017
     blk = bl.load_state_dict(shell, sd)
     concrete = bl.load_state_dict(
         bl.TransformerBlock(D, H, key=KEY, **CHAPTER["2017"]), sd

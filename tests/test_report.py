@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from blocklab import report
 from blocklab.cli import main
-from blocklab.commands import REPORT_SECTIONS
-from blocklab.report import write_report
+from blocklab.cli import report as report
+from blocklab.cli.commands import REPORT_SECTIONS
+from blocklab.cli.report import write_report
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def stub_sections(monkeypatch):
     allows; lr_sweep also has an estimate."""
     called = []
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.commands.{name}")
+        module = importlib.import_module(f"blocklab.cli.commands.{name}")
         if name == "lr_sweep":
 
             def section(out_dir, *, quick, full, _name=name):
@@ -103,7 +103,7 @@ def test_cli_full_flag_and_estimates(stub_sections, tmp_path, monkeypatch, capsy
 def test_sections_with_their_own_bar_get_the_progress_flag(
     stub_sections, tmp_path, monkeypatch
 ):
-    module = importlib.import_module("blocklab.commands.train")
+    module = importlib.import_module("blocklab.cli.commands.train")
     seen = []
 
     def section(out_dir, *, quick, full, progress):
@@ -125,7 +125,7 @@ def test_real_estimates_fit_the_cpu_budget():
     def total(**kw):
         return sum(
             report._estimate(m, report._sizing(m, **kw))
-            for m in (importlib.import_module(f"blocklab.commands.{n}")
+            for m in (importlib.import_module(f"blocklab.cli.commands.{n}")
                       for n in REPORT_SECTIONS)
         )  # fmt: skip
 
@@ -148,7 +148,7 @@ def test_a_failing_section_keeps_the_finished_ones(
         raise RuntimeError("section failed")
 
     monkeypatch.setattr(
-        importlib.import_module("blocklab.commands.train"), "report_section", broken
+        importlib.import_module("blocklab.cli.commands.train"), "report_section", broken
     )
     with pytest.raises(RuntimeError, match="section failed"):
         write_report(tmp_path)
@@ -169,7 +169,7 @@ def test_an_earlier_report_survives_until_a_section_finishes(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(
-        importlib.import_module("blocklab.commands.census"),
+        importlib.import_module("blocklab.cli.commands.census"),
         "report_section",
         interrupted,
     )

@@ -24,7 +24,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-import blocklab.signal as signal_module
+import blocklab.diagnostics.propagation as signal_module
 
 CHEX_PREFIX = "[Chex]"
 
@@ -129,7 +129,7 @@ def test_train_sweep_compiles_once(guard, data):
 
 def test_signal_stats_compiles_once(monkeypatch):
     chex.clear_trace_counter()
-    spread = bl.functional.token_spread
+    spread = bl.nn.functional.token_spread
 
     def stats(seed, T=8):
         k = jax.random.key(seed)
@@ -157,7 +157,7 @@ class BlockVariants(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_block_matches_the_float64_reference(self):
-        for placement in bl.PLACEMENTS:
+        for placement in bl.nn.block.PLACEMENTS:
             rng = np.random.default_rng(0)
             sd = ref.random_state_dict(rng, D, placement=placement, dtype=np.float64)
             blk = bl.TransformerBlock(D, H, placement=placement, key=jax.random.key(0))

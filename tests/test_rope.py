@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import blocklab as bl
-from blocklab import functional as F
+from blocklab.nn import functional as F
 
 
 def _reference(x, positions, theta, *, float32_angles=True):
@@ -48,7 +48,7 @@ def test_matches_the_float64_reference(theta):
 
 
 def test_frequencies_and_default_positions():
-    inv = np.asarray(bl.rope_frequencies(8, 10000.0))
+    inv = np.asarray(bl.nn.functional.rope_frequencies(8, 10000.0))
     assert inv.dtype == np.float32
     np.testing.assert_allclose(inv, [1.0, 0.1, 0.01, 0.001], rtol=1e-6)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 8)), jnp.float32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import blocklab as bl
-from blocklab import signal as sg
+from blocklab.diagnostics import propagation as sg
 
 D, H, N, B, T = 16, 2, 4, 2, 8
 PLACEMENTS = ("post", "pre", "output", "sandwich")
@@ -203,7 +203,7 @@ def test_chapter_stack_is_xavier_uniform_with_ffn_biases_only():
     np.testing.assert_array_equal(np.asarray(blk.ffn.W_1.bias), np.zeros((N, 4 * D)))
     np.testing.assert_array_equal(np.asarray(blk.ffn.W_2.bias), np.zeros((N, D)))
     assert blk.ffn.W_1.weight.shape == (N, 4 * D, D)
-    for w in bl.init.weights(stack):
+    for w in bl.nn.init.weights(stack):
         fan_out, fan_in = w.shape[-2:]
         limit = math.sqrt(6 / (fan_in + fan_out))
         assert float(jnp.max(jnp.abs(w))) <= limit
@@ -218,7 +218,7 @@ def test_alpha_scales_every_weight_and_nothing_else():
     half = sg.chapter_stack(
         "post", num_blks=N, num_hiddens=D, num_heads=H, alpha=0.5, key=key
     )
-    for a, b in zip(bl.init.weights(one), bl.init.weights(half), strict=True):
+    for a, b in zip(bl.nn.init.weights(one), bl.nn.init.weights(half), strict=True):
         np.testing.assert_allclose(np.asarray(b), 0.5 * np.asarray(a), rtol=1e-7)
     np.testing.assert_array_equal(np.asarray(half.blocks.norm1.weight), 1.0)
     np.testing.assert_array_equal(np.asarray(half.blocks.ffn.W_1.bias), 0.0)

@@ -1,4 +1,4 @@
-"""`blocklab.sweep`: a vmapped sweep equals sequential runs; divergence is contained."""
+"""`blocklab.training.sweep`: a vmapped sweep equals sequential runs; divergence is contained."""
 
 import equinox as eqx
 import jax
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from blocklab import CharLM, TimeMachine, train_lm
-from blocklab.sweep import (
+from blocklab.training.sweep import (
     member_mesh,
     pad_members,
     sharded_map,

@@ -11,8 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from blocklab import check_seeds, sharded_map, sweep_grid, sweep_optimizer, train_sweep
+from blocklab import sharded_map, sweep_grid, train_sweep
 from blocklab._validate import ConfigError
+from blocklab.training.sharding import check_seeds
+from blocklab.training.sweep import sweep_optimizer
 
 D, B, STEPS = 3, 5, 6
 W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import jax
     import numpy as np
     from blocklab import CharLM, TimeMachine
-    from blocklab.sweep import sharded_map, train_sweep
+    from blocklab.training.sweep import sharded_map, train_sweep
 
     data = TimeMachine(num_steps=16, num_train=2000, num_val=40)
     K = 6  # not a multiple of 4: padded to 8, padding dropped

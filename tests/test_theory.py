@@ -1,4 +1,4 @@
-"""blocklab.theory: closed forms against hand values, simulation, the library."""
+"""blocklab.diagnostics.theory: closed forms against hand values, simulation, the library."""
 
 import itertools
 import math
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blocklab
-from blocklab import theory
-from blocklab.block import PLACEMENTS
+from blocklab.diagnostics import theory as theory
+from blocklab.nn.block import PLACEMENTS
 
 GATED = ("swiglu", "geglu", "reglu", "bilinear")
 
@@ -40,7 +40,7 @@ def _check_counts(d, h, grid):
 
 def _full_grid():
     return itertools.product(
-        ("rms", "layer"), blocklab.ACTS, PLACEMENTS, (False, True), (False, True)
+        ("rms", "layer"), blocklab.nn.ffn.ACTS, PLACEMENTS, (False, True), (False, True)
     )
 
 
@@ -50,7 +50,7 @@ def test_block_param_count_matches_count_params(d, h):
     grid = [
         (norm, act, placement, i % 2 == 0, i % 3 == 0)
         for i, (norm, act, placement) in enumerate(
-            itertools.product(("rms", "layer"), blocklab.ACTS, PLACEMENTS)
+            itertools.product(("rms", "layer"), blocklab.nn.ffn.ACTS, PLACEMENTS)
         )
         if i % 3 == d % 3
     ]
@@ -62,7 +62,7 @@ def test_block_param_count_matches_count_params_on_every_configuration():
     _check_counts(100, 4, _full_grid())
 
 
-@pytest.mark.parametrize("act", blocklab.ACTS)
+@pytest.mark.parametrize("act", blocklab.nn.ffn.ACTS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_ffn_param_count_matches_count_params(act, bias):
     for d in (7, 8, 9, 256):
@@ -108,7 +108,7 @@ def test_llama_ffn_width_and_excess_hand_values():
 @settings(max_examples=200, deadline=None)
 def test_llama_ffn_width_agrees_with_library_rule(d, m):
     w = theory.llama_ffn_width(d, m)
-    assert w == blocklab.ffn_width(d, "swiglu", m)
+    assert w == blocklab.nn.ffn.ffn_width(d, "swiglu", m)
     assert w % m == 0 and w - m < (8 * d) // 3 <= w  # the smallest such multiple
 
 
@@ -248,7 +248,7 @@ def test_rho0_against_simulated_random_tokens():
     x = rng.standard_normal((n, d)) + 0.3
     mu = x.mean(0)
     rho = n * (mu @ mu) / ((x - mu) ** 2).sum()
-    spread = float(blocklab.token_spread(jax.numpy.asarray(x)))
+    spread = float(blocklab.nn.functional.token_spread(jax.numpy.asarray(x)))
     assert spread == pytest.approx((1 + rho) ** -0.5, rel=1e-12)
 
 

@@ -11,13 +11,11 @@ import pytest
 from blocklab import (
     CharLM,
     TimeMachine,
-    init_state,
     lm_loss,
     make_train_step,
-    step_keys,
     train_lm,
-    validation_loss,
 )
+from blocklab.training.train import init_state, step_keys, validation_loss
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ from blocklab import (
     CharLM,
     TimeMachine,
     TokenDataset,
-    init_state,
     make_train_step,
-    step_keys,
     train_lm,
     train_model,
 )
 from blocklab._validate import ConfigError
+from blocklab.training.train import init_state, step_keys
 
 D, B = 3, 5
 W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)

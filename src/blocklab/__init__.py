@@ -1,179 +1,132 @@
 """blocklab: the transformer block in pure JAX.
 
-Build it (`TransformerBlock`, `Stack`, `CharLM`), train it, diagnose it at
-initialization, and check its mathematics numerically. Modules are Equinox
-pytrees acting on one sequence `(T, d)`; batches and seeds come from
-`jax.vmap`.
+Build it (`TransformerBlock`, `Stack`, `CharLM`, `DecoderLM`), train it,
+diagnose it at initialization, and check its mathematics numerically. Modules
+are Equinox pytrees acting on one sequence `(T, d)`; batches and seeds come
+from `jax.vmap`.
+
+The packages are the layers, bottom to top (imports point down only):
+`data`, `nn`, `training`, `diagnostics`, `interop`, `experiments`, `cli`.
+This namespace re-exports what most users call; everything else is imported
+from its layer, e.g. `from blocklab.nn.functional import gelu`.
 """
 
-from . import distributed, experiments, functional, identities, init, inplace, theory
-from .attention import AttentionTrace, MultiHeadAttention
-from .block import PLACEMENTS, BlockTrace, TransformerBlock
-from .census import census, count_params
-from .checkpoint import load, save
+from . import _compat
+from ._validate import ConfigError
 from .data import TimeMachine, TokenDataset
-from .decoder import DecoderConfig, DecoderLM
-from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
-from .functional import (
-    attention_entropy,
-    gelu,
-    gelu_exact,
-    layer_norm,
-    linear,
-    masked_softmax,
-    relu,
-    rms_norm,
-    rope,
-    rope_frequencies,
-    silu,
-    token_spread,
+from .diagnostics import (
+    block_param_count,
+    census,
+    chapter_stack,
+    count_params,
+    signal_stats,
+    signal_sweep,
 )
-from .identities import Identity
-from .inplace import layer_norm_, rms_norm_
 from .interop import (
     from_huggingface,
     load_huggingface_state_dict,
+    load_state_dict,
+    state_dict,
     to_huggingface_state_dict,
 )
-from .launcher import LaunchError, LaunchResult, launch_local
-from .models import CharLM, Stack, generate
-from .moe import (
+from .nn import (
+    CharLM,
+    DecoderConfig,
+    DecoderLM,
+    FeedForward,
+    LayerNorm,
     MoEFeedForward,
-    MoEStats,
-    MoETrace,
-    load_balancing_loss,
-    moe_forward,
-    moe_loss,
-    stack_moe_stats,
+    MultiHeadAttention,
+    RMSNorm,
+    Stack,
+    TransformerBlock,
+    generate,
+    layer_norm_,
+    rms_norm_,
 )
-from .norms import NORMS, LayerNorm, RMSNorm
-from .porting import load_state_dict, state_dict
-from .signal import SignalStats, chapter_stack, signal_run, signal_stats, signal_sweep
-from .sweep import (
+from .nn.functional import layer_norm, rms_norm, rope
+from .training import (
     SweepResult,
-    check_seeds,
-    member_mesh,
-    pad_members,
+    TrainResult,
+    launch_local,
+    lm_loss,
+    load,
+    make_train_step,
+    save,
     sharded_map,
     sweep_grid,
-    sweep_optimizer,
-    train_sweep,
-)
-from .theory import (
-    block_param_count,
-    collapse_spread,
-    gelu_second_moment,
-    llama_ffn_width,
-    qk_logit_bound,
-)
-from .train import (
-    PRECISIONS,
-    LMBatches,
-    TrainResult,
-    TrainState,
-    TrainStep,
-    init_state,
-    lm_loss,
-    make_train_step,
-    next_token_loss,
-    step_keys,
     train_lm,
     train_model,
-    validation_loss,
+    train_sweep,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ACTS",
-    "AttentionTrace",
-    "BlockTrace",
+    # errors
+    "ConfigError",
+    # modules (blocklab.nn)
     "CharLM",
     "DecoderConfig",
     "DecoderLM",
-    "from_huggingface",
-    "load_huggingface_state_dict",
-    "to_huggingface_state_dict",
     "FeedForward",
-    "GATED_ACTS",
     "LayerNorm",
-    "MultiHeadAttention",
     "MoEFeedForward",
-    "MoEStats",
-    "MoETrace",
-    "load_balancing_loss",
-    "moe_forward",
-    "moe_loss",
-    "stack_moe_stats",
-    "NORMS",
-    "PLACEMENTS",
+    "MultiHeadAttention",
     "RMSNorm",
-    "SignalStats",
     "Stack",
-    "TimeMachine",
-    "TrainResult",
-    "TrainState",
-    "TrainStep",
     "TransformerBlock",
-    "attention_entropy",
+    "generate",
+    # functions (blocklab.nn.functional, blocklab.nn.inplace)
+    "layer_norm",
+    "layer_norm_",
+    "rms_norm",
+    "rms_norm_",
+    "rope",
+    # data (blocklab.data)
+    "TimeMachine",
+    "TokenDataset",
+    # training (blocklab.training)
+    "SweepResult",
+    "TrainResult",
+    "launch_local",
+    "lm_loss",
+    "load",
+    "make_train_step",
+    "save",
+    "sharded_map",
+    "sweep_grid",
+    "train_lm",
+    "train_model",
+    "train_sweep",
+    # diagnostics (blocklab.diagnostics)
+    "block_param_count",
     "census",
     "chapter_stack",
     "count_params",
-    "ffn_width",
-    "functional",
-    "gelu",
-    "gelu_exact",
-    "generate",
-    "init",
-    "inplace",
-    "init_state",
-    "layer_norm",
-    "layer_norm_",
-    "linear",
-    "lm_loss",
-    "load",
-    "load_state_dict",
-    "make_train_step",
-    "masked_softmax",
-    "rope",
-    "rope_frequencies",
-    "relu",
-    "rms_norm",
-    "rms_norm_",
-    "save",
-    "signal_run",
     "signal_stats",
     "signal_sweep",
-    "silu",
+    # interop (blocklab.interop)
+    "from_huggingface",
+    "load_huggingface_state_dict",
+    "load_state_dict",
     "state_dict",
-    "step_keys",
-    "token_spread",
-    "train_lm",
-    "validation_loss",
-    "SweepResult",
-    "member_mesh",
-    "pad_members",
-    "sharded_map",
-    "sweep_optimizer",
-    "train_sweep",
-    "TokenDataset",
-    "LMBatches",
-    "PRECISIONS",
-    "next_token_loss",
-    "train_model",
-    "sweep_grid",
-    "check_seeds",
-    "distributed",
-    "LaunchError",
-    "LaunchResult",
-    "launch_local",
-    "Identity",
-    "block_param_count",
-    "collapse_spread",
-    "gelu_second_moment",
-    "identities",
-    "llama_ffn_width",
-    "qk_logit_bound",
-    "theory",
-    "experiments",
+    "to_huggingface_state_dict",
 ]
+
+_compat.install()
+
+#: Layer packages imported on first use (`bl.experiments`, `bl.cli`).
+_LAZY_PACKAGES = ("experiments", "cli")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_PACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    return _compat.moved_attribute(name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_PACKAGES})

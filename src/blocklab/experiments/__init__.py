@@ -4,7 +4,7 @@ One module per study. Each study is a function whose keyword arguments are
 its protocol (the defaults are the chapter's) and which returns a dataclass
 of plain data with methods that render it: `.table()` (Markdown),
 `.to_json()` (a strict-JSON-ready dict) and `.figures(out_dir)` (PNG paths,
-written atomically). The CLI (`blocklab.commands`) and the report only parse
+written atomically). The CLI (`blocklab.cli.commands`) and the report only parse
 arguments, call these and print what they render; notebooks call them
 directly:
 
@@ -13,7 +13,7 @@ directly:
     print(result.table())
 
 Layering: experiments import the library (models, training, diagnostics,
-theory) and `blocklab.plotting`; nothing here imports `blocklab.commands` or
+theory) and `blocklab.experiments.plotting`; nothing here imports `blocklab.cli.commands` or
 `blocklab.cli`. Submodules are imported on first use, so `import blocklab`
 stays light.
 """

@@ -1,4 +1,4 @@
-"""The seed rule of the studies: `blocklab.sharding.check_seeds`, one rule everywhere.
+"""The seed rule of the studies: `blocklab.training.sharding.check_seeds`, one rule everywhere.
 
 A seed is a non-negative integer below $2^{32}$ (it becomes
 `jax.random.key(seed)`, whose seed is a uint32), given as a Python or NumPy
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validate import check_int
-from ..sharding import MAX_SEED, check_seeds
+from ..training.sharding import MAX_SEED, check_seeds
 
 __all__ = ["check_seed", "check_seeds"]
 

@@ -32,13 +32,13 @@ import numpy as np
 import optax
 
 from .._validate import check_bool, check_float, check_int
-from ..data import TimeMachine
-from ..ffn import ACTS
-from ..models import CharLM
-from ..plotting import line_plot
-from ..sweep import train_sweep
-from ..train import TrainResult, train_lm
+from ..data.datasets import TimeMachine
+from ..nn.charlm import CharLM
+from ..nn.ffn import ACTS
+from ..training.sweep import train_sweep
+from ..training.train import TrainResult, train_lm
 from ._seeds import check_seeds
+from .plotting import line_plot
 
 __all__ = [
     "CHAPTER_JAX",

@@ -17,10 +17,10 @@ import equinox as eqx
 import jax
 
 from .._validate import ConfigError, check_bool, check_choice, check_int
-from ..block import PLACEMENTS, TransformerBlock
-from ..census import census, count_params
-from ..ffn import ACTS, FeedForward
-from ..norms import NORMS
+from ..diagnostics.counting import census, count_params
+from ..nn.block import PLACEMENTS, TransformerBlock
+from ..nn.ffn import ACTS, FeedForward
+from ..nn.normalization import NORMS
 from ._render import markdown_table
 
 __all__ = ["CHAPTER_BLOCKS", "CensusResult", "act_blocks", "block_census", "run_census"]

@@ -1,7 +1,7 @@
 r"""The table of identities and closed forms: the chapter's claims against the library.
 
-One table, one row per claim: the closed form (`blocklab.theory`, or the right
-side of a `blocklab.identities` identity), what the library measures, their
+One table, one row per claim: the closed form (`blocklab.diagnostics.theory`, or the right
+side of a `blocklab.diagnostics.identities` identity), what the library measures, their
 discrepancy, the tolerance and whether the claim holds. Four kinds of rows:
 
 - identities (exercises 1-3): float64, both sides via `jax.grad` /
@@ -35,15 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .. import identities as ids
-from .. import init, theory
 from .._validate import check_bool, check_int
-from ..attention import MultiHeadAttention
-from ..block import PLACEMENTS, TransformerBlock
-from ..census import count_params
-from ..ffn import ACTS, FeedForward, ffn_width
-from ..functional import gelu, layer_norm, rms_norm
-from ..norms import NORMS
+from ..diagnostics import identities as ids
+from ..diagnostics import theory
+from ..diagnostics.counting import count_params
+from ..nn import init
+from ..nn.attention import MultiHeadAttention
+from ..nn.block import PLACEMENTS, TransformerBlock
+from ..nn.ffn import ACTS, FeedForward, ffn_width
+from ..nn.functional import gelu, layer_norm, rms_norm
+from ..nn.normalization import NORMS
 
 __all__ = ["CheckResult", "KEYS", "check_rows", "run_check"]
 
@@ -149,7 +150,7 @@ def _seed_row(claim, closed, samples, *, log=False, note=""):
 
 # ------------------------------------------------------- exercises 1-3: identities
 def identity_rows() -> list[dict[str, Any]]:
-    """Every identity of `blocklab.identities` on small random inputs (float64)."""
+    """Every identity of `blocklab.diagnostics.identities` on small random inputs (float64)."""
     k = iter(jax.random.split(jax.random.key(0), 12))
     x = jax.random.normal(next(k), (8, 64))
     gain = 1.0 + 0.3 * jax.random.normal(next(k), (64,))
@@ -416,7 +417,7 @@ def _stacks(
     the FFN writes exactly zero, like `chapter_stack(ffn=False)`, while every
     variant of one width shares one compiled `signal_stats` program.
     """
-    from ..signal import chapter_stack
+    from ..diagnostics.propagation import chapter_stack
 
     def build(k):
         stack = chapter_stack("post", key=k, **options)
@@ -446,7 +447,7 @@ def _stacks(
 @eqx.filter_jit
 def _sweep(stacks, keys):
     """`signal_stats` of each seed's stack on its own input and readout: one program."""
-    from ..signal import signal_stats
+    from ..diagnostics.propagation import signal_stats
 
     def one(stack, k):
         d = stack.blocks.norm1.weight.shape[-1]
@@ -484,7 +485,7 @@ def _measure(seeds: int, **options):
 def signal_rows(
     *, seeds: int = 6, quick: bool = False, gpt1: bool = True
 ) -> list[dict[str, Any]]:
-    """Exercises 4a-b and 5a-c against `blocklab.signal.signal_stats` over seeds.
+    """Exercises 4a-b and 5a-c against `blocklab.diagnostics.propagation.signal_stats` over seeds.
 
     Block-1 mean squares come from 32 one-block stacks (cheap, and precise
     enough to resolve the 9 % of exercise 4b); the spreads from `seeds`
@@ -646,7 +647,7 @@ def _xla_cost(fn, *args) -> dict[str, float]:
 
 def norm_rows(*, quick: bool = False) -> list[dict[str, Any]]:
     """Minimal bytes and flops (ex. 9a) against XLA's cost analysis; passes (ex. 9c)."""
-    from ..timing import time_call
+    from .timing import time_call
 
     shape = (16, 512, 1024) if quick else (64, 512, 1024)
     d, size = shape[-1], math.prod(shape)

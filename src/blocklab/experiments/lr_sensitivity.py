@@ -47,11 +47,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._validate import check_float, check_int
-from ..data import TimeMachine
-from ..models import CharLM
-from ..plotting import line_plot
-from ..sweep import SweepResult, train_sweep
+from ..data.datasets import TimeMachine
+from ..nn.charlm import CharLM
+from ..training.sweep import SweepResult, train_sweep
 from ._seeds import check_seed
+from .plotting import line_plot
 
 __all__ = [
     "CPU",
@@ -414,7 +414,7 @@ class LRSensitivityResult:
 
         Writes `lr_final_loss.png`, `lr_attn_logits_{model}.png` and
         `lr_output_logits_{model}.png` into `out_dir`; diverged (NaN) points
-        and extreme rates are handled by `blocklab.plotting`.
+        and extreme rates are handled by `blocklab.experiments.plotting`.
         """
         out_dir = Path(out_dir)
         lrs = list(self.lrs)

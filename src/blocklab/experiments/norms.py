@@ -29,11 +29,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .._validate import check_bool, check_int
-from ..functional import layer_norm, rms_norm
-from ..inplace import layer_norm_, rms_norm_
-from ..theory import achieved_bandwidth, norm_cost, passes_over_x
-from ..timing import time_call
+from ..diagnostics.theory import achieved_bandwidth, norm_cost, passes_over_x
+from ..nn.functional import layer_norm, rms_norm
+from ..nn.inplace import layer_norm_, rms_norm_
 from ._render import markdown_table
+from .timing import time_call
 
 __all__ = ["DEFAULT_SHAPE", "NormsResult", "implementations", "run_norms"]
 
@@ -320,7 +320,7 @@ class NormsResult:
 
     def figures(self, out_dir: str | Path) -> list[Path]:
         """`norms_bandwidth.png`: achieved GB/s per implementation and mode."""
-        from ..plotting import bar_plot
+        from .plotting import bar_plot
 
         png = bar_plot(
             Path(out_dir) / "norms_bandwidth.png",

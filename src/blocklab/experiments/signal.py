@@ -13,7 +13,7 @@ vmapped over seeds. `signal_propagation` runs it per placement; the exercises:
 - 4 `exercise_4`: the variance budget $1 + \sum_{i\le k}(c^\text{attn}_i +
   c^\text{ffn}_i)$ against the measured mean square, and power-law fits;
 - 5 `exercise_5`: post-LN token spread for weight scales $\alpha$, with and
-  without the FFN, against `blocklab.theory.collapse_spread`;
+  without the FFN, against `blocklab.diagnostics.theory.collapse_spread`;
 - 6c `exercise_6c`: attention logit std and entropy as $W_q, W_k$ grow by
   $\lambda$, with and without QK-norm;
 - 7 `exercise_7`: the four placements with and without QK-norm.
@@ -37,9 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .._validate import check_bool, check_float, check_int
-from ..block import PLACEMENTS
-from ..plotting import line_plot
-from ..signal import (
+from ..diagnostics.propagation import (
     PROJECTIONS,
     SignalStats,
     fit_power_law,
@@ -49,7 +47,9 @@ from ..signal import (
     signal_sweep,
     variance_budget,
 )
-from ..theory import c_attn_1, c_ffn_1, collapse_spread
+from ..diagnostics.theory import c_attn_1, c_ffn_1, collapse_spread
+from ..nn.block import PLACEMENTS
+from .plotting import line_plot
 
 __all__ = [
     "ARCHS",
@@ -273,7 +273,7 @@ def signal_propagation(
 
 # --------------------------------------------------------------- architectures
 def _preset(arch: str, num_blks: int, num_hiddens: int, num_heads: int):
-    from .. import decoder  # a later layer: imported only when asked for
+    from ..nn import decoder  # a later layer: imported only when asked for
 
     make = getattr(decoder.DecoderConfig, arch)
     extra = {"head_dim": num_hiddens // num_heads} if arch == "gemma3" else {}
@@ -316,7 +316,7 @@ def signal_arch(
         )
     try:
         config = _preset(arch, num_blks, num_hiddens, num_heads)
-        from ..decoder import DecoderLM
+        from ..nn.decoder import DecoderLM
     except (ImportError, AttributeError) as e:
         raise ValueError(
             f"{owner}: arch={arch!r} needs blocklab.DecoderConfig.{arch}(), which "
@@ -395,7 +395,7 @@ class VarianceBudget:
         )
         return (
             "\n".join(lines)
-            + f"\n\nBlock 1 predicted by `blocklab.theory`: c_attn = {c_attn_1(64):.4f}"
+            + f"\n\nBlock 1 predicted by `blocklab.diagnostics.theory`: c_attn = {c_attn_1(64):.4f}"
             f" (large-n limit e/64), c_ffn = {c_ffn_1():.4f}."
             + f"\n\nPower-law fits of the stream RMS: {fits}."
         )
@@ -524,7 +524,7 @@ def exercise_6c(
 ) -> LogitGrowth:
     """Logit std and mean entropy for W_q, W_k scaled by lambda, +/- QK-norm.
 
-    Seed means of `blocklab.signal.logit_growth` over seeds 0..seeds-1.
+    Seed means of `blocklab.diagnostics.propagation.logit_growth` over seeds 0..seeds-1.
     """
     lam = jnp.asarray(lambdas, jnp.float32)
     out = {}

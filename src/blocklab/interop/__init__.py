@@ -1,4 +1,7 @@
-"""Interoperation with other libraries (imported lazily: no torch at import time)."""
+"""Layer 4, interoperation: Hugging Face families and the chapter's PyTorch state dicts.
+
+torch and transformers are imported lazily, only when a torch model is passed.
+"""
 
 from .huggingface import (
     FAMILIES,
@@ -11,6 +14,7 @@ from .huggingface import (
     to_huggingface_state_dict,
 )
 from .mixtral import MoEDecoderConfig  # registers the "mixtral" family
+from .porting import load_state_dict, state_dict
 
 __all__ = [
     "FAMILIES",
@@ -20,6 +24,8 @@ __all__ = [
     "from_huggingface",
     "hf_config_to_decoder",
     "load_huggingface_state_dict",
+    "load_state_dict",
     "register_family",
+    "state_dict",
     "to_huggingface_state_dict",
 ]

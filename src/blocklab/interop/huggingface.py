@@ -33,8 +33,8 @@ import jax
 import numpy as np
 
 from .._validate import ConfigError
-from ..decoder import DecoderConfig, DecoderLM, _set_layer_data
-from ..porting import _check_keys, _shapes, load_state_dict, state_dict
+from ..nn.decoder import DecoderConfig, DecoderLM, _set_layer_data
+from .porting import _check_keys, _shapes, load_state_dict, state_dict
 
 __all__ = [
     "FAMILIES",

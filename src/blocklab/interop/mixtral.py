@@ -23,8 +23,8 @@ import dataclasses
 from typing import Any
 
 from .._validate import check_choice, check_int
-from ..decoder import DecoderConfig
-from ..moe import DISPATCHES, ROUTINGS, MoEFeedForward
+from ..nn.decoder import DecoderConfig
+from ..nn.moe import DISPATCHES, ROUTINGS, MoEFeedForward
 from .huggingface import (
     HFFamily,
     Rule,

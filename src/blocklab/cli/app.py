@@ -1,0 +1,257 @@
+"""The `blocklab` console script: `blocklab report` and one command per experiment.
+
+Every exit path is defined:
+
+- success: the command's table (or, with `--json`, exactly one strict JSON
+  object on stdout: non-finite numbers are `null`, and a `nonfinite` field
+  lists where they were unless the command already says which run diverged);
+  exit status 0;
+- bad arguments (argparse errors, `ConfigError`, a command's `validate`, an
+  output path that cannot be written): exit status 2;
+- a failure while working: exit status 1; an interrupt (Ctrl-C): 130.
+
+On an error, `--json` prints `{"error": "...", "type": "..."}` on stdout;
+without it the error is one line on stderr (a traceback only for an
+unexpected exception, which is a bug). Output paths (`--png`, `--out` and any
+the command lists in `OUTPUT_FILES` / `OUTPUT_DIRS`) are checked before any
+work starts, so a typo never costs a finished run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from .._io import check_writable
+from .._validate import ConfigError
+from ..experiments._render import dumps, nonfinite_paths
+from .commands import COMMANDS
+
+__all__ = ["main", "build_parser", "UsageError"]
+
+#: Exit statuses.
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
+
+
+class UsageError(ValueError):
+    """A bad command line (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` that raises instead of printing and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _command_modules():
+    return [
+        importlib.import_module(f"blocklab.cli.commands.{name}") for name in COMMANDS
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `blocklab` with every subcommand registered."""
+    from . import report
+
+    parser = _Parser(
+        prog="blocklab",
+        description="The transformer block in JAX: build, train, diagnose, verify. "
+        "Exit status: 0 done, 1 failed while working, 2 bad arguments, "
+        "130 interrupted; with --json every outcome is one JSON object on stdout.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in [report, *_command_modules()]:
+        p = sub.add_parser(
+            module.NAME.replace("_", "-"), help=module.HELP, description=module.HELP
+        )
+        module.add_arguments(p)
+        p.add_argument(
+            "--json",
+            action="store_true",
+            help="print the result (or the error) as one strict JSON object",
+        )
+        p.set_defaults(_run=module.run, _module=module)
+    return parser
+
+
+def _probe(folder: Path, *, owner: str, name: str, value) -> None:
+    """Create `folder` and a temporary file in it: the only reliable test (root
+    passes every `os.access` check, and some filesystems are read-only)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{owner}: {name}={str(value)!r} cannot be written "
+            f"({e.strerror or e}: {folder})."
+        ) from None
+
+
+def _check_dir(path: str | os.PathLike, *, owner: str, name: str) -> Path:
+    """Fail now if folder `path` cannot be created or written later."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{owner}: {name}={str(path)!r} is a file, not a folder.")
+    _probe(path, owner=owner, name=name, value=path)
+    return path
+
+
+def _check_file(path: str | os.PathLike, *, owner: str, name: str) -> Path:
+    """Fail now if file `path` cannot be written later."""
+    try:
+        path = check_writable(path, owner=owner, name=name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _probe(path.parent, owner=owner, name=name, value=path)
+    return path
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Check every output path of the parsed command before any work starts.
+
+    Files: `args.png` and the names in the command module's `OUTPUT_FILES`;
+    folders: `args.out` (unless listed in `OUTPUT_FILES`) and `OUTPUT_DIRS`.
+    """
+    module = getattr(args, "_module", None)
+    owner = f"blocklab {args.command}"
+    files = set(getattr(module, "OUTPUT_FILES", ())) | {"png"}
+    dirs = (set(getattr(module, "OUTPUT_DIRS", ())) | {"out"}) - files
+    for name in sorted(files):
+        if getattr(args, name, None) is not None:
+            _check_file(getattr(args, name), owner=owner, name=f"--{name}")
+    for name in sorted(dirs):
+        if getattr(args, name, None) is not None:
+            _check_dir(getattr(args, name), owner=owner, name=f"--{name}")
+
+
+def _strict(text: str) -> str:
+    """The command's JSON output as one strict JSON object (non-finite -> null)."""
+    try:
+        obj = json.loads(text)  # lenient: accepts NaN / Infinity from json.dumps
+    except json.JSONDecodeError:
+        # Stray lines (a warning printed to stdout): keep the last JSON line,
+        # send the others to stderr.
+        lines = text.splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            try:
+                obj = json.loads(lines[i])
+            except json.JSONDecodeError:
+                continue
+            rest = lines[:i] + lines[i + 1 :]
+            if rest:
+                print("\n".join(rest), file=sys.stderr)
+            break
+        else:
+            raise
+    if isinstance(obj, dict):
+        bad = nonfinite_paths(obj)
+        if bad and "diverged" not in obj and "nonfinite" not in obj:
+            obj["nonfinite"] = bad
+    else:  # keep the promise of one object
+        obj = {"result": obj}
+    return dumps(obj)
+
+
+def _error(as_json: bool, exc: BaseException, message: str | None = None) -> None:
+    text = message or str(exc) or type(exc).__name__
+    if as_json:
+        print(dumps({"error": text, "type": type(exc).__name__}))
+    else:
+        # "blocklab census: msg" -> "blocklab census: error: msg", like argparse.
+        owner, sep, rest = text.partition(": ")
+        if not (sep and owner.startswith("blocklab")):
+            owner, rest = "blocklab", text
+        print(f"{owner}: error: {rest}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse `argv` (default `sys.argv[1:]`), run the subcommand and
+    return the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A `--json` after `--` belongs to the command that `blocklab launch` runs.
+    as_json = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    out = io.StringIO()
+    try:
+        parser = build_parser()
+        if as_json:  # --help would print text: keep it inside one JSON object
+            try:
+                with contextlib.redirect_stdout(out):
+                    args = parser.parse_args(argv)
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    raise UsageError(f"exit status {e.code}") from None
+                print(dumps({"help": out.getvalue()}))
+                return EXIT_OK
+        else:
+            args = parser.parse_args(argv)
+        validate = getattr(args._module, "validate", None)
+        if validate is not None:
+            validate(args)
+        check_outputs(args)
+    except KeyboardInterrupt as e:
+        _error(as_json, e, "interrupted")
+        return EXIT_INTERRUPT
+    except (UsageError, ValueError, TypeError) as e:
+        _error(as_json, e)
+        return EXIT_USAGE
+
+    out = io.StringIO()
+    try:
+        if args.command != "launch":  # join a `blocklab launch` / cluster job
+            from ..training.distributed import initialize
+
+            initialize()
+        if as_json:
+            with contextlib.redirect_stdout(out):
+                status = int(args._run(args) or 0)
+        else:
+            status = int(args._run(args) or 0)
+    except KeyboardInterrupt as e:
+        _error(as_json, e, "interrupted")
+        return EXIT_INTERRUPT
+    except ConfigError as e:
+        _error(as_json, e)
+        return EXIT_USAGE
+    except (ValueError, TypeError, OSError) as e:
+        _error(as_json, e)
+        return EXIT_FAILURE
+    except SystemExit as e:  # a command that exits by itself
+        if isinstance(e.code, int) or e.code is None:
+            status = int(e.code or 0)
+            if not as_json:
+                return status
+            if status:
+                _error(as_json, e, f"exited with status {status}")
+                return status
+        else:
+            _error(as_json, e, str(e.code))
+            return EXIT_USAGE
+    except Exception as e:  # a bug: keep the traceback for the report
+        if as_json:
+            _error(as_json, e, f"{e} (internal error; please report)")
+            traceback.print_exc(file=sys.stderr)
+        else:
+            traceback.print_exc(file=sys.stderr)
+        return EXIT_FAILURE
+    if as_json:
+        try:
+            print(_strict(out.getvalue()))
+        except ValueError as e:
+            _error(as_json, e, f"the command printed no single JSON value: {e}")
+            return EXIT_FAILURE
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""`blocklab census`: parameter counts of the chapter's blocks, per part."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...experiments import census as study
+from ...experiments._render import dumps
+from ...nn.block import PLACEMENTS
+from ...nn.ffn import ACTS
+from ...nn.normalization import NORMS
+
+NAME = "census"
+HELP = "parameter census of transformer blocks (attention, FFN, norms, total)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-hiddens", type=int, default=256)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument(
+        "--act",
+        nargs="+",
+        choices=ACTS,
+        default=None,
+        help="census of the default block with each of these acts",
+    )
+    parser.add_argument("--norm", choices=sorted(NORMS), default="rms")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="pre")
+    parser.add_argument("--bias", action="store_true")
+
+
+def _call(args: argparse.Namespace) -> study.CensusResult:
+    blocks = (
+        None
+        if args.act is None
+        else study.act_blocks(
+            args.act, norm=args.norm, placement=args.placement, bias=args.bias
+        )
+    )
+    return study.run_census(
+        num_hiddens=args.num_hiddens, num_heads=args.num_heads, blocks=blocks
+    )
+
+
+def validate(args: argparse.Namespace) -> None:
+    # Cheap (abstract blocks): running it is the most complete validation.
+    args._result = _call(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = getattr(args, "_result", None) or _call(args)
+    if args.json:
+        print(dumps(result.to_json()))
+        return 0
+    print(result.table())
+    print()
+    for act, n in result.ffn.items():
+        print(f"FeedForward({result.num_hiddens}, {act!r}): {n} parameters")
+    return 0
+
+
+def report_estimate(*, quick: bool) -> float:
+    del quick
+    return 5.0
+
+
+def report_section(out_dir: Path, *, quick: bool) -> str:
+    del out_dir, quick
+    return study.run_census().section()

@@ -1,0 +1,126 @@
+"""`blocklab lr-sweep`: learning-rate sensitivity with and without QK-norm (ex. 11).
+
+The study, its protocols and its decision rule live in
+`blocklab.experiments.lr_sensitivity`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+from tqdm.auto import tqdm
+
+from ...experiments import lr_sensitivity as study
+from ...experiments._render import dumps
+from ...experiments._seeds import check_seed
+
+NAME = "lr_sweep"
+HELP = "learning-rate sensitivity of CharLM with and without QK-norm (exercise 11)"
+OUTPUT_DIRS = ("out",)
+SIZES = ("steps", "record_every", "num_hiddens", "num_blks", "batch_size", "seq_len")
+
+EPILOG = (
+    "Runs that diverge (high rates) are part of the result, not a failure: they are "
+    "frozen at their last finite model, print as 'diverged' (null in --json, named "
+    "in the 'diverged' field) and the exit status is 0. Exit status 2: bad "
+    "arguments (checked before any training); 1: a failure while working. The "
+    "full protocol takes hours on a 2-core CPU; --quick runs a reduced one."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="the reduced protocol 'quick' instead of the full one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lrs", nargs="+", type=float, default=None,
+        help="distinct positive learning rates (default: 10^-4, 10^-3.5, ..., 10^-1)",
+    )  # fmt: skip
+    for name in SIZES:
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None,
+            help="override the protocol's value (>= 1)",
+        )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="a non-negative int seed")
+    parser.add_argument(
+        "--out", default="lr_sweep", metavar="DIR",
+        help="folder for the PNG plots (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def protocol_of(args: argparse.Namespace) -> study.LRProtocol:
+    """The protocol of the command line: `quick` or `full`, with any overrides."""
+    base = study.QUICK if args.quick else study.FULL
+    changes = {n: getattr(args, n) for n in SIZES if getattr(args, n) is not None}
+    for name, value in changes.items():
+        if value < 1:
+            raise ValueError(
+                f"blocklab lr-sweep: --{name.replace('_', '-')} must be >= 1, got "
+                f"{value}."
+            )
+    return base.replace(**changes) if changes else base
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every value checked before any training."""
+    owner = "blocklab lr-sweep"
+    protocol_of(args)
+    check_seed(owner, "--seed", args.seed)
+    if args.lrs is not None:
+        study._check_lrs(owner, args.lrs)
+
+
+def warn_if_slow(protocol: study.LRProtocol, lrs) -> None:
+    """On a CPU backend, say on stderr how long a large study will take."""
+    flops = study.study_flops(protocol, lrs)
+    hours = flops / study.CPU_FLOPS / 3600
+    if jax.default_backend() == "cpu" and hours > 0.5:
+        tqdm.write(  # keeps any progress bar on stderr intact
+            f"lr-sweep: this protocol is {flops / 1e15:.1f} PFLOP of training, about "
+            f"{hours:.0f} h on a 2-core CPU at 200 GFLOP/s (minutes on a GPU); "
+            "--quick runs a reduced protocol in minutes.",
+            file=sys.stderr,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    validate(args)
+    protocol = protocol_of(args)
+    lrs = tuple(args.lrs) if args.lrs else study.LRS
+    warn_if_slow(protocol, lrs)
+    result = study.run_study(
+        protocol, lrs, seed=args.seed, progress=not (args.no_progress or args.json)
+    )
+    paths = result.figures(args.out)
+    if args.json:
+        print(dumps(result.to_json()))
+        return 0
+    print(protocol.describe(lrs) + "\n")
+    print(result.table())
+    print(
+        "\nlearning-rate sensitivity: "
+        + ", ".join(f"{m} {result.sensitivity[m]:.3f}" for m in study.MODELS)
+    )
+    print("\n" + result.explanation())
+    print("\nplots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 CPU cores of the protocol the report runs."""
+    return study.estimate_seconds(study.report_protocol(quick=quick, full=full))
+
+
+def report_section(
+    out_dir: Path, *, quick: bool, full: bool = False, progress: bool = False
+) -> str:
+    protocol = study.report_protocol(quick=quick, full=full)
+    if not quick:
+        warn_if_slow(protocol, study.LRS)
+    return study.report_section(out_dir, quick=quick, full=full, progress=progress)

@@ -1,0 +1,199 @@
+"""`blocklab report`: the chapter's experiments as one Markdown report with PNGs.
+
+The report is sized to the machine. On a CPU (`jax.default_backend() ==
+"cpu"`) the two long sections run reduced protocols (about 15 minutes in all
+on 2 cores): the activation comparison trains seed 0 only (the chapter's own
+comparison; seeds 0-2 take 16 minutes) and exercise 11 (hours at its full
+protocol) runs the `cpu` protocol. Each names its protocol and says how to run
+the full one. On a GPU or TPU, or with `--full`, every section runs the full
+protocol. `--quick` reduces every section (minutes).
+
+No work is lost: `report.md` is only replaced when a section has finished,
+each time by the whole report so far (header and finished sections), written
+to a temporary file and renamed over the old one. An interrupt or a failing
+section leaves the last complete version in place, never a bare header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .._io import atomic_write
+from ..experiments._render import dumps
+from .commands import REPORT_SECTIONS
+
+NAME = "report"
+HELP = "reproduce the chapter: write DIR/report.md and PNG figures"
+OUTPUT_DIRS = ("out",)
+
+__all__ = ["write_report", "on_accelerator"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        default="blocklab-report",
+        metavar="DIR",
+        help="output folder (default: ./blocklab-report/)",
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced sizes and step counts in every section (minutes on a laptop CPU)",
+    )
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="the chapter's full protocol in every section, also on a CPU (there, "
+        "exercise 11 alone takes hours; it is the default on a GPU or TPU)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=REPORT_SECTIONS,
+        metavar="SECTION",
+        help=f"only these sections, from {list(REPORT_SECTIONS)}",
+    )
+
+
+def on_accelerator() -> bool:
+    """Whether JAX's default backend is a GPU or TPU (not the CPU)."""
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def _accepts(fn, name: str) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _sizing(module, *, quick: bool, full: bool) -> dict[str, bool]:
+    """The size arguments a section takes: `quick`, and `full` where it has one."""
+    kw = {"quick": quick}
+    if _accepts(module.report_section, "full"):
+        kw["full"] = full
+    return kw
+
+
+def _progress(module, progress: bool) -> dict[str, bool]:
+    """`progress=...` for a section that can show its own bar, else nothing."""
+    return {"progress": progress} if _accepts(module.report_section, "progress") else {}
+
+
+def _estimate(module, kw: dict[str, bool]) -> float | None:
+    estimate = getattr(module, "report_estimate", None)
+    if estimate is None:
+        return None
+    return float(estimate(**{k: v for k, v in kw.items() if _accepts(estimate, k)}))
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def write_report(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool | None = None,
+    only: Sequence[str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Run the report's sections and write `out_dir/report.md`; returns its path.
+
+    Args:
+        out_dir: the folder for `report.md` and the figures (created).
+        quick: every section at a reduced size (minutes).
+        full: the full protocol in every section; default: on a GPU or TPU
+            yes, on a CPU no (the activation comparison and exercise 11 then run
+            reduced protocols that the report names).
+        only: run only these sections (kept in the report's order).
+        progress: a tqdm bar over the sections, an estimate before each long
+            one, and the bars of the sections that have their own (on stderr).
+
+    `report.md` is replaced atomically each time a section finishes, by the
+    whole report so far; until the first section finishes an earlier report
+    is left untouched, and an interrupt never loses finished sections.
+    """
+    if quick and full:
+        raise ValueError("write_report: quick and full exclude each other.")
+    if only is not None:
+        unknown = sorted(set(only) - set(REPORT_SECTIONS))
+        if unknown:
+            raise ValueError(
+                f"write_report: unknown sections {unknown}; choose from "
+                f"{list(REPORT_SECTIONS)}."
+            )
+    full = on_accelerator() if full is None else bool(full)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    names = [n for n in REPORT_SECTIONS if only is None or n in only]
+    mode = (
+        "quick mode: reduced sizes"
+        if quick
+        else "full protocol"
+        if full
+        else "sized for a CPU: the activation comparison on seed 0 and exercise 11 "
+        "at a reduced protocol; `blocklab report --full` runs the full ones"
+    )
+    header = (
+        f"# blocklab report\n\nGenerated {time.strftime('%Y-%m-%d %H:%M')} ({mode}).\n"
+    )
+    modules = {n: importlib.import_module(f"blocklab.cli.commands.{n}") for n in names}
+    sizing = {n: _sizing(m, quick=quick, full=full) for n, m in modules.items()}
+    estimates = {n: _estimate(m, sizing[n]) for n, m in modules.items()}
+    if progress and all(e is not None for e in estimates.values()):
+        tqdm.write(
+            f"report: {len(names)} sections, about "
+            f"{_minutes(sum(estimates.values()))} on 2 CPU cores ({mode})",
+            file=sys.stderr,
+        )
+    sections: list[str] = []
+    bar = tqdm(names, desc="report", unit="section", disable=not progress)
+    for name in bar:
+        bar.set_postfix_str(name)
+        if progress and (estimates[name] or 0) >= 60:
+            tqdm.write(
+                f"report: {name}: about {_minutes(estimates[name])}", file=sys.stderr
+            )
+        t0 = time.perf_counter()
+        module = modules[name]
+        section = module.report_section(
+            out, **sizing[name], **_progress(module, progress)
+        )
+        seconds = time.perf_counter() - t0
+        sections.append(f"{section.rstrip()}\n\n_({name}: {seconds:.1f} s)_\n")
+        pending = len(names) - len(sections)
+        note = (
+            f"\n_(in progress: {pending} more section{'s' * (pending > 1)} to come)_\n"
+            if pending
+            else ""
+        )
+        atomic_write(path, header + note + "".join(f"\n{s}" for s in sections))
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    path = write_report(
+        args.out,
+        quick=args.quick,
+        full=True if args.full else None,
+        only=args.only,
+        progress=not args.json,
+    )
+    if args.json:
+        print(dumps({"report": str(path)}))
+    else:
+        print(f"wrote {path}")
+    return 0

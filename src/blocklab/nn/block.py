@@ -1,0 +1,304 @@
+"""The configurable transformer block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from .._validate import check_bool, check_int, check_key
+from .attention import AttentionTrace, MultiHeadAttention, check_config, check_qk_norm
+from .ffn import ACTS, FeedForward
+from .functional import dropout
+from .normalization import NORMS, LayerNorm, RMSNorm, check_float_input, make_norm
+
+__all__ = ["TransformerBlock", "BlockTrace", "PLACEMENTS"]
+
+#: The valid values of the `placement` option.
+PLACEMENTS = ("post", "pre", "output", "sandwich")
+
+
+class BlockTrace(NamedTuple):
+    """What one block call computes, for diagnostics.
+
+    Attributes:
+        output: `(T, d)`, the block's output.
+        attn_out: `(T, d)`, what the attention branch adds to the stream (after
+            its output norm and dropout, where the placement has them).
+        ffn_out: `(T, d)`, likewise for the FFN branch.
+        attention: the attention's `AttentionTrace`, or `None` when a custom
+            attention module has no `trace` method.
+        ffn_trace: what `ffn.trace(y, key=...)` returned when the FFN module
+            has a `trace` method (an object with `.output`, e.g. the router
+            statistics of a mixture of experts), else `None`.
+
+    For a batch `(..., T, d)` every field gains the same leading axes.
+    """
+
+    output: Array
+    attn_out: Array
+    ffn_out: Array
+    attention: AttentionTrace | None
+    ffn_trace: Any = None
+
+
+class TransformerBlock(eqx.Module):
+    r"""Attention and an FFN on a residual stream, with a choice of norm placement.
+
+    Writing $F$ for a sublayer (attention, then the FFN) and $N$, $N'$ for
+    norms, each sublayer updates the stream $x$ as
+
+    - `"post"` (Vaswani et al., 2017): $x \leftarrow N(x + F(x))$
+    - `"pre"` (GPT-2, Llama; Xiong et al., 2020): $x \leftarrow x + F(N(x))$
+    - `"output"` (OLMo 2): $x \leftarrow x + N(F(x))$
+    - `"sandwich"` (Gemma 3): $x \leftarrow x + N'(F(N(x)))$
+
+    Only `"post"` normalizes the stream's identity path. Norms are `norm1`,
+    `norm2` (the branch-output norms of `"sandwich"` are `out_norm1`,
+    `out_norm2`). Dropout acts on each branch output when a `key` is passed.
+
+    The defaults (pre-norm, RMSNorm, SwiGLU, no bias) are the modern open-weights
+    block; `norm="layer", act="gelu", placement="post", bias=True` is the 2017
+    encoder block (with GELU for ReLU). With the attention options
+    (`num_kv_heads`, `head_dim`, `attn_scale`, `rope_theta`, `window`,
+    `qk_norm="full"`) and `norm="gemma_rms"` the block is that of GPT-2
+    (`"pre"`, `"layer"`, `"gelu"`, biases), Llama (`"pre"`, `"rms"`,
+    `"swiglu"`, RoPE, GQA), OLMo 2 (`"output"`, `qk_norm="full"`) or Gemma 3
+    (`"sandwich"`, `"gemma_rms"`, `"geglu"`, `qk_norm="head"`, a window).
+
+    Inputs must have a floating dtype (integer input is refused). In float16,
+    the `"post"` residual sum is computed in float32 before its norm, so a
+    stream near float16's range (~1e4) does not overflow there; a branch whose
+    *own output* exceeds float16's range (65504) still gives inf when it is
+    cast back to the input dtype (a gated FFN grows as $|x|^2$, so with
+    `"output"` placement, which feeds it the raw stream, keep $|x| \lesssim
+    100$ in float16, or use bfloat16).
+    """
+
+    norm1: RMSNorm | LayerNorm
+    norm2: RMSNorm | LayerNorm
+    out_norm1: RMSNorm | LayerNorm | None
+    out_norm2: RMSNorm | LayerNorm | None
+    attention: Any
+    ffn: Any
+    num_hiddens: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    norm: str = eqx.field(static=True)
+    act: str = eqx.field(static=True)
+    placement: str = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        norm: str = "rms",
+        act: str = "swiglu",
+        placement: str = "pre",
+        bias: bool = False,
+        qk_norm: bool | str = False,
+        norm_eps: float = 1e-6,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        ffn_width: int | None = None,
+        attn_scale: float | None = None,
+        rope_theta: float | None = None,
+        window: int | None = None,
+        attn_bias: bool | None = None,
+        ffn_bias: bool | None = None,
+        attn_factory: Callable[..., Any] | None = None,
+        ffn_factory: Callable[..., Any] | None = None,
+        key: PRNGKeyArray,
+    ):
+        """Args:
+        num_hiddens: model width $d$.
+        num_heads: attention (query) heads; must divide `num_hiddens` unless
+            `head_dim` is given.
+        dropout: rate for attention weights and both branch outputs.
+        norm: `"rms"`, `"layer"` or `"gemma_rms"` (RMSNorm with gain 1 + w).
+        act: one of `"relu"`, `"gelu"`, `"gelu_exact"`, `"swiglu"`, `"geglu"`,
+            `"reglu"`, `"bilinear"`.
+        placement: `"post"`, `"pre"`, `"output"` or `"sandwich"`.
+        bias: biases in the attention and FFN projections (the default of
+            `attn_bias` and `ffn_bias`).
+        qk_norm: `False`, `True` / `"head"` (per-head RMSNorm of queries and
+            keys) or `"full"` (over the full projected width, OLMo 2); these
+            norms use `norm_eps`, and Gemma's 1 + w gain when
+            `norm="gemma_rms"`.
+        norm_eps: the $\\epsilon$ of the block's norms (PyTorch's LayerNorm uses
+            1e-5: set it when porting such weights exactly).
+        num_kv_heads, head_dim, rope_theta, window: as for
+            `MultiHeadAttention` (grouped-query heads, head width, RoPE base,
+            local window).
+        ffn_width: the FFN's hidden width (default `ffn_width(d, act)`).
+        attn_scale: the attention logit multiplier (default $1/\\sqrt p$).
+        attn_bias, ffn_bias: biases of the attention / FFN projections
+            (`None`: `bias`).
+        attn_factory: `attn_factory(key=...)` returns the attention module,
+            called as `attn(x, valid_lens, key=...)` (and `positions=` when
+            the block is given positions); replaces the default.
+        ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
+            `ffn(x, key=...)`, or `ffn.trace(x, key=...)` when it has a
+            `trace` method; replaces the default.
+        key: PRNG key for the weights.
+        """
+        owner = "TransformerBlock"
+        head_dim = check_int(owner, "head_dim", head_dim, min=1, optional=True)
+        num_hiddens, num_heads, dropout = check_config(
+            owner, num_hiddens, num_heads, dropout, divisible=head_dim is None
+        )
+        if not isinstance(norm, str) or norm not in NORMS:
+            raise ValueError(
+                f"TransformerBlock: norm must be one of {sorted(NORMS)}, "
+                f"got norm={norm!r}."
+            )
+        if not isinstance(act, str) or act not in ACTS:
+            raise ValueError(
+                f"TransformerBlock: act must be one of {list(ACTS)}, got act={act!r}."
+            )
+        if not isinstance(placement, str) or placement not in PLACEMENTS:
+            raise ValueError(
+                f"TransformerBlock: placement must be one of {list(PLACEMENTS)}, "
+                f"got placement={placement!r}."
+            )
+        bias = check_bool(owner, "bias", bias)
+        attn_bias = (
+            bias if attn_bias is None else check_bool(owner, "attn_bias", attn_bias)
+        )
+        ffn_bias = bias if ffn_bias is None else check_bool(owner, "ffn_bias", ffn_bias)
+        qk_norm = check_qk_norm(owner, qk_norm)
+        key = check_key(owner, "key", key)
+        self.num_hiddens, self.num_heads = num_hiddens, num_heads
+        self.norm, self.act = norm, act
+        self.placement, self.dropout = placement, dropout
+        attn_key, ffn_key = jax.random.split(key)
+
+        def new_norm():
+            return make_norm(norm, num_hiddens, norm_eps)
+
+        self.norm1, self.norm2 = new_norm(), new_norm()
+        sandwich = placement == "sandwich"
+        self.out_norm1 = new_norm() if sandwich else None
+        self.out_norm2 = new_norm() if sandwich else None
+        self.attention = (
+            MultiHeadAttention(
+                num_hiddens,
+                num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                scale=attn_scale,
+                rope_theta=rope_theta,
+                window=window,
+                bias=attn_bias,
+                qk_norm=False if qk_norm is None else qk_norm,
+                qk_norm_eps=norm_eps,
+                qk_norm_unit_offset=norm == "gemma_rms",
+                dropout=dropout,
+                key=attn_key,
+            )
+            if attn_factory is None
+            else attn_factory(key=attn_key)
+        )
+        self.ffn = (
+            FeedForward(num_hiddens, act, bias=ffn_bias, width=ffn_width, key=ffn_key)
+            if ffn_factory is None
+            else ffn_factory(key=ffn_key)
+        )
+
+    def _sublayer(self, x, branch_fn, norm, out_norm, key):
+        """One residual sublayer; returns (new stream, what the branch wrote)."""
+        reads_normed = self.placement in ("pre", "sandwich")
+        branch = branch_fn(norm(x) if reads_normed else x)
+        if self.placement == "output":
+            branch = norm(branch)
+        elif self.placement == "sandwich":
+            branch = out_norm(branch)
+        branch = dropout(branch, self.dropout, key)
+        if self.placement == "post":
+            # The sum feeding the norm in float32 (or wider): float16 streams
+            # near 1e4 would overflow in x + branch before being normalized.
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return norm(x.astype(wide) + branch.astype(wide)).astype(x.dtype), branch
+        return x + branch, branch
+
+    def trace(
+        self,
+        x: Float[Array, "*batch T d"],
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> BlockTrace:
+        """Run the block, returning its output and the intermediate values.
+
+        The one implementation of the forward pass (`__call__` returns its
+        `.output`); see `BlockTrace`. Arguments as for `__call__`.
+        """
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ValueError(
+                f"TransformerBlock acts on a sequence x of shape (T, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
+                f"num_hiddens)), got x.shape={tuple(x.shape)}."
+            )
+        check_float_input(x, "TransformerBlock")
+        if key is None:
+            k_attn = k_drop1 = k_drop2 = k_ffn = None
+        else:
+            k_attn, k_drop1, k_drop2 = jax.random.split(key, 3)
+            # A fourth, independent key without changing the three above.
+            k_ffn = jax.random.fold_in(key, 3)
+        attn_trace = ffn_trace = None
+        extra = {} if positions is None else {"positions": positions}
+
+        def attend(y):
+            nonlocal attn_trace
+            if hasattr(self.attention, "trace"):
+                attn_trace = self.attention.trace(y, valid_lens, key=k_attn, **extra)
+                return attn_trace.output
+            return self.attention(y, valid_lens, key=k_attn, **extra)
+
+        def feed(y):
+            nonlocal ffn_trace
+            if hasattr(self.ffn, "trace"):
+                ffn_trace = self.ffn.trace(y, key=k_ffn)
+                return ffn_trace.output
+            return self.ffn(y, key=k_ffn)
+
+        x, attn_out = self._sublayer(x, attend, self.norm1, self.out_norm1, k_drop1)
+        x, ffn_out = self._sublayer(x, feed, self.norm2, self.out_norm2, k_drop2)
+        return BlockTrace(x, attn_out, ffn_out, attn_trace, ffn_trace)
+
+    def __call__(
+        self,
+        x: Float[Array, "*batch T d"],
+        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        *,
+        positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*batch T d"]:
+        """Apply the block to one sequence, or to each of a batch.
+
+        Args:
+            x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)`, of a
+                floating dtype. A batch gives the same values as `jax.vmap`,
+                computed as one matrix product per projection
+                (`blocklab.nn.functional.linear`).
+            valid_lens: `None`, or integer lengths broadcastable to
+                `x.shape[:-1]` = `(..., T)`: a scalar, `(T,)` per-query lengths
+                (`jnp.arange(1, T + 1)` is causal), `(B, 1)` per sequence,
+                `(B, T)` per sequence and query. Masked keys never give NaN,
+                and non-finite values at masked positions never leak.
+            positions: integer positions for RoPE (default `arange(T)`),
+                forwarded to the attention only when given.
+            key: enables dropout; `None` is deterministic (evaluation).
+
+        Returns:
+            The shape and dtype of `x`.
+        """
+        return self.trace(x, valid_lens, positions=positions, key=key).output

@@ -1,0 +1,308 @@
+"""`CharLM`, the chapter's causal character language model, and `generate`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .block import TransformerBlock
+from .functional import linear
+from .normalization import RMSNorm
+from .stack import Stack
+
+__all__ = ["CharLM", "generate"]
+
+
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar (or 0-d NumPy array) as the Python number it holds."""
+    if isinstance(value, np.generic) or (
+        isinstance(value, np.ndarray) and value.ndim == 0
+    ):
+        return value.item()
+    return value
+
+
+@eqx.filter_jit
+def _build_charlm(
+    key,
+    vocab_size,
+    num_hiddens,
+    num_heads,
+    num_blks,
+    act,
+    max_len,
+    remat,
+    unroll,
+    options,
+):
+    """CharLM's random arrays, drawn in one compiled program.
+
+    Drawing them op by op compiles dozens of tiny kernels (tens of seconds on
+    a busy 2-core machine); one jitted builder compiles once per configuration.
+    """
+    tok_key, pos_key, stack_key = jax.random.split(key, 3)
+
+    def embedding(n, k):
+        weight = 0.02 * jax.random.normal(k, (n, num_hiddens), jnp.float32)
+        return eqx.nn.Embedding(weight=weight)
+
+    def make_block(k):
+        return TransformerBlock(num_hiddens, num_heads, act=act, key=k, **dict(options))
+
+    stack = Stack(make_block, num_blks, remat=remat, unroll=unroll, key=stack_key)
+    return embedding(vocab_size, tok_key), embedding(max_len, pos_key), stack
+
+
+class CharLM(eqx.Module):
+    r"""A causal character language model: embeddings, a `Stack` of blocks, a tied head.
+
+    For token ids $t_1, \ldots, t_T$ (with $T \le$ `max_len`),
+    $$h_0 = E[t] + P[1{:}T],\qquad h_N = \mathrm{Stack}(h_0;\ L_i = i),\qquad
+    \text{logits} = \mathrm{RMSNorm}(h_N)\, E^\top,$$
+    where the per-query valid length $L_i = i$ makes every position attend only
+    to itself and the positions before it (causal). The token embedding $E$
+    (`vocab_size x d`) and the learned position embedding $P$ (`max_len x d`)
+    are drawn from $\mathcal N(0, 0.02^2)$; the output head reuses $E$ (weight
+    tying, Press & Wolf, 2017). The blocks are
+    `TransformerBlock(num_hiddens, num_heads, act=act, **block_options)` with
+    their default (Flax NNX-matching) initialization.
+    """
+
+    token_emb: eqx.nn.Embedding
+    pos_emb: eqx.nn.Embedding
+    stack: Stack
+    norm: RMSNorm
+    vocab_size: int = eqx.field(static=True)
+    num_hiddens: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    num_blks: int = eqx.field(static=True)
+    act: str = eqx.field(static=True)
+    max_len: int = eqx.field(static=True)
+    block_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int = 128,
+        num_heads: int = 4,
+        num_blks: int = 2,
+        act: str = "swiglu",
+        max_len: int = 128,
+        *,
+        remat: bool = False,
+        unroll: int | bool | None = None,
+        key: PRNGKeyArray,
+        **block_options: Any,
+    ):
+        """Args:
+        vocab_size: number of token ids (28 for `blocklab.data.TimeMachine`).
+        num_hiddens, num_heads, act: the blocks' width, heads and FFN activation.
+        num_blks: depth of the stack.
+        max_len: longest input sequence (rows of the position embedding).
+        remat: rematerialize each block in the backward pass (see `Stack`).
+        unroll: blocks per scan iteration (see `Stack`); default
+            `min(num_blks, 4)`, so the chapter's two blocks run unrolled.
+        key: PRNG key for every weight.
+        **block_options: further `TransformerBlock` options (`norm`,
+            `placement`, `bias`, `qk_norm`, `dropout`, factories).
+        """
+        key = check_key("CharLM", "key", key)
+        vocab_size, num_hiddens, num_heads, num_blks, max_len = (
+            check_int("CharLM", name, value, min=1)
+            for name, value in (
+                ("vocab_size", vocab_size),
+                ("num_hiddens", num_hiddens),
+                ("num_heads", num_heads),
+                ("num_blks", num_blks),
+                ("max_len", max_len),
+            )
+        )
+        remat = check_bool("CharLM", "remat", remat)
+        if unroll is not None and not isinstance(unroll, (bool, np.bool_)):
+            unroll = check_int("CharLM", "unroll", unroll, min=1)
+        elif unroll is not None:
+            unroll = bool(unroll)
+        self.vocab_size, self.num_hiddens = vocab_size, num_hiddens
+        self.num_heads, self.num_blks = num_heads, num_blks
+        self.act, self.max_len = _python_scalar(act), max_len
+        # Options are static configuration: NumPy scalars become Python numbers
+        # here, or they would be traced by the jitted builder below.
+        self.block_options = tuple(
+            sorted((k, _python_scalar(v)) for k, v in block_options.items())
+        )
+        self.token_emb, self.pos_emb, self.stack = _build_charlm(
+            key,
+            vocab_size,
+            num_hiddens,
+            num_heads,
+            num_blks,
+            self.act,
+            max_len,
+            remat,
+            min(num_blks, 4) if unroll is None else unroll,
+            self.block_options,
+        )
+        self.norm = RMSNorm(num_hiddens)
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (without `key`) that rebuild this structure."""
+        return dict(
+            vocab_size=self.vocab_size,
+            num_hiddens=self.num_hiddens,
+            num_heads=self.num_heads,
+            num_blks=self.num_blks,
+            act=self.act,
+            max_len=self.max_len,
+            remat=self.stack.remat,
+            unroll=self.stack.unroll,
+            **dict(self.block_options),
+        )
+
+    def __call__(
+        self, tokens: Int[ArrayLike, "*batch T"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch T vocab"]:
+        """Next-token logits for one sequence, or for each of a batch.
+
+        Args:
+            tokens: `(T,)` integer ids in `[0, vocab_size)`, `1 <= T <= max_len`,
+                or a batch `(..., T)` of such sequences. A batch gives the
+                values of `jax.vmap` over it, computed with one matrix product
+                per projection (faster, see `blocklab.nn.functional.linear`).
+            key: enables dropout (when the blocks have any); `None` evaluates.
+
+        Returns:
+            `(..., T, vocab_size)` logits, float32 (float64 for a float64
+            model; a bfloat16 model's head accumulates in float32); row `i`
+            scores the token after `tokens[..., i]`.
+
+        Raises:
+            ValueError: `tokens` is a scalar, longer than `max_len` or not of
+                an integer dtype; or, when the ids are concrete (not traced),
+                an id outside `[0, vocab_size)`, named with its position.
+            EquinoxRuntimeError: under `eqx.filter_jit`, an id outside the
+                vocabulary. Under plain `jax.jit` JAX reports the same check
+                as a `jax.errors.JaxRuntimeError` whose message contains this
+                text (JAX wraps every error raised at run time that way; wrap
+                the program in `eqx.filter_jit` to get the short form).
+        """
+        if key is not None:
+            key = check_key("CharLM", "key", key)
+        tokens = jnp.asarray(tokens)
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"CharLM: tokens must be integer token ids, got dtype "
+                f"{tokens.dtype}; encode text with blocklab.data.encode "
+                "(floats and bools are refused, not truncated)."
+            )
+        if tokens.ndim < 1 or not 1 <= tokens.shape[-1] <= self.max_len:
+            raise ValueError(
+                f"CharLM takes sequences (T,) or batches (..., T) of 1 to "
+                f"max_len={self.max_len} token ids, got "
+                f"tokens.shape={tuple(tokens.shape)}; split longer sequences."
+            )
+        if not isinstance(tokens, jax.core.Tracer):
+            # Concrete ids (also constants closed over inside `jit`, where a
+            # jnp comparison would already be traced): check them in NumPy.
+            ids = np.asarray(tokens)
+            outside = (ids < 0) | (ids >= self.vocab_size)
+            if outside.any():
+                where = tuple(int(i) for i in np.argwhere(outside)[0])
+                raise ValueError(
+                    f"CharLM: token ids must lie in [0, vocab_size="
+                    f"{self.vocab_size}), got tokens{list(where)}="
+                    f"{int(tokens[where])}; the model was built for "
+                    f"{self.vocab_size} symbols."
+                )
+        else:
+            tokens = eqx.error_if(
+                tokens,
+                (tokens < 0) | (tokens >= self.vocab_size),
+                f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}); "
+                "a token id outside it was given (check the vocabulary the ids "
+                "were encoded with).",
+            )
+        T = tokens.shape[-1]
+        h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
+        h = self.stack(h, jnp.arange(1, T + 1), key=key)
+        # float32 accumulation and output: logits of a bf16 model are not rounded
+        return linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
+
+
+def generate(
+    model: CharLM,
+    prompt: str,
+    num_chars: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+) -> str:
+    r"""Continue `prompt` by `num_chars` characters sampled from `model`.
+
+    Each character is drawn from $\mathrm{softmax}(\ell / \tau)$ of the logits
+    $\ell$ at the last position, $\tau$ = `temperature`; the context is the
+    last `max_len` characters. The prompt is preprocessed like the corpus
+    (non-letters to spaces, lower case). The whole loop is one compiled
+    `lax.scan`.
+
+    Returns:
+        The preprocessed prompt followed by the sampled characters.
+
+    Raises:
+        ValueError: `model` is not a `CharLM` over the 28 symbols of
+            `blocklab.data.VOCAB`; `num_chars` is not an int >= 0;
+            `temperature` is not a finite number > 0; `prompt` is not a
+            string or is empty after preprocessing; `key` is not a PRNG key.
+    """
+    from ..data.datasets import VOCAB, decode, encode, preprocess
+
+    if not isinstance(model, CharLM):
+        raise ConfigError(
+            f"generate: model must be a CharLM, got {type(model).__name__}."
+        )
+    if model.vocab_size != len(VOCAB):
+        raise ConfigError(
+            f"generate: the model's vocabulary has vocab_size={model.vocab_size} "
+            f"symbols, but generate encodes text with the {len(VOCAB)} symbols of "
+            "blocklab.data.VOCAB; build the model with "
+            f"CharLM(vocab_size={len(VOCAB)}, ...) or sample its ids yourself."
+        )
+    num_chars = check_int("generate", "num_chars", num_chars, min=0)
+    temperature = check_float(
+        "generate", "temperature", temperature, min=0.0, min_open=True
+    )
+    key = check_key("generate", "key", key)
+    if not isinstance(prompt, str):
+        raise ConfigError(
+            f"generate: prompt must be a str, got {type(prompt).__name__}."
+        )
+    text = preprocess(prompt)
+    if not text:
+        raise ValueError("generate: prompt must contain at least one character.")
+    ids = encode(text)[-model.max_len :]
+    buf = jnp.zeros(model.max_len, jnp.int32).at[: len(ids)].set(ids)
+    new = _sample(model, buf, jnp.asarray(len(ids)), key, num_chars, temperature)
+    return text + decode(new)
+
+
+@eqx.filter_jit
+def _sample(model, buf, n, key, num_chars, temperature):
+    """Sample `num_chars` ids; `buf[:n]` is the context, right-padded to max_len."""
+
+    def step(carry, k):
+        buf, n = carry
+        # Causal: the padding after position n - 1 does not affect its logits.
+        logits = model(buf)[n - 1].astype(jnp.float32)
+        c = jax.random.categorical(k, logits / temperature).astype(buf.dtype)
+        full = n == buf.shape[0]
+        buf = jnp.where(full, jnp.roll(buf, -1), buf)
+        pos = jnp.where(full, n - 1, n)
+        return (buf.at[pos].set(c), jnp.minimum(n + 1, buf.shape[0])), c
+
+    _, new = jax.lax.scan(step, (buf, n), jax.random.split(key, num_chars))
+    return new

@@ -1,0 +1,51 @@
+"""Layer 2, training: the train step and loop, sweeps, sharding, checkpoints,
+joining and launching multi-process jobs."""
+
+from .checkpoint import load, save
+from .launcher import LaunchError, LaunchResult, launch_local
+from .sharding import check_seeds, member_mesh, pad_members, sharded_map
+from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
+from .train import (
+    PRECISIONS,
+    LMBatches,
+    TrainResult,
+    TrainState,
+    TrainStep,
+    init_state,
+    lm_loss,
+    make_train_step,
+    next_token_loss,
+    step_keys,
+    train_lm,
+    train_model,
+    validation_loss,
+)
+
+__all__ = [
+    "PRECISIONS",
+    "LMBatches",
+    "LaunchError",
+    "LaunchResult",
+    "SweepResult",
+    "TrainResult",
+    "TrainState",
+    "TrainStep",
+    "check_seeds",
+    "init_state",
+    "launch_local",
+    "lm_loss",
+    "load",
+    "make_train_step",
+    "member_mesh",
+    "next_token_loss",
+    "pad_members",
+    "save",
+    "sharded_map",
+    "step_keys",
+    "sweep_grid",
+    "sweep_optimizer",
+    "train_lm",
+    "train_model",
+    "train_sweep",
+    "validation_loss",
+]

@@ -1,0 +1,585 @@
+r"""Sweeps: K runs of one structure as one compiled, vmapped, device-sharded program.
+
+A sweep trains K *members* that share a model structure but differ in their
+initialization key, their data-order key and their hyperparameters: any
+hyperparameter of an `optax.inject_hyperparams` optimizer (the learning rate,
+weight decay, Adam's b1/b2, the parameters of a schedule written with them),
+which `inject_hyperparams` moves from the optimizer's closure into its state.
+The member states are stacked along a leading axis of size K
+(`eqx.filter_vmap` over the model constructor), and one training step,
+`blocklab.training.train.TrainStep` (any model, loss and batch source), is
+`jax.vmap`-ed over that axis:
+
+$$S^{(k)}_{s+1} = \mathrm{step}\big(S^{(k)}_s,\ \mathrm{fold\_in}(\kappa_k, s)\big),
+\qquad k = 1, \ldots, K,$$
+
+with $\kappa_k$ the data key of member $k$, exactly as `train_lm` does for one
+run, so member $k$ of a sweep follows the same trajectory as
+`train_lm(model_k, ..., key=kappa_k)` (up to float rounding of the batched
+matmuls). Model keys and data keys are independent axes: `sweep_grid` builds
+the Cartesian product of hyperparameter values and seeds, and
+`SweepResult.select(learning_rate=..., ...)` looks members up by value.
+
+**Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
+and padded to a multiple of the device count (`blocklab.training.sharding`). Members
+never communicate, so XLA inserts no collectives in the step.
+
+**Many processes.** After `blocklab.training.distributed.initialize()`, the mesh spans
+every device of every process; every process runs the same `train_sweep`
+call, holds only its own members, and gets back the same `SweepResult` (the
+per-member results and final states are gathered with
+`jax.experimental.multihost_utils.process_allgather`).
+
+**Divergence.** `TrainStep` skips any update whose loss or update is not
+finite and clears the member's `finite` flag, after which that member is a
+no-op (`jnp.where` on the flag, member by member): it is frozen at its last
+finite state and reported as diverged at that step, while the other members
+continue bit for bit as if it were not there. No error is raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jaxtyping import ArrayLike, Float, PRNGKeyArray
+from tqdm.auto import tqdm
+
+from .._validate import ConfigError, check_bool, check_int
+from .sharding import (
+    AXIS,
+    MemberKeys,
+    _global,
+    _host,
+    _is_seeds,
+    _key_data,
+    _pad,
+    _sharding_of,
+    _wrap,
+    check_seeds,
+    member_mesh,
+    pad_members,
+    sharded_map,
+)
+from .train import (
+    TrainResult,
+    TrainState,
+    _is_token_data,
+    init_state,
+    make_train_step,
+    next_token_loss,
+    step_keys,
+)
+from .train import validation_loss as _validation_loss
+
+__all__ = [
+    "AXIS",
+    "SweepResult",
+    "check_seeds",
+    "member_mesh",
+    "pad_members",
+    "sharded_map",
+    "sweep_grid",
+    "sweep_optimizer",
+    "train_sweep",
+]
+
+
+@functools.cache
+def _chapter_optimizer() -> optax.GradientTransformationExtraArgs:
+    # One object, so that repeated sweeps hit the compilation cache (the
+    # optimizer is a static part of the compiled step).
+    return sweep_optimizer(optax.adamw, weight_decay=0.0)
+
+
+def sweep_optimizer(
+    optimizer: Callable[..., optax.GradientTransformation] = optax.adamw, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
+    """`optax.inject_hyperparams(optimizer)(learning_rate=1.0, **kwargs)`.
+
+    Every numeric argument (the learning rate and each of `kwargs`, e.g.
+    `weight_decay=0.0, b2=0.95`) lives in the optimizer state
+    (`opt_state.hyperparams`) as a float32 array, so members of one sweep can
+    hold different values under one compiled step; `train_sweep` writes each
+    member's values there. The chapter's optimizer is
+    `sweep_optimizer(optax.adamw, weight_decay=0.0)`.
+
+    To sweep a schedule's parameters, give `inject_hyperparams` a function of
+    them that builds the schedule, e.g. a linear warm-up over `warmup` steps:
+    `optax.inject_hyperparams(lambda peak, warmup: optax.adamw(lambda t: peak
+    * jnp.minimum(1.0, (t + 1) / warmup)))(peak=1.0, warmup=1.0)`.
+    """
+    return optax.inject_hyperparams(optimizer, hyperparam_dtype=jnp.float32)(
+        learning_rate=1.0, **kwargs
+    )
+
+
+def sweep_grid(**axes: Iterable[Any]) -> dict[str, np.ndarray]:
+    """The Cartesian product of named axes, flattened into K = prod(lengths) members.
+
+    `sweep_grid(learning_rate=[1e-3, 1e-2], weight_decay=[0.0, 0.1], seed=[0, 1])`
+    returns `{"learning_rate": (8,), "weight_decay": (8,), "seed": (8,)}`
+    arrays, the last axis varying fastest (`itertools.product` order). Pass
+    the hyperparameter columns as `train_sweep(hyperparams=...)` and a seed
+    column as `model_keys=` / `data_keys=` (the same column for both ties
+    them; two seed axes sweep them independently).
+
+    Raises:
+        ConfigError: no axes, or an axis that is not a non-empty sequence of
+            numbers.
+    """
+    if not axes:
+        raise ConfigError("sweep_grid: give at least one axis, e.g. seed=[0, 1].")
+    values = {}
+    for name, axis in axes.items():
+        if isinstance(axis, (str, bytes)) or not isinstance(axis, Iterable):
+            raise ConfigError(
+                f"sweep_grid: axis {name} must be a sequence of values, got {axis!r}."
+            )
+        axis = list(axis)
+        if not axis:
+            raise ConfigError(f"sweep_grid: axis {name} is empty.")
+        bad = [
+            v for v in axis if isinstance(v, bool) or not isinstance(v, numbers.Real)
+        ]
+        if bad:
+            raise ConfigError(
+                f"sweep_grid: axis {name} must hold numbers, got {bad[0]!r}."
+            )
+        values[name] = axis
+    rows = list(itertools.product(*values.values()))
+    return {name: np.asarray([r[i] for r in rows]) for i, name in enumerate(values)}
+
+
+class SweepResult(NamedTuple):
+    """What `train_sweep` returns (padding already dropped; K members).
+
+    Attributes:
+        losses: `(K, num_steps)` float32 training losses; NaN from the step at
+            which a member diverged on.
+        diverged_at: `(K,)` int: the 1-based step whose loss or update was
+            first non-finite (the member is frozen at the state before it),
+            or 0 for a member that never diverged.
+        val_loss: `(K,)` validation loss of each final model (NaN without
+            validation windows, with `validate=False`, or for a general source
+            or loss).
+        probe_steps: `(R,)` the steps at which `probe` was evaluated (0 is
+            the initialization).
+        probes: `probe`'s pytree with leading axes `(K, R)` (`None` without a
+            probe).
+        learning_rates: `(K,)` the members' learning rates (NaN when the
+            learning rate is not swept).
+        state: the final `TrainState` of the members, stacked (leading axis K).
+        hyperparams: `{name: (K,) float32}`, every swept hyperparameter.
+        model_seeds, data_seeds: `(K,)` int seeds, or `None` where keys were
+            given.
+        aux: the loss's aux stacked as `(K, num_steps, ...)`, or `None`.
+    """
+
+    losses: np.ndarray
+    diverged_at: np.ndarray
+    val_loss: np.ndarray
+    probe_steps: np.ndarray
+    probes: Any
+    learning_rates: np.ndarray
+    state: TrainState
+    hyperparams: Mapping[str, np.ndarray] | None = None
+    model_seeds: np.ndarray | None = None
+    data_seeds: np.ndarray | None = None
+    aux: Any = None
+
+    @property
+    def num_members(self) -> int:
+        return self.losses.shape[0]
+
+    def model(self, k: int) -> Any:
+        """Member `k`'s final model (its last finite one) as an ordinary module."""
+        return jax.tree_util.tree_map(
+            lambda a: a[k] if eqx.is_array(a) else a, self.state.model
+        )
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        cols = dict(self.hyperparams or {})
+        if self.model_seeds is not None:
+            cols["model_seed"] = self.model_seeds
+        if self.data_seeds is not None:
+            cols["data_seed"] = self.data_seeds
+        return cols
+
+    def index(self, **values: Any) -> np.ndarray:
+        """Indices of the members whose hyperparameters (and seeds) equal `values`.
+
+        Hyperparameters are float32, so a value matches within a relative
+        1e-6 (`index(learning_rate=1e-3)` finds the rate stored as
+        `float32(1e-3)`); `model_seed=` / `data_seed=` match exactly.
+
+        Raises:
+            ConfigError: a name that is not a swept hyperparameter or seed, or
+                no member matching.
+        """
+        cols = self._columns()
+        mask = np.ones(self.num_members, bool)
+        for name, value in values.items():
+            if name not in cols:
+                raise ConfigError(
+                    f"SweepResult: no swept hyperparameter or seed named {name!r}; "
+                    f"have {sorted(cols)}."
+                )
+            col = np.asarray(cols[name])
+            if np.issubdtype(col.dtype, np.integer):
+                mask &= col == value
+            else:
+                mask &= np.isclose(col, np.float32(value), rtol=1e-6, atol=0.0)
+        if not mask.any():
+            raise ConfigError(
+                f"SweepResult: no member has {values}; the values are "
+                + "; ".join(f"{n}: {np.unique(cols[n]).tolist()}" for n in values)
+                + "."
+            )
+        return np.flatnonzero(mask)
+
+    def select(self, **values: Any) -> SweepResult:
+        """The sub-sweep of the members matching `values` (see `index`).
+
+        `result.select(learning_rate=1e-3, weight_decay=0.1)` keeps every
+        seed run at those values; `.losses`, `.state`, ... are indexed alike.
+        """
+        idx = self.index(**values)
+
+        def take(tree):
+            if tree is None:
+                return None
+            return jax.tree_util.tree_map(
+                lambda a: a[idx] if eqx.is_array(a) or isinstance(a, np.ndarray) else a,
+                tree,
+            )
+
+        return SweepResult(
+            self.losses[idx],
+            self.diverged_at[idx],
+            self.val_loss[idx],
+            self.probe_steps,
+            take(self.probes),
+            self.learning_rates[idx],
+            take(self.state),
+            None if self.hyperparams is None else take(dict(self.hyperparams)),
+            take(self.model_seeds),
+            take(self.data_seeds),
+            take(self.aux),
+        )
+
+    def runs(self) -> list[TrainResult]:
+        """One `TrainResult` per member, as `train_lm` would have returned it.
+
+        A diverged member's losses stop before its divergence and `stopped`
+        says at which step, as for `train_lm`.
+        """
+        out = []
+        for k in range(self.num_members):
+            state = jax.tree_util.tree_map(
+                lambda a, k=k: a[k] if eqx.is_array(a) else a, self.state
+            )
+            d = int(self.diverged_at[k])
+            losses = self.losses[k] if d == 0 else self.losses[k, : d - 1]
+            stopped = (
+                None
+                if d == 0
+                else f"non-finite training loss or update at step {d}; "
+                f"kept the model after step {d - 1}."
+            )
+            aux = None
+            if self.aux is not None:
+                n = len(losses)
+                aux = jax.tree_util.tree_map(lambda a, k=k, n=n: a[k, :n], self.aux)
+            out.append(
+                TrainResult(
+                    state.model, losses, float(self.val_loss[k]), state, stopped, aux
+                )
+            )
+        return out
+
+
+def _seeds_of(owner: str, name: str, keys: Any) -> np.ndarray | None:
+    """The int seeds of `keys` if it is a sequence (or 1-D array) of seeds."""
+    if not _is_seeds(keys):
+        return None
+    return np.asarray(check_seeds(owner, name, keys, distinct=False), np.int64)
+
+
+def _member_values(
+    owner: str, hyperparams: Mapping[str, Any], K: int
+) -> dict[str, np.ndarray]:
+    """Each hyperparameter as `(K,)` float32: one value for all, or K values."""
+    out = {}
+    for name, value in hyperparams.items():
+        arr = np.asarray(value)
+        if arr.dtype == bool or not (
+            np.issubdtype(arr.dtype, np.floating)
+            or np.issubdtype(arr.dtype, np.integer)
+        ):
+            raise ConfigError(
+                f"{owner}: hyperparameter {name} must be numbers, got {value!r}."
+            )
+        if arr.ndim == 0:
+            arr = np.broadcast_to(arr, (K,))
+        if arr.shape != (K,):
+            raise ConfigError(
+                f"{owner}: hyperparameter {name} has {arr.size} values (shape "
+                f"{arr.shape}) but there are K={K} members (the length of "
+                f"model_keys); give one value or {K}."
+            )
+        arr = arr.astype(np.float64)
+        if not np.all(np.isfinite(arr)):
+            raise ConfigError(
+                f"{owner}: hyperparameter {name} must be finite, got {arr.tolist()}."
+            )
+        if name == "learning_rate" and np.any(arr <= 0):
+            raise ConfigError(
+                f"{owner}: learning rates must be > 0, got {arr.tolist()}."
+            )
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+def train_sweep(
+    make_model: Callable[[PRNGKeyArray], Any],
+    data: Any,
+    num_steps: int,
+    *,
+    model_keys: MemberKeys,
+    data_keys: MemberKeys,
+    learning_rates: float | Sequence[float] | Float[ArrayLike, " K"] | None = None,
+    hyperparams: Mapping[str, Any] | None = None,
+    optimizer: optax.GradientTransformationExtraArgs | None = None,
+    loss_fn: Any = None,
+    precision: str = "float32",
+    batch_size: int | None = None,
+    steps_per_call: int = 25,
+    probe: Callable[[Any], Any] | None = None,
+    validate: bool = True,
+    mesh: Mesh | None = None,
+    progress: bool = True,
+) -> SweepResult:
+    """Train K members as one compiled program, vmapped over K and sharded over devices.
+
+    Member k is `make_model(model_keys[k])`, trained with hyperparameters
+    `{name: values[k]}` on the batches of `data_keys[k]` (step s draws its
+    batch from `fold_in(data_keys[k], s)`, as `train_lm(..., key=data_keys[k])`).
+    The work runs as compiled chunks of `steps_per_call` fused steps
+    (`TrainStep.scan` vmapped over the members); the host reads each chunk's
+    losses back for the tqdm bar and evaluates `probe` between chunks. The
+    source and the loss are checked once by tracing before anything runs.
+
+    Args:
+        make_model: `make_model(key)` builds one model; it is
+            `eqx.filter_vmap`-ed over the model keys, so every member has one
+            structure.
+        data: a token dataset (`TimeMachine`, `TokenDataset`) or any batch
+            source (`source(key)` / `source.batch(key)`), shared by all members.
+        num_steps: optimizer steps per member (>= 1).
+        model_keys, data_keys: `(K,)` PRNG keys, or K int seeds (non-negative,
+            repeats allowed: members may share a seed and differ in
+            hyperparameters).
+        learning_rates: one rate for all, or K rates (> 0); shorthand for
+            `hyperparams={"learning_rate": ...}`.
+        hyperparams: `{name: one value or K values}` for any hyperparameter
+            of `optimizer` (built with `optax.inject_hyperparams`).
+        optimizer: an `optax.inject_hyperparams` transformation; default
+            `sweep_optimizer(optax.adamw, weight_decay=0.0)` (the chapter's,
+            which needs `learning_rates`).
+        loss_fn: `loss_fn(model, batch, key)`; default the next-token loss.
+        precision: `"float32"` or `"bf16"` (see `blocklab.training.train`).
+        batch_size: sequences per step and member for a token dataset
+            (default 64).
+        steps_per_call: steps fused per compiled call (also the probe period).
+        probe: `probe(model) -> pytree of arrays`, evaluated on every member at
+            step 0 and after every chunk (e.g. the largest attention logit on
+            a fixed batch).
+        validate: compute each final model's validation loss (token datasets
+            with the next-token loss).
+        mesh: a 1-D mesh with axis `"members"` (default: all devices of all
+            processes).
+        progress: show a tqdm bar over the chunks.
+
+    Returns:
+        A `SweepResult` over the K members (padding dropped), the same on
+        every process.
+
+    Raises:
+        ConfigError: bad sizes, keys of different lengths, a hyperparameter
+            the optimizer does not have or with the wrong number of values, a
+            learning rate that is not positive, a non-scalar loss, or a batch
+            the loss cannot take.
+    """
+    owner = "train_sweep"
+    num_steps = check_int(owner, "num_steps", num_steps, min=1)
+    steps_per_call = check_int(owner, "steps_per_call", steps_per_call, min=1)
+    validate = check_bool(owner, "validate", validate)
+    model_seeds = _seeds_of(owner, "model_keys", model_keys)
+    data_seeds = _seeds_of(owner, "data_keys", data_keys)
+    model_data = _key_data(model_keys, owner, "model_keys")
+    data_data = _key_data(data_keys, owner, "data_keys")
+    K = model_data.shape[0]
+    if K == 0:
+        raise ConfigError(f"{owner}: model_keys must hold at least one key.")
+    if data_data.shape[0] != K:
+        raise ConfigError(
+            f"{owner}: model_keys and data_keys must have the same length, got "
+            f"{K} and {data_data.shape[0]}."
+        )
+    hp = dict(hyperparams or {})
+    if learning_rates is not None:
+        if "learning_rate" in hp:
+            raise ConfigError(
+                f"{owner}: give the learning rate once: learning_rates= or "
+                "hyperparams['learning_rate'], not both."
+            )
+        hp["learning_rate"] = learning_rates
+    if optimizer is None:
+        if "learning_rate" not in hp:
+            raise ConfigError(
+                f"{owner}: learning_rates is required with the default optimizer "
+                "(sweep_optimizer(optax.adamw, weight_decay=0.0))."
+            )
+        optimizer = _chapter_optimizer()
+    values = _member_values(owner, hp, K)
+    step = make_train_step(
+        optimizer, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
+    )
+    shape_state = eqx.filter_eval_shape(
+        lambda k: init_state(make_model(k), optimizer), jax.random.key(0)
+    )
+    injected = getattr(shape_state.opt_state, "hyperparams", None)
+    if values and not isinstance(injected, dict):
+        raise ConfigError(
+            f"{owner}: the optimizer has no injected hyperparameters, so "
+            f"{sorted(values)} cannot differ between members; build it with "
+            "optax.inject_hyperparams (e.g. sweep_optimizer(optax.adamw))."
+        )
+    missing = sorted(set(values) - set(injected or {}))
+    if missing:
+        raise ConfigError(
+            f"{owner}: the optimizer has no hyperparameter {missing[0]!r}; it has "
+            f"{sorted(injected)} (inject_hyperparams injects the numeric arguments "
+            "of the optimizer's function)."
+        )
+    has_aux = step.check(shape_state, owner=owner)
+    mesh = member_mesh() if mesh is None else mesh
+    sharding = _sharding_of(mesh)
+    size = pad_members(K, mesh.devices.size)
+    mk, dk = (_global(_pad(a, size), mesh) for a in (model_data, data_data))
+    hv = {n: _global(_pad(v, size), mesh) for n, v in values.items()}
+
+    states = _init_states(make_model, optimizer, sharding, mk, hv)
+
+    def record(models):
+        return jax.tree_util.tree_map(_host, _probe_members(probe, models, sharding))
+
+    records = [] if probe is None else [record(states.model)]
+    probe_steps = [0]
+    losses = np.full((size, num_steps), np.nan, np.float32)
+    auxes = []
+    done = 0
+    with tqdm(
+        total=num_steps, desc=f"sweep K={K}", unit="step", disable=not progress
+    ) as bar:
+        while done < num_steps:
+            n = min(steps_per_call, num_steps - done)
+            fixed = (step, dk, jnp.asarray(done, jnp.int32))
+            states, out = _run_chunk(fixed, states, n, sharding)
+            chunk, aux = out if has_aux else (out, None)
+            losses[:, done : done + n] = _host(chunk)
+            if has_aux:
+                auxes.append(jax.tree_util.tree_map(_host, aux))
+            done += n
+            if probe is not None:
+                records.append(record(states.model))
+                probe_steps.append(done)
+            bar.update(n)
+            last = losses[:K, done - 1]
+            alive = np.isfinite(last)
+            best = np.min(last[alive]) if alive.any() else math.nan
+            bar.set_postfix(alive=f"{alive.sum()}/{K}", best=f"{best:.3f}")
+    bad = ~np.isfinite(losses[:K])
+    diverged = np.where(bad.any(1), np.argmax(bad, 1) + 1, 0)
+    lm = step.loss_fn is next_token_loss and _is_token_data(step.data)
+    if validate and lm and getattr(step.data, "num_val", 0):
+        val = _host(_val_members(states.model, step.data, sharding))[:K]
+    else:
+        val = np.full(K, np.nan, np.float32)
+    probes = None
+    if probe is not None:
+        probes = jax.tree_util.tree_map(lambda *r: np.stack(r, 1)[:K], *records)
+    aux_out = None
+    if has_aux:
+        aux_out = jax.tree_util.tree_map(lambda *a: np.concatenate(a, 1)[:K], *auxes)
+    final = _final_states(states, K)
+    lrs = values.get("learning_rate", np.full(K, np.nan, np.float32))
+    return SweepResult(
+        losses[:K],
+        diverged,
+        np.asarray(val),
+        np.asarray(probe_steps),
+        probes,
+        lrs,
+        final,
+        values,
+        model_seeds,
+        data_seeds,
+        aux_out,
+    )
+
+
+def _final_states(states: TrainState, K: int) -> TrainState:
+    """The members' states without the padding; gathered onto every process."""
+    if jax.process_count() == 1:
+        return jax.tree_util.tree_map(lambda a: a[:K] if eqx.is_array(a) else a, states)
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray(_host(a)[:K]) if eqx.is_array(a) else a, states
+    )
+
+
+@eqx.filter_jit
+def _init_states(make_model, optimizer, sharding, model_keys, values):
+    def one(k, vals):
+        state = init_state(make_model(_wrap(k)), optimizer)
+        if not vals:
+            return state
+        hyper = dict(state.opt_state.hyperparams)
+        for name, v in vals.items():
+            hyper[name] = v.astype(jnp.asarray(hyper[name]).dtype)
+        opt_state = state.opt_state._replace(hyperparams=hyper)
+        return eqx.tree_at(lambda s: s.opt_state, state, opt_state)
+
+    return eqx.filter_shard(eqx.filter_vmap(one)(model_keys, values), sharding)
+
+
+# The states are donated (updated in place); the step, the data keys and the
+# start step travel in the first, undonated argument.
+@eqx.filter_jit(donate="all-except-first")
+def _run_chunk(fixed, states, n, sharding):
+    step, data_keys, start = fixed
+    keys = jax.vmap(lambda k: step_keys(_wrap(k), start, n))(data_keys)
+    states, losses = eqx.filter_vmap(step.scan)(states, keys)
+    return eqx.filter_shard((states, losses), sharding)
+
+
+@eqx.filter_jit
+def _probe_members(probe, models, sharding):
+    return eqx.filter_shard(eqx.filter_vmap(probe)(models), sharding)
+
+
+@eqx.filter_jit
+def _val_members(models, data, sharding):
+    losses = eqx.filter_vmap(lambda m: _validation_loss(m, data))(models)
+    return eqx.filter_shard(losses, sharding)
