@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from blocklab import chapter_stack, signal_stats, signal_sweep  # noqa: E402
-from blocklab.diagnostics.propagation import signal_run
+from blocklab.diagnostics.propagation import signal_run  # noqa: E402
 from blocklab.experiments.timing import matmul_peak_flops, time_call  # noqa: E402
 
 #: The chapter's implementations on this project's 2-core CPUs (seconds).

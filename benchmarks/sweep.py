@@ -34,7 +34,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from blocklab.training import distributed as distributed
+from blocklab.training import distributed as distributed  # noqa: E402
 
 if "--child" in sys.argv:
     distributed.initialize()  # joins the launcher's job before any JAX work
@@ -45,13 +45,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from blocklab import CharLM, TimeMachine, train_lm, train_sweep  # noqa: E402
+from blocklab.training.sharding import (  # noqa: E402
+    global_rows,
+    key_data,
+    member_sharding,
+    pad_rows,
+)
 from blocklab.training.sweep import (  # noqa: E402
-    _global,
     _init_states,
-    _key_data,
-    _pad,
     _run_chunk,
-    _sharding_of,
     member_mesh,
     pad_members,
     sweep_optimizer,
@@ -80,7 +82,7 @@ def parse() -> argparse.Namespace:
 
 def child(a: argparse.Namespace) -> None:
     """One timed sweep (after a compiling one) on every device of the job."""
-    data = TimeMachine(num_steps=a.seq_len, num_val=0)
+    data = TimeMachine(seq_len=a.seq_len, num_val=0)
 
     def make_model(key):
         return CharLM(
@@ -146,11 +148,11 @@ def compare_processes(a: argparse.Namespace) -> None:
 def chunk_memory(make_model, data, K, steps, batch_size) -> dict[str, int]:
     """Compiled memory of one chunk of `steps` fused steps for K members (bytes)."""
     mesh = member_mesh()
-    sharding = _sharding_of(mesh)
+    sharding = member_sharding(mesh)
     size = pad_members(K, mesh.devices.size)
     opt = sweep_optimizer(optax.adamw, weight_decay=0.0)
-    keys = _global(_pad(_key_data(list(range(K))), size), mesh)
-    lrs = _global(_pad(np.full(K, 1e-3, np.float32), size), mesh)
+    keys = global_rows(pad_rows(key_data(list(range(K))), size), mesh)
+    lrs = global_rows(pad_rows(np.full(K, 1e-3, np.float32), size), mesh)
     states = _init_states(make_model, opt, sharding, keys, {"learning_rate": lrs})
     step = make_train_step(opt, data, batch_size=batch_size)
     fixed = (step, keys, jnp.asarray(0, jnp.int32))
@@ -178,7 +180,7 @@ def main() -> None:
         compare_processes(a)
         return
     # No validation windows: both sides time training only.
-    data = TimeMachine(num_steps=a.seq_len, num_val=0)
+    data = TimeMachine(seq_len=a.seq_len, num_val=0)
     K = a.members
 
     def make_model(key):

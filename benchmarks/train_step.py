@@ -139,7 +139,7 @@ def matmul_floor_seconds(
 
 def bench_step(act: str, fuse: int, reps: int) -> dict:
     data = bl.TimeMachine()
-    d, heads, blks, T, B = 128, 4, 2, data.num_steps, 64
+    d, heads, blks, T, B = 128, 4, 2, data.seq_len, 64
     model = bl.CharLM(
         data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
     )
@@ -213,7 +213,7 @@ class ChapterStep(eqx.Module):
 def bench_general(act: str, fuse: int, reps: int) -> dict:
     """ms / step of the chapter's step, the general step and its bf16 policy."""
     data = bl.TimeMachine()
-    d, heads, blks, T, B = 128, 4, 2, data.num_steps, 64
+    d, heads, blks, T, B = 128, 4, 2, data.seq_len, 64
     model = bl.CharLM(
         data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
     )

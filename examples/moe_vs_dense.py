@@ -43,7 +43,7 @@ SEEDS = [0, 1, 2]
 W = bl.nn.ffn.ffn_width(D, "swiglu")
 
 data = bl.TimeMachine(
-    num_steps=T, num_train=2000 if TINY else 100000, num_val=20 if TINY else 1000
+    seq_len=T, num_train=2000 if TINY else 100000, num_val=20 if TINY else 1000
 )
 
 

@@ -20,7 +20,7 @@ from blocklab.training.sharding import member_mesh
 TINY = os.environ.get("BLOCKLAB_TINY") == "1"
 D, BLKS, SEQ, BATCH, STEPS = (16, 1, 16, 4, 10) if TINY else (64, 2, 64, 16, 300)
 
-data = TimeMachine(num_steps=SEQ)
+data = TimeMachine(seq_len=SEQ)
 seeds = [0, 1, 2, 3]
 lrs = [1e-3, 1e-2]
 # K = 8 members: every (seed, lr) pair; a seed fixes both the init and the data order.

@@ -44,7 +44,7 @@ def main() -> None:
         f"{'entropy':>8}"
     )
     for placement in bl.nn.block.PLACEMENTS:
-        s = bl.signal_sweep(placement, SEEDS, num_blks=N, num_hiddens=D)
+        s = bl.signal_sweep(placement, num_seeds=SEEDS, num_blks=N, num_hiddens=D)
         top = {k: np.asarray(v)[:, -1] for k, v in s.as_dict().items()}
         print(
             f"{placement:>9} {top['stream_rms'].mean():6.2f} "

@@ -20,7 +20,7 @@ d, heads, blocks, T, B, steps = (
 )
 
 data = bl.TimeMachine(
-    num_steps=T, num_train=2000 if tiny else 100000, num_val=50 if tiny else 3000
+    seq_len=T, num_train=2000 if tiny else 100000, num_val=50 if tiny else 3000
 )
 model_key, data_key, sample_key = jax.random.split(jax.random.key(0), 3)
 model = bl.CharLM(

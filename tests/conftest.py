@@ -1,38 +1,35 @@
-"""Shared test configuration: float64 available, fast deterministic keys."""
+"""Shared test configuration: float32 by default, float64 per test, fast keys.
+
+The suite runs in JAX's default precision, float32, as users run it. A test
+whose reference needs float64 (an identity checked at 1e-12, a NumPy float64
+loop, a closed form) carries `@pytest.mark.float64`: `jax_enable_x64` is on
+for that test only (its setup, call and teardown) and restored afterwards, so
+that a pytest-xdist worker running many tests never leaks the setting into
+the next one. Arrays created at import time (module level) are float32. A
+module-scoped fixture or a cached helper is built in the precision of the
+first test that asks for it: give it explicit dtypes, or cache it per
+precision (as `_moe` in tests/test_moe.py does).
+
+Slow tests carry `@pytest.mark.slow` (`pytest.param(..., marks=...)` for one
+case of a parametrized test); the default run, `-m "not slow"` in
+pyproject.toml, leaves them out.
+"""
 
 import jax
 import pytest
 
-jax.config.update("jax_enable_x64", True)
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Run `item` with `jax_enable_x64` on iff it is marked `float64`."""
+    before = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", item.get_closest_marker("float64") is not None)
+    try:
+        return (yield)
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
 @pytest.fixture
 def key():
     return jax.random.key(0)
-
-
-#: Tests that take 15 s or more on a 2-core machine and whose property is
-#: also covered, at smaller size, by a test of the default suite. They run
-#: with `python3 -m pytest -m slow` (the default run, `-m "not slow"` in
-#: pyproject.toml, stays within CI's 15-minute budget).
-SLOW = (
-    "tests/test_notebooks_and_examples.py::test_notebook_runs[03_signal_propagation.ipynb]",
-    "tests/test_cli_signal.py::test_report_section_links_its_figures",
-    "tests/test_sweep.py::test_train_seeds_of_the_train_command_equal_train_one",
-    "tests/test_sweep.py::test_probe_is_recorded_at_init_and_after_every_chunk",
-    "tests/test_moe.py::test_moe_forward_and_loss_on_a_charlm",
-    "tests/test_batched.py::test_charlm_batched_logits_and_loss_gradients_equal_vmapped_ones",
-    "tests/test_batched.py::test_batched_block_gradients_equal_vmapped_ones",
-    "tests/test_batched.py::test_batched_stack_equals_vmap_and_unroll_changes_nothing",
-    "tests/test_cli_train.py::test_json_output_and_png",
-    "tests/test_cli_train.py::test_report_section",
-    "tests/test_cli_check.py::test_identity_rows_all_hold",
-    "tests/test_cli_signal.py::test_table_lists_each_placement_with_the_chapter_columns",
-    "tests/test_experiments_studies.py::test_compare_activations_tiny_run_starts_at_log_28",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid in SLOW:
-            item.add_marker(pytest.mark.slow)

@@ -81,6 +81,7 @@ CASES += [("all", lens) for lens in LENS if ("all", lens) not in CASES]
 
 
 @pytest.mark.parametrize(("config", "lens"), CASES)
+@pytest.mark.float64
 def test_trace_matches_the_float64_reference(config, lens):
     d, H, opts = CONFIGS[config]
     rng = np.random.default_rng(0)

@@ -16,6 +16,9 @@ import reference as ref
 import blocklab as bl
 from blocklab.nn.functional import linear
 
+# every test compares with a NumPy float64 reference (or a float64 vmap) at 1e-10
+pytestmark = pytest.mark.float64
+
 D, H, T, B = 16, 4, 6, 3
 CAUSAL = jnp.arange(1, T + 1)
 
@@ -109,6 +112,7 @@ def test_batched_block_equals_the_reference_per_sequence(placement):
             np.testing.assert_allclose(got[i, j], expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_batched_block_gradients_equal_vmapped_ones():
     blk = _float64(
         bl.TransformerBlock(D, H, act="gelu", qk_norm=True, key=jax.random.key(3))
@@ -129,6 +133,7 @@ def test_batched_block_gradients_equal_vmapped_ones():
 
 
 # ------------------------------------------------------------ stack and LM
+@pytest.mark.slow
 def test_batched_stack_equals_vmap_and_unroll_changes_nothing():
     stacks = {
         u: _float64(
@@ -147,6 +152,7 @@ def test_batched_stack_equals_vmap_and_unroll_changes_nothing():
         np.testing.assert_allclose(s(xs, CAUSAL), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_charlm_batched_logits_and_loss_gradients_equal_vmapped_ones():
     model = _float64(bl.CharLM(28, D, H, 2, "swiglu", max_len=T, key=jax.random.key(5)))
     rng = np.random.default_rng(6)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from blocklab import CharLM, MultiHeadAttention, TransformerBlock, load, save
+from blocklab._validate import ConfigError
+from blocklab.training.checkpoint import CheckpointError
 
 OPTIONS = dict(norm="layer", placement="post", bias=True)
 
@@ -71,7 +73,7 @@ def test_mismatched_config_is_refused(model, tmp_path):
         CharLM, 28, 16, 2, 2, act="swiglu", max_len=8, key=jax.random.key(1), **OPTIONS
     )
     with pytest.raises(
-        ValueError, match="does not match.*'act': \\('gelu', 'swiglu'\\)"
+        ConfigError, match="does not match.*'act': \\('gelu', 'swiglu'\\)"
     ):
         load(path, like=other)
     assert load(path, like=model).act == "gelu"
@@ -81,10 +83,12 @@ def test_truncated_file_is_refused(model, tmp_path):
     path = save(tmp_path / "lm.ckpt", model)
     blob = path.read_bytes()
     path.write_bytes(blob[:-100])
-    with pytest.raises(ValueError, match="truncated or corrupted: expected"):
+    with pytest.raises(CheckpointError, match="truncated or corrupted: expected") as e:
         load(path)
+    # The file is at fault, not an argument: a ValueError, never a ConfigError.
+    assert isinstance(e.value, ValueError) and not isinstance(e.value, ConfigError)
     path.write_bytes(blob[:30])  # inside the header
-    with pytest.raises(ValueError, match="truncated or corrupted header"):
+    with pytest.raises(CheckpointError, match="truncated or corrupted header"):
         load(path)
 
 
@@ -96,22 +100,22 @@ def test_weights_that_do_not_fit_the_stored_config(model, tmp_path):
     body = json.dumps(meta).encode() + b"\n" + payload
     digest = hashlib.sha256(body).hexdigest().encode()
     path.write_bytes(magic + b"\nsha256 " + digest + b"\n" + body)
-    with pytest.raises(ValueError, match="do not fit a CharLM"):
+    with pytest.raises(CheckpointError, match="do not fit a CharLM"):
         load(path)
 
 
 def test_not_a_checkpoint_or_missing(tmp_path):
     path = tmp_path / "junk.bin"
     path.write_bytes(b"\x93NUMPY garbage")
-    with pytest.raises(ValueError, match="not a blocklab checkpoint"):
+    with pytest.raises(CheckpointError, match="not a blocklab checkpoint"):
         load(path)
-    with pytest.raises(ValueError, match="no checkpoint at"):
+    with pytest.raises(ConfigError, match="no checkpoint at"):
         load(tmp_path / "missing.ckpt")
 
 
 def test_unsupported_models_are_refused(tmp_path):
     blk = TransformerBlock(8, 2, key=jax.random.key(0))
-    with pytest.raises(TypeError, match="cannot checkpoint a TransformerBlock"):
+    with pytest.raises(ConfigError, match="cannot checkpoint a TransformerBlock"):
         save(tmp_path / "b.ckpt", blk)
     lm = eqx.filter_eval_shape(  # the structure is enough: nothing is written
         CharLM,
@@ -123,7 +127,7 @@ def test_unsupported_models_are_refused(tmp_path):
         key=jax.random.key(0),
         attn_factory=lambda key: MultiHeadAttention(8, 2, key=key),
     )
-    with pytest.raises(TypeError, match="cannot be stored as JSON"):
+    with pytest.raises(ConfigError, match="cannot be stored as JSON"):
         save(tmp_path / "f.ckpt", lm)
 
 
@@ -133,7 +137,10 @@ def _cast(model, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.bfloat16, jnp.float16, pytest.param(jnp.float64, marks=pytest.mark.float64)],
+)
 def test_low_and_high_precision_round_trips_keep_dtypes(model, tmp_path, dtype):
     """bf16 is stored by NumPy as raw 2-byte records: the header's dtypes restore it."""
     # values that float32 could not hold exactly in float64, nor bf16 in fp16
@@ -195,7 +202,7 @@ def test_every_flipped_bit_is_refused(model, tmp_path):
         bad = bytearray(blob)
         bad[pos] ^= 1 << int(rng.integers(8))
         path.write_bytes(bytes(bad))
-        with pytest.raises(ValueError, match="corrupted|not a blocklab"):
+        with pytest.raises(CheckpointError, match="corrupted|not a blocklab"):
             load(path)
     path.write_bytes(blob)
     assert load(path).config() == model.config()
@@ -204,12 +211,14 @@ def test_every_flipped_bit_is_refused(model, tmp_path):
 def test_unsupported_version_is_named(model, tmp_path):
     path = save(tmp_path / "lm.ckpt", model)
     path.write_bytes(path.read_bytes().replace(b"checkpoint 2", b"checkpoint 7", 1))
-    with pytest.raises(ValueError, match="unsupported version '7'.*versions 1 to 2"):
+    with pytest.raises(
+        CheckpointError, match="unsupported version '7'.*versions 1 to 2"
+    ):
         load(path)
 
 
 def test_load_on_a_directory_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="is a directory; pass the checkpoint file"):
+    with pytest.raises(ConfigError, match="is a directory; pass the checkpoint file"):
         load(tmp_path)
 
 

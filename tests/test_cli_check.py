@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from blocklab._validate import ConfigError
 from blocklab.cli import app as cli
 from blocklab.experiments import check
 
@@ -43,7 +44,7 @@ def test_json_is_one_object_with_the_rows_in_exercise_order(stubbed, capsys):
     assert cli.main(["check", "--json"]) == 0
     out = _strict(capsys.readouterr().out)
     assert out["held"] == 1 and out["total"] == 2
-    assert out["seeds"] == 4 and out["quick"] is True
+    assert out["num_seeds"] == 4 and out["quick"] is True
     assert [r["claim"] for r in out["rows"]] == [
         "ex. 1a: an identity",
         "ex. 4b: a model",
@@ -67,7 +68,7 @@ def test_table_prints_every_column_and_flags_failures(stubbed, capsys):
 
 
 def test_report_section_counts_the_claims_and_explains_failures(stubbed, tmp_path):
-    from blocklab.cli.commands import check as cmd
+    from blocklab.experiments import check as cmd
 
     section = cmd.report_section(tmp_path, quick=True)
     assert section.startswith("## ")
@@ -130,21 +131,21 @@ def test_count_and_qk_rows_hold_against_hand_values():
 
 
 def test_post_ln_factor_in_branch_mean_squares_holds():
-    per_c, common = check.post_ln_factor_rows(2, seeds=4)
+    per_c, common = check.post_ln_factor_rows(2, num_seeds=4)
     assert per_c["holds"], per_c
     assert common["closed_form"] <= per_c["closed_form"]  # Jensen
 
 
 def test_seeds_are_validated():
-    with pytest.raises(ValueError, match="seeds must"):
-        check.run_check(seeds=1)
-    with pytest.raises(TypeError, match="seeds must be an int"):
-        check.run_check(seeds=True)
+    with pytest.raises(ConfigError, match="num_seeds must"):
+        check.run_check(num_seeds=1)
+    with pytest.raises(ConfigError, match="num_seeds must be an int"):
+        check.run_check(num_seeds=True)
 
 
 @pytest.mark.slow
 def test_full_quick_table_flags_exactly_the_explained_disagreements():
-    result = check.run_check(seeds=4, quick=True, gpt1=True)
+    result = check.run_check(num_seeds=4, quick=True, gpt1=True)
     rows = {r["claim"]: r for r in result.rows}
     for claim, row in rows.items():
         assert row["holds"] or row["note"], claim  # every failure is explained

@@ -38,9 +38,8 @@ def _options(name):
 
 
 def _module(name):
-    if name == "report":
-        return importlib.import_module("blocklab.cli.report")
-    return importlib.import_module(f"blocklab.cli.commands.{name.replace('-', '_')}")
+    """The module behind `blocklab NAME` (a command or one of its aliases)."""
+    return SUBPARSERS[name].get_default("_module")
 
 
 @pytest.fixture
@@ -55,9 +54,20 @@ def no_work(monkeypatch):
 
 
 def test_every_command_is_covered():
-    assert {"report", "census", "norms", "train", "signal", "check", "lr-sweep"} <= set(
-        NAMES
-    )
+    studies = {"census", "norms", "activations", "signal", "check", "lr-sensitivity"}
+    assert {"report", "launch", *studies, "train", "lr-sweep"} <= set(NAMES)
+
+
+def test_command_names_are_study_names():
+    """Each study of `blocklab.experiments` is the command of its name; the old
+    names `train` and `lr-sweep` are aliases that run the same module."""
+    from blocklab.experiments.protocol import STUDIES
+
+    for s in STUDIES:
+        module = _module(s.command)
+        assert module.NAME == s.name and module.__name__.endswith(f".{s.name}")
+    assert _module("train") is _module("activations")
+    assert _module("lr-sweep") is _module("lr-sensitivity")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -198,9 +208,9 @@ def sections(monkeypatch):
     """Every section a marker; `interrupt_at` makes one raise KeyboardInterrupt."""
     state = {"interrupt_at": None}
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.cli.commands.{name}")
+        module = importlib.import_module(f"blocklab.experiments.{name}")
 
-        def section(out_dir, *, quick, _name=name):
+        def section(out_dir, *, quick, full, progress, _name=name):
             if _name == state["interrupt_at"]:
                 raise KeyboardInterrupt
             return f"## {_name}\n\nnew {_name}\n"
@@ -234,13 +244,14 @@ def test_an_interrupted_report_keeps_its_finished_sections(sections, tmp_path, c
 
 # ------------------------------------------- success at tiny sizes (slow: training)
 TINY_RUNS = {
-    "train": "--act gelu --steps 3 --batch-size 2 --num-hiddens 16 --num-heads 2 "
-    "--num-blks 1 --num-steps 8 --png {tmp}/t.png",
-    "signal": "--placements pre --seeds 1 --blocks 2 --num-hiddens 16 --out {tmp}/s",
+    "activations": "--act gelu --steps 3 --batch-size 2 --num-hiddens 16 "
+    "--num-heads 2 --num-blks 1 --num-steps 8 --png {tmp}/t.png",
+    "signal": "--placements pre --num-seeds 1 --blocks 2 --num-hiddens 16 "
+    "--out {tmp}/s",
     # a rate of 1e30 diverges at once: null losses, a `diverged` field, and a
     # figure whose log axis spans 1e-3 .. 1e30
-    "lr-sweep": "--quick --lrs 1e-3 1e30 --steps 4 --record-every 2 --num-hiddens 16 "
-    "--num-blks 1 --batch-size 2 --seq-len 8 --out {tmp}/lr",
+    "lr-sensitivity": "--quick --lrs 1e-3 1e30 --steps 4 --record-every 2 "
+    "--num-hiddens 16 --num-blks 1 --batch-size 2 --seq-len 8 --out {tmp}/lr",
 }
 
 
@@ -251,7 +262,7 @@ def test_training_commands_print_strict_json_on_success(name, tmp_path, capsys):
     assert cli.main(argv) == 0
     out = strict(capsys.readouterr().out)
     assert "error" not in out
-    if name == "lr-sweep":
+    if name == "lr-sensitivity":
         assert out["final_loss"]["qk_norm"][1] is None
         assert {d["lr"] for d in out["diverged"]} == {1e30}
         assert all(p.read_bytes()[:4] == b"\x89PNG" for p in tmp_path.rglob("*.png"))

@@ -12,7 +12,7 @@ import reference as ref
 
 from blocklab import CharLM, state_dict
 from blocklab.cli import main
-from blocklab.cli.commands import lr_sweep as cmd
+from blocklab.cli.commands import lr_sensitivity as cmd
 from blocklab.experiments import lr_sensitivity as lr_sweep
 
 TINY = [

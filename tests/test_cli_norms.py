@@ -128,7 +128,7 @@ def test_bandwidth_passes_and_ratios_on_known_timings(stubbed):
 
 
 def test_report_section_writes_table_and_png(tmp_path, monkeypatch, stubbed):
-    from blocklab.cli.commands import norms as cmd
+    from blocklab.experiments import norms as cmd
 
     monkeypatch.setitem(study.REPORT_RUNS, True, (SHAPE, 2))
     md = cmd.report_section(tmp_path, quick=True)

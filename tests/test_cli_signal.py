@@ -18,12 +18,11 @@ import reference as ref
 
 from blocklab import state_dict
 from blocklab.cli import main
-from blocklab.cli.commands import signal as cmd
 from blocklab.diagnostics import propagation as sg
 from blocklab.experiments import signal as study
 
 N, D, H = 2, 16, 4
-ARGS = ["signal", "--blocks", str(N), "--seeds", "1", "--num-hiddens", str(D)]
+ARGS = ["signal", "--blocks", str(N), "--num-seeds", "1", "--num-hiddens", str(D)]
 
 
 def strict_loads(text: str):
@@ -128,7 +127,7 @@ def test_exercise_4_schema(json_run):
 def test_grad_w_o_matches_its_closed_form(tmp_path):
     # Pre-LN, one block, zero FFN: H = X + M W_o^T with M the mixed heads, so
     # d mean(R * H) / d W_o = R^T M / (B T d), whatever W_o is.
-    status, data = run_json(["signal", "--blocks", "1", "--seeds", "1",
+    status, data = run_json(["signal", "--blocks", "1", "--num-seeds", "1",
                              "--num-hiddens", str(D), "--placements", "pre",
                              "--no-ffn", "--out", str(tmp_path)])  # fmt: skip
     assert status == 0
@@ -179,8 +178,9 @@ def test_figures_are_written_one_per_quantity(json_run):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_table_lists_each_placement_with_the_chapter_columns(tmp_path, capsys):
-    argv = ["signal", "--blocks", "4", "--seeds", "2", "--num-hiddens", "16",
+    argv = ["signal", "--blocks", "4", "--num-seeds", "2", "--num-hiddens", "16",
             "--placements", "post", "pre", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -199,9 +199,9 @@ def test_checkpoints_are_the_chapters_blocks_at_depth_32():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (["--seeds", "0"], "--seeds must be >= 1, got 0"),
-        (["--seeds", "-2"], "--seeds must be >= 1, got -2"),
-        (["--blocks", "0"], "--blocks must be >= 1, got 0"),
+        (["--num-seeds", "0"], "--num-seeds must lie in [1, inf], got 0"),
+        (["--seeds", "-2"], "--num-seeds must lie in [1, inf], got -2"),
+        (["--blocks", "0"], "--blocks must lie in [1, inf], got 0"),
         (["--alpha", "-1"], "--alpha must be a finite scale > 0"),
         (["--alpha", "inf"], "--alpha must be a finite scale > 0"),
         (["--num-hiddens", "18"], "multiple of the 4 heads"),
@@ -229,7 +229,7 @@ def test_unknown_placement_is_rejected(capsys):
 
 @pytest.mark.slow
 def test_report_section_links_its_figures(tmp_path):
-    section = cmd.report_section(tmp_path, quick=True)
+    section = study.report_section(tmp_path, quick=True)
     assert section.startswith("## Signal propagation at initialization")
     for name in (
         "signal_grad_wq.png",
@@ -253,7 +253,7 @@ def test_arch_runs_on_a_real_architectures_stack(tmp_path):
     # OLMo 2 at initialization: the stack's attention is bounded by its QK-norm,
     # so the entropy stays within log 64 and above zero; every value is finite.
     status, data = run_json(["signal", "--arch", "olmo2", "--blocks", "2",
-                             "--seeds", "1", "--num-hiddens", "16",
+                             "--num-seeds", "1", "--num-hiddens", "16",
                              "--out", str(tmp_path)])  # fmt: skip
     assert status == 0 and data["options"]["arch"] == "olmo2"
     got = data["placements"]["olmo2"]

@@ -14,7 +14,6 @@ import pytest
 
 from blocklab.cli import main
 from blocklab.cli.commands import COMMANDS
-from blocklab.cli.commands import train as cmd
 from blocklab.experiments import activations as study
 
 TINY = [
@@ -31,8 +30,9 @@ def strict_loads(text: str):
 
 
 def test_registered_after_census():
-    assert COMMANDS.index("train") == COMMANDS.index("census") + 1 or (
-        "norms" in COMMANDS and COMMANDS.index("train") == COMMANDS.index("norms") + 1
+    assert COMMANDS.index("activations") == COMMANDS.index("census") + 1 or (
+        "norms" in COMMANDS
+        and COMMANDS.index("activations") == COMMANDS.index("norms") + 1
     )
 
 
@@ -71,6 +71,7 @@ def test_table_and_json_name_a_diverged_seed():
     assert data["diverged"] == [{"act": "gelu", "seed": 1, "step": 2}]
 
 
+@pytest.mark.slow
 def test_json_output_and_png(tmp_path, capsys):
     png = tmp_path / "curves.png"
     argv = ["train", "--act", "gelu", "swiglu", "--steps", "3", "--seeds", "0", "1",
@@ -145,16 +146,17 @@ def test_help_says_what_a_diverged_run_exits_with(capsys):
     assert "exit status is still 0" in text
 
 
+@pytest.mark.slow
 def test_report_section(tmp_path, monkeypatch):
     real = study.compare_activations
 
     def tiny(acts, seeds, steps, **kwargs):
-        data = study.TimeMachine(num_steps=8, num_train=200, num_val=10)
+        data = study.TimeMachine(seq_len=8, num_train=200, num_val=10)
         return real(acts, seeds, 3, data=data, num_hiddens=16, num_heads=2,
                     num_blks=1, batch_size=4)  # fmt: skip
 
     monkeypatch.setattr(study, "compare_activations", tiny)
-    section = cmd.report_section(tmp_path, quick=True)
+    section = study.report_section(tmp_path, quick=True)
     assert section.startswith("## GELU vs SwiGLU")
     assert "| gelu |" in section and "| swiglu |" in section
     assert "(train_losses.png)" in section and (tmp_path / "train_losses.png").exists()

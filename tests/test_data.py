@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from blocklab._validate import ConfigError
 from blocklab.data import VOCAB, TimeMachine, TokenDataset, decode, encode, preprocess
 
 
@@ -37,7 +38,7 @@ def test_shipped_corpus_matches_the_book():
 def small(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("abcdefghijklmnopqrstuvwxyz" * 2)
-    return TimeMachine(num_steps=4, num_train=10, num_val=5, path=path)
+    return TimeMachine(seq_len=4, num_train=10, num_val=5, path=path)
 
 
 def windows_reference(ids, starts, n):
@@ -88,7 +89,7 @@ def test_empty_file(tmp_path):
     path = tmp_path / "empty.txt"
     path.write_text("123 -- 456\n")
     with pytest.raises(ValueError, match="is empty"):
-        TimeMachine(num_steps=2, num_train=1, num_val=0, path=path)
+        TimeMachine(seq_len=2, num_train=1, num_val=0, path=path)
 
 
 def test_unreadable_file(tmp_path):
@@ -104,11 +105,36 @@ def test_too_short_and_bad_sizes(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("abcdefghij")
     with pytest.raises(ValueError, match="fewer than num_train \\+ num_val = 8"):
-        TimeMachine(num_steps=4, num_train=5, num_val=3, path=path)
-    with pytest.raises(ValueError, match="num_steps must be a positive int, got 0"):
-        TimeMachine(num_steps=0, path=path)
-    with pytest.raises(ValueError, match="num_val must be an int >= 0, got -1"):
-        TimeMachine(num_steps=2, num_train=1, num_val=-1, path=path)
+        TimeMachine(seq_len=4, num_train=5, num_val=3, path=path)
+    with pytest.raises(ConfigError, match="seq_len must lie in \\[1, inf\\], got 0"):
+        TimeMachine(seq_len=0, path=path)
+    with pytest.raises(ConfigError, match="num_val must lie in \\[0, inf\\], got -1"):
+        TimeMachine(seq_len=2, num_train=1, num_val=-1, path=path)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda **kw: TimeMachine(num_train=20, num_val=2, **kw),
+        lambda **kw: TokenDataset(np.arange(40) % 7, num_val=2, **kw),
+        lambda **kw: TokenDataset.from_text("abcabcabcabcabcabcabc", **kw),
+    ],
+    ids=["TimeMachine", "TokenDataset", "from_text"],
+)
+def test_num_steps_is_the_deprecated_name_of_seq_len(build):
+    new = build(seq_len=5)
+    assert new.seq_len == 5
+    with pytest.warns(DeprecationWarning, match="use seq_len="):
+        old = build(num_steps=5)
+    assert old.seq_len == 5
+    # Windows of seq_len + 1 tokens: the same batches under either name.
+    for a, b in zip(new.val_batch(), old.val_batch(), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.shape[-1] == 5
+    with pytest.warns(DeprecationWarning, match="use .seq_len"):
+        assert new.num_steps == 5
+    with pytest.raises(ConfigError, match="give the sequence length once"):
+        build(seq_len=5, num_steps=5)
 
 
 def test_token_dataset_from_text_has_its_own_sorted_vocabulary():

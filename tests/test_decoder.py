@@ -19,7 +19,7 @@ import pytest
 
 from blocklab import DecoderConfig, DecoderLM, load_state_dict
 from blocklab._validate import ConfigError
-from blocklab.interop.porting import _shapes
+from blocklab.interop.porting import param_shapes
 from blocklab.nn.decoder import _set_layer_data
 from blocklab.nn.functional import layer_norm, rms_norm
 
@@ -50,7 +50,7 @@ def _random_model(cfg, seed=0):
     skeleton = eqx.filter_eval_shape(DecoderLM, cfg, key=jax.random.key(0))
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, shape in _shapes(skeleton).items():
+    for name, shape in param_shapes(skeleton).items():
         noise = rng.standard_normal(shape).astype(np.float32)
         if "norm" in name and name.endswith("weight"):
             offset = 0.0 if cfg.norm == "gemma_rms" else 1.0

@@ -1,5 +1,5 @@
-"""`blocklab.training.distributed`: a plain process is left alone, a malformed job is refused,
-and a 2-process sweep equals 1 process x 2 devices BIT FOR BIT."""
+"""`blocklab.training.distributed`: a plain process is left alone, a malformed job
+is refused, and a 2-process sweep equals 1 process x 2 devices BIT FOR BIT."""
 
 import json
 import sys

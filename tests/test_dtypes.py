@@ -45,6 +45,7 @@ def test_output_dtype_equals_input_dtype_with_float32_weights(name, dtype):
     assert np.isfinite(np.asarray(y, np.float64)).all()
 
 
+@pytest.mark.float64
 def test_stack_output_dtype_equals_input_dtype():
     stack = bl.Stack(lambda k: bl.TransformerBlock(D, H, key=k), 2, key=KEY)
     for dtype in (jnp.bfloat16, jnp.float64):
@@ -59,6 +60,7 @@ UNIT = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11}
 
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("placement", ref.ALL_PLACEMENTS)
+@pytest.mark.float64
 def test_low_precision_block_is_close_to_float64(placement, dtype):
     """Within two roundings of the float64 block on the same (rounded) input.
 
@@ -167,8 +169,9 @@ def test_huge_inputs_through_norms_in_float16():
         np.testing.assert_allclose(np.sqrt((y**2).mean(-1)), 1.0, rtol=2e-2)
 
 
+@pytest.mark.float64
 def test_default_parameters_are_float32_even_with_x64_enabled():
-    # conftest enables jax_enable_x64, where jnp.ones defaults to float64.
+    # the float64 marker enables jax_enable_x64, where jnp.ones defaults to float64.
     blk = bl.TransformerBlock(
         D, H, norm="layer", bias=True, placement="sandwich", key=KEY
     )

@@ -59,8 +59,9 @@ def test_compare_activations_refuses_bad_protocols(kwargs, message):
         activations.compare_activations(**kwargs)
 
 
+@pytest.mark.slow
 def test_compare_activations_tiny_run_starts_at_log_28(tmp_path):
-    data = bl.TimeMachine(num_steps=8, num_train=200, num_val=10)
+    data = bl.TimeMachine(seq_len=8, num_train=200, num_val=10)
     r = activations.compare_activations(
         ("swiglu",), (3, 5), 3, num_hiddens=16, num_heads=2, num_blks=1,
         batch_size=4, data=data,
@@ -93,7 +94,7 @@ def test_activation_report_section_sizes_to_the_machine(tmp_path, monkeypatch):
     0-2 and no note; the progress flag reaches the training."""
     calls = []
     real = activations.compare_activations
-    data = bl.TimeMachine(num_steps=8, num_train=200, num_val=10)
+    data = bl.TimeMachine(seq_len=8, num_train=200, num_val=10)
 
     def tiny(acts, seeds, steps, **kw):
         calls.append((tuple(seeds), steps, kw.get("progress")))
@@ -104,7 +105,7 @@ def test_activation_report_section_sizes_to_the_machine(tmp_path, monkeypatch):
     text = activations.report_section(tmp_path, progress=True)
     assert calls[-1] == ((0,), 600, True)
     assert "protocol `cpu`" in text and "`blocklab report --full`" in text
-    assert "`blocklab train --seeds 0 1 2`" in text
+    assert "`blocklab activations --seeds 0 1 2`" in text
     # the note sits between the protocol's description and the table
     assert text.index("batches of") < text.index("protocol `cpu`") < text.index("|")
     text = activations.report_section(tmp_path, full=True)
@@ -118,7 +119,7 @@ def test_activation_report_section_sizes_to_the_machine(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(seeds=0), "seeds must lie in"),
+        (dict(num_seeds=0), "num_seeds must lie in"),
         (dict(num_blks=0), "num_blks must lie in"),
         (dict(alpha=0.0), "alpha must lie in"),
         (dict(alpha=math.inf), "alpha must be finite"),

@@ -33,6 +33,7 @@ def test_acts_are_the_seven_settings():
 
 @pytest.mark.parametrize("act", ref.ALL_ACTS)
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.float64
 def test_ffn_matches_reference(act, bias):
     rng = np.random.default_rng(0)
     ffn = bl.FeedForward(D, act, bias=bias, key=jax.random.key(0))

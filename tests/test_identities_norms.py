@@ -61,6 +61,7 @@ def test_layer_norm_shift_invariance_over_shapes_and_shifts(d, shift, seed):
     assert result.discrepancy <= TOL * max(1.0, abs(shift))
 
 
+@pytest.mark.float64
 def test_invariance_rhs_matches_numpy_reference():
     x = _x(0, (4, 32))
     gain = np.random.default_rng(1).uniform(0.5, 2, 32)
@@ -84,6 +85,7 @@ def test_a_closed_form_that_ignores_eps_would_fail():
 
 @pytest.mark.parametrize("eps", [0.0, 1e-3, 1.0])
 @pytest.mark.parametrize("with_gain", [False, True])
+@pytest.mark.float64
 def test_rms_norm_jacobian_closed_form_against_finite_differences(eps, with_gain):
     x = np.asarray(_x(3, (12,)))
     gain = np.random.default_rng(4).uniform(0.5, 2, 12) if with_gain else None
@@ -96,6 +98,7 @@ def test_rms_norm_jacobian_closed_form_against_finite_differences(eps, with_gain
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-2])
+@pytest.mark.float64
 def test_layer_norm_jacobian_closed_form_against_finite_differences(eps):
     x = np.asarray(_x(5, (10,), offset=0.7))
     gain = np.random.default_rng(6).uniform(0.5, 2, 10)
@@ -105,6 +108,7 @@ def test_layer_norm_jacobian_closed_form_against_finite_differences(eps):
     np.testing.assert_allclose(r.rhs, fd, atol=1e-8)
 
 
+@pytest.mark.float64
 def test_rms_norm_jacobian_eps0_is_the_chapter_form():
     # r(x)^-1 (I - x_hat x_hat^T), written directly in NumPy
     x = np.asarray(_x(7, (9,)))
@@ -164,6 +168,7 @@ def test_gradient_of_a_loss_of_x_itself_is_not_orthogonal_to_x():
     assert abs(cos) > 1e-3
 
 
+@pytest.mark.float64
 def test_float64_whatever_the_global_setting():
     x = np.random.default_rng(9).standard_normal((3, 8))
     with jax.enable_x64(False):
@@ -171,7 +176,7 @@ def test_float64_whatever_the_global_setting():
         s = ids.rms_norm_scale_invariance(x, 3.0)
     assert r.lhs.dtype == np.float64 and r.discrepancy <= TOL
     assert s.discrepancy <= TOL
-    assert jax.config.jax_enable_x64  # the conftest's setting is restored
+    assert jax.config.jax_enable_x64  # the float64 marker's setting is restored
 
 
 def test_scale_must_be_positive():

@@ -62,6 +62,7 @@ def test_gradient_scales_as_inverse_alpha(alpha):
     )
 
 
+@pytest.mark.float64
 def test_gradient_against_central_differences():
     # the gradient inside the identities is jax.grad; check a few entries by hand
     attn, x = _layer(seed=3), _x(3, (5, 32))

@@ -42,6 +42,7 @@ def test_pre_ln_jacobian_is_the_expanded_product(n):
     )
 
 
+@pytest.mark.float64
 def test_pre_ln_jacobian_against_central_differences():
     blocks, x = _blocks(2, seed=4), np.asarray(_x(4, (3, 16)))
     r = ids.pre_ln_jacobian_expansion(blocks, jnp.asarray(x))

@@ -46,6 +46,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("shape", "block_rows"), CASES)
+@pytest.mark.float64
 def test_rms_norm_matches_numpy_float64(shape, block_rows):
     x, w, _ = _data(shape, np.float64)
     y = rms_norm_(jnp.asarray(x), jnp.asarray(w), 1e-6, block_rows=block_rows)
@@ -55,6 +56,7 @@ def test_rms_norm_matches_numpy_float64(shape, block_rows):
 
 
 @pytest.mark.parametrize(("shape", "block_rows"), CASES)
+@pytest.mark.float64
 def test_layer_norm_matches_numpy_float64(shape, block_rows):
     x, w, b = _data(shape, np.float64)
     y = layer_norm_(
@@ -108,6 +110,7 @@ def test_bfloat16_input_keeps_dtype_and_uses_float32_statistics():
         assert np.all(np.isfinite(got))
 
 
+@pytest.mark.float64
 def test_defaults_are_unit_gain_zero_shift():
     x, _, _ = _data((6, 32), np.float64)
     d = x.shape[-1]

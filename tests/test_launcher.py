@@ -133,7 +133,7 @@ DIES_MID_SWEEP = textwrap.dedent(
     import jax
     import blocklab as bl
     marker = Path(sys.argv[1])
-    data = bl.TimeMachine(num_steps=8, num_train=200, num_val=10)
+    data = bl.TimeMachine(seq_len=8, num_train=200, num_val=10)
     calls = [0]
 
     def tick():

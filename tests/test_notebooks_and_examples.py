@@ -26,7 +26,17 @@ def test_example_runs(path, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [
+        # the longest notebook; tests/test_signal.py covers its numbers at smaller size
+        pytest.param(p, marks=pytest.mark.slow)
+        if p.name == "03_signal_propagation.ipynb"
+        else p
+        for p in NOTEBOOKS
+    ],
+    ids=lambda p: p.name,
+)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -8,6 +8,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
+from blocklab._validate import ConfigError
 
 D, H, T = 16, 4, 6
 KEY = jax.random.key(0)
@@ -112,13 +113,14 @@ def test_shape_mismatch_names_the_key_and_both_shapes():
     sd = _torch_like("modern")
     sd["ffn.W_2.weight"] = sd["ffn.W_2.weight"].T  # (in, out): a Flax/JAX layout
     with pytest.raises(
-        ValueError,
+        ConfigError,  # a bad argument (a ValueError subclass)
         match=r"shape mismatch for key 'ffn.W_2.weight': the state dict has shape "
         r"\(43, 16\), the module expects shape \(16, 43\)",
     ):
         bl.load_state_dict(bl.TransformerBlock(D, H, key=KEY), sd)
 
 
+@pytest.mark.float64  # a NumPy float64 reference at 1e-10
 def test_sandwich_and_qk_norm_parameters_port_too():
     rng = np.random.default_rng(2)
     sd = ref.random_state_dict(rng, D, placement="sandwich", dtype=np.float64)
@@ -147,6 +149,7 @@ def test_stack_is_named_per_block_like_a_module_list(stack):
     )
 
 
+@pytest.mark.float64  # a NumPy float64 reference at 1e-10
 def test_stack_loads_each_block_from_its_own_keys(stack):
     rng = np.random.default_rng(3)
     per_block = [ref.random_state_dict(rng, D, dtype=np.float64) for _ in range(2)]
@@ -168,7 +171,7 @@ def test_load_into_an_abstract_module_allocates_only_the_given_arrays():
         lambda: bl.TransformerBlock(D, H, key=KEY, **CHAPTER["2017"])
     )
     assert isinstance(shell.attention.W_q.weight, jax.ShapeDtypeStruct)
-    assert set(bl.interop.porting._shapes(shell)) == TORCH_KEYS_2017
+    assert set(bl.interop.porting.param_shapes(shell)) == TORCH_KEYS_2017
     blk = bl.load_state_dict(shell, sd)
     concrete = bl.load_state_dict(
         bl.TransformerBlock(D, H, key=KEY, **CHAPTER["2017"]), sd
@@ -177,6 +180,7 @@ def test_load_into_an_abstract_module_allocates_only_the_given_arrays():
     np.testing.assert_array_equal(blk(x), concrete(x))
 
 
+@pytest.mark.float64  # a NumPy float64 reference at 1e-10
 def test_chapter_char_lm_ports_after_renaming_blks():
     # The chapter's PyTorch CharLM: token_emb, pos_emb, blks.<i>.*, norm (head
     # tied to token_emb). Ours keeps its blocks in `stack`: rename the prefix.

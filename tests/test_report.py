@@ -16,31 +16,22 @@ from blocklab.cli.report import write_report
 
 @pytest.fixture
 def stub_sections(monkeypatch):
-    """Replace every section by a marker; returns the list of calls (name, kwargs).
+    """Replace every study's section by a marker; returns the calls (name, kwargs).
 
-    The lr_sweep stub takes `full`, the others only `quick`, as the interface
-    allows; lr_sweep also has an estimate."""
+    Every stub has the one signature of the protocol (`out_dir, *, quick, full,
+    progress`); lr_sensitivity estimates 600 s, the others 1 s."""
     called = []
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.cli.commands.{name}")
-        if name == "lr_sweep":
+        module = importlib.import_module(f"blocklab.experiments.{name}")
 
-            def section(out_dir, *, quick, full, _name=name):
-                called.append((_name, {"quick": quick, "full": full}))
-                return f"## {_name} section\n\nbody of {_name}\n"
+        def section(out_dir, *, quick, full, progress, _name=name):
+            called.append((_name, {"quick": quick, "full": full}))
+            return f"## {_name} section\n\nbody of {_name}\n"
 
-            monkeypatch.setattr(
-                module, "report_estimate", lambda *, quick, full: 600.0, raising=False
-            )
-        else:
-
-            def section(out_dir, *, quick, _name=name):
-                called.append((_name, {"quick": quick}))
-                return f"## {_name} section\n\nbody of {_name}\n"
-
-            monkeypatch.setattr(
-                module, "report_estimate", lambda *, quick: 1.0, raising=False
-            )
+        seconds = 600.0 if name == "lr_sensitivity" else 1.0
+        monkeypatch.setattr(
+            module, "report_estimate", lambda *, quick, full, _s=seconds: _s
+        )
         monkeypatch.setattr(module, "report_section", section)
     return called
 
@@ -62,15 +53,15 @@ def test_every_section_in_order_with_its_time(stub_sections, tmp_path):
 def test_only_runs_the_named_sections(stub_sections, tmp_path):
     text = write_report(tmp_path, only=["signal", "census"], full=False).read_text()
     assert [n for n, _ in stub_sections] == ["census", "signal"]  # report order
-    assert "## train section" not in text and "(quick mode" not in text
+    assert "## activations section" not in text and "(quick mode" not in text
 
 
 def test_on_a_cpu_the_long_section_is_reduced_and_full_is_said(
     stub_sections, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(report, "on_accelerator", lambda: False)
-    text = write_report(tmp_path, only=["lr_sweep"]).read_text()
-    assert stub_sections == [("lr_sweep", {"quick": False, "full": False})]
+    text = write_report(tmp_path, only=["lr_sensitivity"]).read_text()
+    assert stub_sections == [("lr_sensitivity", {"quick": False, "full": False})]
     assert "`blocklab report --full`" in text
 
 
@@ -78,13 +69,15 @@ def test_on_an_accelerator_or_with_full_every_section_is_full(
     stub_sections, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(report, "on_accelerator", lambda: True)
-    write_report(tmp_path, only=["lr_sweep"])
+    write_report(tmp_path, only=["lr_sensitivity"])
     monkeypatch.setattr(report, "on_accelerator", lambda: False)
-    text = write_report(tmp_path, only=["lr_sweep", "census"], full=True).read_text()
+    text = write_report(
+        tmp_path, only=["lr_sensitivity", "census"], full=True
+    ).read_text()
     assert stub_sections == [
-        ("lr_sweep", {"quick": False, "full": True}),
-        ("census", {"quick": False}),
-        ("lr_sweep", {"quick": False, "full": True}),
+        ("lr_sensitivity", {"quick": False, "full": True}),
+        ("census", {"quick": False, "full": True}),
+        ("lr_sensitivity", {"quick": False, "full": True}),
     ]
     assert "(full protocol)" in text
 
@@ -92,42 +85,57 @@ def test_on_an_accelerator_or_with_full_every_section_is_full(
 def test_cli_full_flag_and_estimates(stub_sections, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report, "on_accelerator", lambda: False)
     assert main(["report", "--out", str(tmp_path), "--full"]) == 0
-    assert stub_sections[-1] == ("lr_sweep", {"quick": False, "full": True})
+    assert stub_sections[-1] == ("lr_sensitivity", {"quick": False, "full": True})
     err = capsys.readouterr().err
     # 5 sections of 1 s and one of 600 s: 605 s is 10 min; the long one is named
     assert "about 10 min on 2 CPU cores" in err
-    assert "lr_sweep: about 10 min" in err
+    assert "lr_sensitivity: about 10 min" in err
     assert "census: about" not in err  # short sections get no line of their own
 
 
-def test_sections_with_their_own_bar_get_the_progress_flag(
-    stub_sections, tmp_path, monkeypatch
-):
-    module = importlib.import_module("blocklab.cli.commands.train")
+def test_every_section_gets_the_same_flags(stub_sections, tmp_path, monkeypatch):
+    """One signature: every section receives quick, full and progress."""
+    module = importlib.import_module("blocklab.experiments.activations")
     seen = []
 
     def section(out_dir, *, quick, full, progress):
         seen.append((quick, full, progress))
-        return "## train\n"
+        return "## activations\n"
 
     monkeypatch.setattr(module, "report_section", section)
     monkeypatch.setattr(report, "on_accelerator", lambda: False)
-    write_report(tmp_path, only=["train", "census"], progress=False)
-    write_report(tmp_path, only=["train"], full=True, progress=True)
+    write_report(tmp_path, only=["activations", "census"], progress=False)
+    write_report(tmp_path, only=["activations"], full=True, progress=True)
     assert seen == [(False, False, False), (False, True, True)]
-    assert stub_sections == [("census", {"quick": False})]  # no flag it lacks
+    assert stub_sections == [("census", {"quick": False, "full": False})]
+
+
+def test_only_accepts_command_names_and_aliases(stub_sections, tmp_path, capsys):
+    """`--only` takes a study by its name, its command or an old alias."""
+    write_report(tmp_path, only=["train", "lr-sensitivity"], progress=False)
+    assert [n for n, _ in stub_sections] == ["activations", "lr_sensitivity"]
+    argv = ["report", "--out", str(tmp_path), "--only", "nope", "--json"]
+    assert main(argv) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["type"] == "ConfigError" and "'nope'" in err["error"]
+
+
+def test_report_calls_no_signature_inspection():
+    """report.py calls every section the same way: no `inspect` in it."""
+    import inspect as inspect_module
+
+    source = inspect_module.getsource(report)
+    assert "import inspect" not in source and "signature(" not in source
 
 
 def test_real_estimates_fit_the_cpu_budget():
     """The estimates the report prints: about 15 min on 2 CPU cores by default,
     the full protocols far longer, quick mode a few minutes."""
 
+    from blocklab.experiments.protocol import STUDIES
+
     def total(**kw):
-        return sum(
-            report._estimate(m, report._sizing(m, **kw))
-            for m in (importlib.import_module(f"blocklab.cli.commands.{n}")
-                      for n in REPORT_SECTIONS)
-        )  # fmt: skip
+        return sum(s.estimate(**kw) for s in STUDIES)
 
     assert 600 < total(quick=False, full=False) < 17 * 60
     assert total(quick=False, full=True) > 3600
@@ -144,16 +152,18 @@ def test_quick_and_full_exclude_each_other(tmp_path, capsys):
 def test_a_failing_section_keeps_the_finished_ones(
     stub_sections, monkeypatch, tmp_path
 ):
-    def broken(out_dir, *, quick):
+    def broken(out_dir, *, quick, full, progress):
         raise RuntimeError("section failed")
 
     monkeypatch.setattr(
-        importlib.import_module("blocklab.cli.commands.train"), "report_section", broken
+        importlib.import_module("blocklab.experiments.activations"),
+        "report_section",
+        broken,
     )
     with pytest.raises(RuntimeError, match="section failed"):
         write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
-    before = REPORT_SECTIONS[: REPORT_SECTIONS.index("train")]
+    before = REPORT_SECTIONS[: REPORT_SECTIONS.index("activations")]
     assert before and all(f"body of {name}" in text for name in before)
     assert "## signal section" not in text
     assert "in progress: 4 more sections to come" in text
@@ -165,11 +175,11 @@ def test_an_earlier_report_survives_until_a_section_finishes(
     old = "# blocklab report\n\nan earlier, complete report\n"
     (tmp_path / "report.md").write_text(old)
 
-    def interrupted(out_dir, *, quick):
+    def interrupted(out_dir, *, quick, full, progress):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(
-        importlib.import_module("blocklab.cli.commands.census"),
+        importlib.import_module("blocklab.experiments.census"),
         "report_section",
         interrupted,
     )

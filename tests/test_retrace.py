@@ -64,7 +64,7 @@ def guard():
 
 @pytest.fixture(scope="module")
 def data():
-    return bl.TimeMachine(num_steps=8, num_train=256, num_val=32)
+    return bl.TimeMachine(seq_len=8, num_train=256, num_val=32)
 
 
 def _model(key, data, d=16):
@@ -152,6 +152,7 @@ def test_signal_stats_compiles_once(monkeypatch):
 D, H, T = 16, 2, 6
 
 
+@pytest.mark.float64  # the reference is a float64 NumPy block
 class BlockVariants(chex.TestCase):
     """One block per placement, jitted and not, against NumPy float64."""
 

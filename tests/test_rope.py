@@ -33,6 +33,7 @@ def _reference(x, positions, theta, *, float32_angles=True):
 
 
 @pytest.mark.parametrize("theta", [10000.0, 1e6, 500.0])
+@pytest.mark.float64
 def test_matches_the_float64_reference(theta):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 7, 8))
@@ -56,7 +57,10 @@ def test_frequencies_and_default_positions():
     np.testing.assert_array_equal(F.rope(x)[0], x[0])  # position 0: no rotation
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.float64), jnp.bfloat16],
+)
 def test_preserves_norms_and_dtype(dtype):
     x = jax.random.normal(jax.random.key(0), (2, 9, 16)).astype(dtype)
     y = F.rope(x, theta=100.0)

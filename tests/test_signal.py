@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import blocklab as bl
+from blocklab import ConfigError
 from blocklab.diagnostics import propagation as sg
 
 D, H, N, B, T = 16, 2, 4, 2, 8
@@ -84,6 +85,7 @@ SLOW = pytest.mark.slow
         pytest.param("post", True, marks=SLOW),
     ],
 )
+@pytest.mark.float64
 def test_forward_statistics_match_a_block_by_block_loop(placement, qk_norm):
     stack, X, R = _small(placement, qk_norm)
     got = sg.signal_stats(stack, X, R)
@@ -119,6 +121,7 @@ _explicit_grad = eqx.filter_jit(eqx.filter_grad(_explicit_loss))
     "placement",
     ["post", "output", *(pytest.param(p, marks=SLOW) for p in ("pre", "sandwich"))],
 )
+@pytest.mark.float64
 def test_gradient_norms_match_jax_grad_of_the_explicit_loss(placement):
     stack, X, R = _small(placement)
     got = sg.signal_stats(stack, X, R).grad_norms
@@ -129,6 +132,7 @@ def test_gradient_norms_match_jax_grad_of_the_explicit_loss(placement):
         np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-9, err_msg=name)
 
 
+@pytest.mark.float64
 def test_query_gradient_norm_is_the_slope_along_the_unit_gradient():
     """Central finite difference of the loss along G/|G| equals |G| (float64)."""
     stack, X, R = _small("post")
@@ -175,9 +179,15 @@ def test_sweep_over_seeds_equals_a_loop_over_runs():
                 atol=1e-9,
                 err_msg=name,
             )
-    count = sg.signal_sweep("post", 3, **opts)
+    count = sg.signal_sweep("post", num_seeds=3, **opts)
     np.testing.assert_array_equal(
         np.asarray(count.stream_rms), np.asarray(swept.stream_rms)
+    )
+    # the old spelling of a count, seeds=3: the same run, with a warning
+    with pytest.warns(DeprecationWarning, match="use num_seeds=3"):
+        old = sg.signal_sweep("post", 3, **opts)
+    np.testing.assert_array_equal(
+        np.asarray(old.stream_rms), np.asarray(swept.stream_rms)
     )
     # one seed per compiled call (memory-bounded): the same values
     chunked = sg.signal_sweep("post", [0, 1, 2], chunk=1, **opts)
@@ -186,9 +196,13 @@ def test_sweep_over_seeds_equals_a_loop_over_runs():
     )
 
 
-def test_sweep_rejects_a_non_positive_seed_count():
-    with pytest.raises(ValueError, match=r"seeds must be >= 1, got seeds=0"):
-        sg.signal_sweep("pre", 0)
+def test_sweep_rejects_a_non_positive_seed_count_and_ambiguous_seeds():
+    with pytest.raises(ConfigError, match=r"num_seeds must lie in \[1, inf\], got 0"):
+        sg.signal_sweep("pre", num_seeds=0)
+    with pytest.raises(ConfigError, match="exactly one"):
+        sg.signal_sweep("pre", [0, 1], num_seeds=2)
+    with pytest.raises(ConfigError, match="exactly one"):
+        sg.signal_sweep("pre")
 
 
 # ------------------------------------------------------------------ chapter_stack
@@ -283,7 +297,7 @@ def test_logit_growth_scales_logits_by_lambda_squared_without_qk_norm():
 # ------------------------------------------------------------ the chapter's figures
 @pytest.fixture(scope="module")
 def chapter():
-    return {p: sg.signal_sweep(p, 3) for p in ("post", "pre")}
+    return {p: sg.signal_sweep(p, num_seeds=3) for p in ("post", "pre")}
 
 
 @SLOW

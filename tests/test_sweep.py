@@ -1,4 +1,7 @@
-"""`blocklab.training.sweep`: a vmapped sweep equals sequential runs; divergence is contained."""
+"""`blocklab.training.sweep`: a vmapped sweep equals sequential runs; divergence
+is contained."""
+
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -23,7 +26,7 @@ LRS = [1e-3, 3e-3, 1e-2, 3e-2]
 
 @pytest.fixture(scope="module")
 def data():
-    return TimeMachine(num_steps=16, num_train=2000, num_val=40)
+    return TimeMachine(seq_len=16, num_train=2000, num_val=40)
 
 
 def make_model(key):
@@ -82,6 +85,17 @@ def test_runs_unstack_the_members(sweep):
         assert run.stopped is None
         w = run.model.token_emb.weight
         np.testing.assert_array_equal(w, sweep.state.model.token_emb.weight[k])
+
+
+def test_results_are_frozen_dataclasses_not_tuples(sweep):
+    run = sweep.runs()[0]
+    for result in (sweep, run):
+        assert dataclasses.is_dataclass(result) and not isinstance(result, tuple)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            result.losses = None
+    sub = sweep.select(learning_rate=LRS[2])
+    assert type(sub) is type(sweep) and sub.losses.shape == (1, STEPS)
+    np.testing.assert_array_equal(sub.losses[0], sweep.losses[2])
 
 
 def adam_poisoned(learning_rate, poison_at):
@@ -144,6 +158,7 @@ def test_divergent_member_is_frozen_and_leaves_the_others_bit_identical(data):
     assert len(run.losses) == 3
 
 
+@pytest.mark.slow
 def test_probe_is_recorded_at_init_and_after_every_chunk(data):
     def probe(model):
         return jnp.max(jnp.abs(model.token_emb.weight))

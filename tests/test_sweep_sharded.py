@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     from blocklab import CharLM, TimeMachine
     from blocklab.training.sweep import sharded_map, train_sweep
 
-    data = TimeMachine(num_steps=16, num_train=2000, num_val=40)
+    data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
     K = 6  # not a multiple of 4: padded to 8, padding dropped
     res = train_sweep(
         lambda k: CharLM(28, 16, 2, 1, max_len=16, key=k), data, 6,

@@ -1,4 +1,5 @@
-"""blocklab.diagnostics.theory: closed forms against hand values, simulation, the library."""
+"""blocklab.diagnostics.theory: closed forms against hand values, simulation,
+the library."""
 
 import itertools
 import math
@@ -235,6 +236,7 @@ def test_c_attn_1_variants():
 
 
 # ------------------------------------------------------------- token collapse
+@pytest.mark.float64
 def test_rho0_against_simulated_random_tokens():
     rng, n, d = np.random.default_rng(2), 64, 256
     rhos = []

@@ -20,7 +20,7 @@ from blocklab.training.train import init_state, step_keys, validation_loss
 
 @pytest.fixture(scope="module")
 def data():
-    return TimeMachine(num_steps=8, num_train=200, num_val=20)
+    return TimeMachine(seq_len=8, num_train=200, num_val=20)
 
 
 @pytest.fixture(scope="module")

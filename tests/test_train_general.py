@@ -249,7 +249,7 @@ def test_train_lm_runs_on_a_token_dataset_like_on_the_time_machine(tmp_path):
     text = "the quick brown fox jumps over the lazy dog " * 6
     path = tmp_path / "fox.txt"
     path.write_text(text)
-    tm = TimeMachine(num_steps=8, num_train=200, num_val=10, path=path)
+    tm = TimeMachine(seq_len=8, num_train=200, num_val=10, path=path)
     tokens = TokenDataset(
         np.asarray(tm.corpus), 8, num_train=200, num_val=10, vocab_size=28
     )

@@ -37,7 +37,11 @@ def test_jit_equals_eager(name):
     x = _xs()[0]
     eager = module(x)
     jitted = eqx.filter_jit(lambda m, x: m(x))(module, x)
-    np.testing.assert_allclose(jitted, eager, rtol=1e-12, atol=1e-12)
+    assert jitted.dtype == eager.dtype == jnp.float32  # the suite's default
+    # float32: jit fuses and orders the sums differently from eager, so the
+    # O(1) outputs agree to a few ulp (2^-24 ~ 6e-8), ~1e-6 through a block;
+    # 1e-5 leaves a 10x margin and is still far below any real discrepancy
+    np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -76,6 +80,7 @@ def test_vmap_over_seeds_equals_a_loop_over_seeds():
 # post normalizes the stream; sandwich has both a branch-input and a branch-output
 # norm, so the two cover the norm positions of every placement.
 @pytest.mark.parametrize("placement", ["post", "sandwich"])
+@pytest.mark.float64
 def test_grad_equals_central_finite_difference(placement):
     blk = _block(placement, bias=True)
     x = _xs()[0]
@@ -121,4 +126,5 @@ def test_grad_under_vmap_equals_loop_of_grads():
     grad = jax.jit(jax.grad(loss))
     batched = jax.vmap(grad)(xs)
     looped = jnp.stack([grad(x) for x in xs])
-    np.testing.assert_allclose(batched, looped, rtol=1e-12, atol=1e-12)
+    # float32, differently batched sums: as in test_jit_equals_eager
+    np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-5)

@@ -30,6 +30,7 @@ from .interop import (
     to_huggingface_state_dict,
 )
 from .nn import (
+    BlockConfig,
     CharLM,
     DecoderConfig,
     DecoderLM,
@@ -66,6 +67,7 @@ __all__ = [
     # errors
     "ConfigError",
     # modules (blocklab.nn)
+    "BlockConfig",
     "CharLM",
     "DecoderConfig",
     "DecoderLM",

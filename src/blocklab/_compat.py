@@ -44,8 +44,16 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "timing": ("blocklab.experiments.timing",),
     "train": ("blocklab.training.train",),
 }
-for _name in ("census", "check", "launch", "lr_sweep", "norms", "signal", "train"):
-    MOVED_MODULES[f"commands.{_name}"] = (f"blocklab.cli.commands.{_name}",)
+for _old, _new in {
+    "census": "census",
+    "check": "check",
+    "launch": "launch",
+    "lr_sweep": "lr_sensitivity",
+    "norms": "norms",
+    "signal": "signal",
+    "train": "activations",
+}.items():
+    MOVED_MODULES[f"commands.{_old}"] = (f"blocklab.cli.commands.{_new}",)
 
 #: Old top-level names that left the curated `blocklab` namespace -> their module.
 MOVED_NAMES: dict[str, str] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "check_float",
     "check_choice",
     "check_key",
+    "renamed_keyword",
 ]
 
 
@@ -152,3 +154,27 @@ def check_key(owner: str, name: str, key: Any) -> Any:
         f"{owner}: {name} must be a JAX PRNG key, got an array of dtype "
         f"{key.dtype} and shape {tuple(key.shape)}; {fix}."
     )
+
+
+def renamed_keyword(
+    owner: str, new: str, new_value: Any, old: str, old_value: Any, why: str = ""
+) -> Any:
+    """The value of a keyword that was renamed from `old` to `new`.
+
+    Returns `new_value`, or `old_value` with a `DeprecationWarning` naming the
+    new keyword when only the old one was given; giving both is a
+    `ConfigError`. `None` means "not given" for both.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ConfigError(
+            f"{owner}: give {new}= only ({old}= is its deprecated name), got "
+            f"{new}={new_value!r} and {old}={old_value!r}."
+        )
+    warnings.warn(
+        f"{owner}: {old}= is deprecated; use {new}={old_value!r}{why}.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value

@@ -1,14 +1,17 @@
-"""The `blocklab` console script: `blocklab report` and one command per experiment.
+"""The `blocklab` console script: `blocklab report` and one command per study.
 
-Every exit path is defined:
+Every exit path is defined, and each exit status means one thing (`EXIT_CODES`):
 
-- success: the command's table (or, with `--json`, exactly one strict JSON
+- 0, done: the command's table (or, with `--json`, exactly one strict JSON
   object on stdout: non-finite numbers are `null`, and a `nonfinite` field
   lists where they were unless the command already says which run diverged);
-  exit status 0;
-- bad arguments (argparse errors, `ConfigError`, a command's `validate`, an
-  output path that cannot be written): exit status 2;
-- a failure while working: exit status 1; an interrupt (Ctrl-C): 130.
+  a diverged training run is a result, not a failure;
+- 1, failed while working: any error that is not a `ConfigError` (an
+  `OSError`, a bug), before or during the work;
+- 2, bad arguments or configuration: argparse errors, an output path that
+  cannot be written, and any `ConfigError`, whichever layer raises it and
+  whenever (a command's `validate`, or deep in `blocklab.nn` during the run);
+- 130, interrupted (Ctrl-C).
 
 On an error, `--json` prints `{"error": "...", "type": "..."}` on stdout;
 without it the error is one line on stderr (a traceback only for an
@@ -41,8 +44,17 @@ __all__ = ["main", "build_parser", "UsageError"]
 #: Exit statuses.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
 
+#: What each exit status means (also in `blocklab --help`).
+EXIT_CODES = {
+    EXIT_OK: "done",
+    EXIT_FAILURE: "failed while working (an error, a bug)",
+    EXIT_USAGE: "bad arguments or configuration (any ConfigError, an unwritable "
+    "output path)",
+    EXIT_INTERRUPT: "interrupted",
+}
 
-class UsageError(ValueError):
+
+class UsageError(ConfigError):
     """A bad command line (exit status 2)."""
 
 
@@ -63,16 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `blocklab` with every subcommand registered."""
     from . import report
 
+    table = "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
     parser = _Parser(
         prog="blocklab",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The transformer block in JAX: build, train, diagnose, verify. "
-        "Exit status: 0 done, 1 failed while working, 2 bad arguments, "
-        "130 interrupted; with --json every outcome is one JSON object on stdout.",
+        "Each study of blocklab.experiments is a command of the same name.\n\n"
+        f"exit status:\n{table}\n\n"
+        "With --json every outcome is one JSON object on stdout.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in [report, *_command_modules()]:
+        name = module.NAME.replace("_", "-")
+        aliases = list(getattr(module, "ALIASES", ()))
         p = sub.add_parser(
-            module.NAME.replace("_", "-"), help=module.HELP, description=module.HELP
+            name, aliases=aliases, help=module.HELP, description=module.HELP
         )
         module.add_arguments(p)
         p.add_argument(
@@ -80,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="print the result (or the error) as one strict JSON object",
         )
-        p.set_defaults(_run=module.run, _module=module)
+        p.set_defaults(_run=module.run, _module=module, _name=name)
     return parser
 
 
@@ -124,7 +141,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     folders: `args.out` (unless listed in `OUTPUT_FILES`) and `OUTPUT_DIRS`.
     """
     module = getattr(args, "_module", None)
-    owner = f"blocklab {args.command}"
+    owner = f"blocklab {getattr(args, '_name', args.command)}"
     files = set(getattr(module, "OUTPUT_FILES", ())) | {"png"}
     dirs = (set(getattr(module, "OUTPUT_DIRS", ())) | {"out"}) - files
     for name in sorted(files):
@@ -202,9 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         _error(as_json, e, "interrupted")
         return EXIT_INTERRUPT
-    except (UsageError, ValueError, TypeError) as e:
+    except ConfigError as e:  # UsageError included
         _error(as_json, e)
         return EXIT_USAGE
+    except Exception as e:  # not a refusal of an argument: a failure
+        _error(as_json, e, f"{e} ({type(e).__name__} while checking the arguments)")
+        traceback.print_exc(file=sys.stderr)
+        return EXIT_FAILURE
 
     out = io.StringIO()
     try:
@@ -223,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         _error(as_json, e)
         return EXIT_USAGE
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:  # not a ConfigError: a failure
         _error(as_json, e)
         return EXIT_FAILURE
     except SystemExit as e:  # a command that exits by itself
@@ -234,9 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if status:
                 _error(as_json, e, f"exited with status {status}")
                 return status
-        else:
+        else:  # sys.exit("message"): Python's status for it is 1
             _error(as_json, e, str(e.code))
-            return EXIT_USAGE
+            return EXIT_FAILURE
     except Exception as e:  # a bug: keep the traceback for the report
         if as_json:
             _error(as_json, e, f"{e} (internal error; please report)")

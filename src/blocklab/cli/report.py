@@ -17,8 +17,6 @@ section leaves the last complete version in place, never a bare header.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +25,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .._io import atomic_write
+from .._validate import ConfigError, check_bool
 from ..experiments._render import dumps
+from ..experiments.protocol import STUDIES, study
 from .commands import REPORT_SECTIONS
 
 NAME = "report"
@@ -59,10 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=REPORT_SECTIONS,
         metavar="SECTION",
-        help=f"only these sections, from {list(REPORT_SECTIONS)}",
+        help=f"only these sections, from {list(REPORT_SECTIONS)} (a study's "
+        "command name, e.g. lr-sensitivity, or alias, e.g. train, works too)",
     )
+
+
+def validate(args: argparse.Namespace) -> None:
+    """`--only` names known studies (by study name, command or alias)."""
+    if args.only is not None:
+        _sections(args.only)
 
 
 def on_accelerator() -> bool:
@@ -72,29 +78,20 @@ def on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def _accepts(fn, name: str) -> bool:
-    params = inspect.signature(fn).parameters.values()
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _sizing(module, *, quick: bool, full: bool) -> dict[str, bool]:
-    """The size arguments a section takes: `quick`, and `full` where it has one."""
-    kw = {"quick": quick}
-    if _accepts(module.report_section, "full"):
-        kw["full"] = full
-    return kw
-
-
-def _progress(module, progress: bool) -> dict[str, bool]:
-    """`progress=...` for a section that can show its own bar, else nothing."""
-    return {"progress": progress} if _accepts(module.report_section, "progress") else {}
-
-
-def _estimate(module, kw: dict[str, bool]) -> float | None:
-    estimate = getattr(module, "report_estimate", None)
-    if estimate is None:
-        return None
-    return float(estimate(**{k: v for k, v in kw.items() if _accepts(estimate, k)}))
+def _sections(only: Sequence[str]) -> set[str]:
+    """The study names of `only` (study names, commands or aliases)."""
+    if isinstance(only, str):
+        only = [only]
+    names = set()
+    for name in only:
+        try:
+            names.add(study(name).name)
+        except ConfigError:
+            raise ConfigError(
+                f"write_report: unknown section {name!r} in only; choose from "
+                f"{list(REPORT_SECTIONS)}."
+            ) from None
+    return names
 
 
 def _minutes(seconds: float) -> str:
@@ -125,20 +122,19 @@ def write_report(
     whole report so far; until the first section finishes an earlier report
     is left untouched, and an interrupt never loses finished sections.
     """
+    owner = "write_report"
+    quick = check_bool(owner, "quick", quick)
+    progress = check_bool(owner, "progress", progress)
+    full = on_accelerator() if full is None else check_bool(owner, "full", full)
     if quick and full:
-        raise ValueError("write_report: quick and full exclude each other.")
-    if only is not None:
-        unknown = sorted(set(only) - set(REPORT_SECTIONS))
-        if unknown:
-            raise ValueError(
-                f"write_report: unknown sections {unknown}; choose from "
-                f"{list(REPORT_SECTIONS)}."
-            )
-    full = on_accelerator() if full is None else bool(full)
+        raise ConfigError(
+            f"{owner}: quick=True and full=True exclude each other; choose one."
+        )
+    wanted = None if only is None else _sections(only)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.md"
-    names = [n for n in REPORT_SECTIONS if only is None or n in only]
+    studies = [s for s in STUDIES if wanted is None or s.name in wanted]
     mode = (
         "quick mode: reduced sizes"
         if quick
@@ -150,31 +146,27 @@ def write_report(
     header = (
         f"# blocklab report\n\nGenerated {time.strftime('%Y-%m-%d %H:%M')} ({mode}).\n"
     )
-    modules = {n: importlib.import_module(f"blocklab.cli.commands.{n}") for n in names}
-    sizing = {n: _sizing(m, quick=quick, full=full) for n, m in modules.items()}
-    estimates = {n: _estimate(m, sizing[n]) for n, m in modules.items()}
-    if progress and all(e is not None for e in estimates.values()):
+    estimates = {s.name: s.estimate(quick=quick, full=full) for s in studies}
+    if progress:
         tqdm.write(
-            f"report: {len(names)} sections, about "
+            f"report: {len(studies)} sections, about "
             f"{_minutes(sum(estimates.values()))} on 2 CPU cores ({mode})",
             file=sys.stderr,
         )
     sections: list[str] = []
-    bar = tqdm(names, desc="report", unit="section", disable=not progress)
-    for name in bar:
-        bar.set_postfix_str(name)
-        if progress and (estimates[name] or 0) >= 60:
+    bar = tqdm(studies, desc="report", unit="section", disable=not progress)
+    for s in bar:
+        bar.set_postfix_str(s.name)
+        if progress and estimates[s.name] >= 60:
             tqdm.write(
-                f"report: {name}: about {_minutes(estimates[name])}", file=sys.stderr
+                f"report: {s.name}: about {_minutes(estimates[s.name])}",
+                file=sys.stderr,
             )
         t0 = time.perf_counter()
-        module = modules[name]
-        section = module.report_section(
-            out, **sizing[name], **_progress(module, progress)
-        )
+        section = s.section(out, quick=quick, full=full, progress=progress)
         seconds = time.perf_counter() - t0
-        sections.append(f"{section.rstrip()}\n\n_({name}: {seconds:.1f} s)_\n")
-        pending = len(names) - len(sections)
+        sections.append(f"{section.rstrip()}\n\n_({s.name}: {seconds:.1f} s)_\n")
+        pending = len(studies) - len(sections)
         note = (
             f"\n_(in progress: {pending} more section{'s' * (pending > 1)} to come)_\n"
             if pending

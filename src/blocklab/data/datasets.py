@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -74,41 +75,77 @@ def _read_corpus(path: Path) -> str:
     try:
         raw = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(
+        raise ConfigError(
             f"TimeMachine: corpus file not found: {path}. The corpus ships with "
             "the package (blocklab/data/timemachine.txt); reinstall blocklab or "
             "pass path= to an existing text file."
         ) from None
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"TimeMachine: cannot read corpus file {path}: {err}") from err
+        raise ConfigError(
+            f"TimeMachine: cannot read corpus file path={path}: {err}"
+        ) from err
     return raw
 
 
+def _seq_len(owner: str, seq_len: int | None, num_steps: int | None) -> int | None:
+    """`seq_len`, or the old keyword `num_steps` with a `DeprecationWarning`.
+
+    `num_steps` meant the sequence length here but the optimizer steps in
+    `train_lm`; the dataset's name for it is now `seq_len`.
+    """
+    if num_steps is None:
+        return seq_len
+    if seq_len is not None:
+        raise ConfigError(
+            f"{owner}: give the sequence length once, as seq_len= (num_steps= is "
+            f"its deprecated name), got seq_len={seq_len!r} and "
+            f"num_steps={num_steps!r}."
+        )
+    warnings.warn(
+        f"{owner}: num_steps= is deprecated for the sequence length; use "
+        "seq_len= (num_steps means optimizer steps in train_lm).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return num_steps
+
+
 class _Windowed(eqx.Module):
-    """A token corpus cut into windows of `num_steps + 1` tokens (the shared
+    """A token corpus cut into windows of `seq_len + 1` tokens (the shared
     machinery of `TimeMachine` and `TokenDataset`)."""
 
     corpus: Int[Array, " L"]
-    num_steps: int = eqx.field(static=True)
+    seq_len: int = eqx.field(static=True)
     num_train: int = eqx.field(static=True)
     num_val: int = eqx.field(static=True)
 
+    @property
+    def num_steps(self) -> int:
+        """Deprecated name of `seq_len` (the sequence length, not optimizer steps)."""
+        warnings.warn(
+            f"{type(self).__name__}.num_steps is deprecated; use .seq_len (the "
+            "sequence length).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.seq_len
+
     def windows(
         self, starts: Int[Array, " B"]
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+    ) -> tuple[Int[Array, "B seq_len"], Int[Array, "B seq_len"]]:
         """Inputs and targets `(X, Y)` of the windows starting at `starts`."""
-        n = self.num_steps + 1
+        n = self.seq_len + 1
         win = jax.vmap(lambda s: jax.lax.dynamic_slice(self.corpus, (s,), (n,)))(starts)
         return win[:, :-1], win[:, 1:]
 
     def train_batch(
         self, key: PRNGKeyArray, batch_size: int
-    ) -> tuple[Int[Array, "B num_steps"], Int[Array, "B num_steps"]]:
+    ) -> tuple[Int[Array, "B seq_len"], Int[Array, "B seq_len"]]:
         """`batch_size` training windows, uniform with replacement, from `key`."""
         starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
         return self.windows(starts)
 
-    def val_batch(self) -> tuple[Int[Array, "V num_steps"], Int[Array, "V num_steps"]]:
+    def val_batch(self) -> tuple[Int[Array, "V seq_len"], Int[Array, "V seq_len"]]:
         """The `num_val` validation windows, in order (always the same)."""
         return self.windows(jnp.arange(self.num_train, self.num_train + self.num_val))
 
@@ -117,7 +154,7 @@ class TimeMachine(_Windowed):
     r"""The character-level Time Machine, windowed for next-character prediction.
 
     With the encoded corpus $c_0, c_1, \ldots$, window $i$ is
-    $(c_i, \ldots, c_{i+n})$ of `num_steps + 1` = $n + 1$ characters: its first
+    $(c_i, \ldots, c_{i+n})$ of `seq_len + 1` = $n + 1$ characters: its first
     $n$ are the input $X_i$ and its last $n$ the target $Y_i$. Windows
     $0 \ldots$ `num_train - 1` train; the next `num_val` validate (they overlap
     the last training windows by up to $n$ characters, as in the chapter).
@@ -130,52 +167,53 @@ class TimeMachine(_Windowed):
 
     Attributes:
         corpus: `(L,)` int32 token ids of the whole preprocessed text.
-        num_steps, num_train, num_val: window length and split sizes.
+        seq_len, num_train, num_val: window length and split sizes.
     """
 
     def __init__(
         self,
-        num_steps: int = 128,
+        seq_len: int | None = None,
         num_train: int = 100000,
         num_val: int = 3000,
         *,
         path: str | Path | None = None,
+        num_steps: int | None = None,
     ):
         """Args:
-        num_steps: characters per input sequence $n$ (windows have $n + 1$).
+        seq_len: characters per input sequence $n$ (windows have $n + 1$);
+            default 128.
         num_train: number of training windows (the first ones).
         num_val: number of validation windows (the next ones).
         path: a text file to use instead of the shipped corpus.
+        num_steps: deprecated name of `seq_len` (warns).
 
         Raises:
-            ValueError: a non-positive size, a missing, unreadable or empty
+            ConfigError: a non-positive size, a missing, unreadable or empty
                 corpus, or a corpus too short for `num_train + num_val` windows.
         """
-        for name, value in (("num_steps", num_steps), ("num_train", num_train)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"TimeMachine: {name} must be a positive int, got {value!r}."
-                )
-        if not isinstance(num_val, int) or num_val < 0:
-            raise ValueError(
-                f"TimeMachine: num_val must be an int >= 0, got {num_val!r}."
-            )
+        owner = "TimeMachine"
+        seq_len = _seq_len(owner, seq_len, num_steps)
+        seq_len = check_int(
+            owner, "seq_len", 128 if seq_len is None else seq_len, min=1
+        )
+        num_train = check_int(owner, "num_train", num_train, min=1)
+        num_val = check_int(owner, "num_val", num_val, min=0)
         path = corpus_path() if path is None else Path(path)
         text = preprocess(_read_corpus(path))
         if not text.strip():
-            raise ValueError(
-                f"TimeMachine: corpus file {path} is empty (no letters after "
+            raise ConfigError(
+                f"TimeMachine: corpus file path={path} is empty (no letters after "
                 "preprocessing)."
             )
         ids = encode(text)
-        num_windows = len(ids) - num_steps
+        num_windows = len(ids) - seq_len
         if num_train + num_val > num_windows:
-            raise ValueError(
+            raise ConfigError(
                 f"TimeMachine: the corpus ({len(ids)} characters) has "
-                f"{max(num_windows, 0)} windows of num_steps + 1 = {num_steps + 1}, "
+                f"{max(num_windows, 0)} windows of seq_len + 1 = {seq_len + 1}, "
                 f"fewer than num_train + num_val = {num_train + num_val}; lower them."
             )
-        self.num_steps, self.num_train, self.num_val = num_steps, num_train, num_val
+        self.seq_len, self.num_train, self.num_val = seq_len, num_train, num_val
         self.corpus = jnp.asarray(ids, dtype=jnp.int32)
 
     @property
@@ -192,21 +230,21 @@ class TokenDataset(_Windowed):
     r"""Any token sequence, windowed for next-token prediction like `TimeMachine`.
 
     With tokens $c_0, c_1, \ldots, c_{L-1}$ and window length $n$ =
-    `num_steps`, window $i$ is $(c_i, \ldots, c_{i+n})$: its first $n$ tokens
+    `seq_len`, window $i$ is $(c_i, \ldots, c_{i+n})$: its first $n$ tokens
     are the input $X_i$, its last $n$ the target $Y_i$. Windows
     $0 \ldots$ `num_train - 1` train (drawn uniformly with replacement by
     `train_batch(key, batch_size)`, on the device); the next `num_val`
     validate (`val_batch()`, always the same). There are $L - n$ windows in
     all.
 
-    Build it from a pre-tokenized array (`TokenDataset(tokens, num_steps,
+    Build it from a pre-tokenized array (`TokenDataset(tokens, seq_len,
     vocab_size=...)`) or from any text with its own character vocabulary
-    (`TokenDataset.from_text(text, num_steps)`: the sorted set of the text's
+    (`TokenDataset.from_text(text, seq_len)`: the sorted set of the text's
     characters, nothing dropped or lower-cased).
 
     Attributes:
         corpus: `(L,)` int32 token ids.
-        num_steps, num_train, num_val: window length and split sizes.
+        seq_len, num_train, num_val: window length and split sizes.
         vocab_size: token ids lie in `[0, vocab_size)`.
         vocab: the symbol of each id (text datasets), or `None`.
     """
@@ -217,21 +255,23 @@ class TokenDataset(_Windowed):
     def __init__(
         self,
         tokens: Int[ArrayLike, " L"],
-        num_steps: int,
+        seq_len: int | None = None,
         *,
         num_train: int | None = None,
         num_val: int = 0,
         vocab_size: int | None = None,
         vocab: tuple[str, ...] | None = None,
+        num_steps: int | None = None,
     ):
         """Args:
         tokens: a 1-D sequence of non-negative integer token ids.
-        num_steps: tokens per input sequence $n$ (windows have $n + 1$).
+        seq_len: tokens per input sequence $n$ (windows have $n + 1$).
         num_train: training windows (the first ones); default: every window
             not used for validation.
         num_val: validation windows (the ones after the training windows).
         vocab_size: default `max(tokens) + 1` (or `len(vocab)`).
         vocab: optional symbol of each id (used by `decode`).
+        num_steps: deprecated name of `seq_len` (warns).
 
         Raises:
             ConfigError: tokens that are not a 1-D integer array, an id outside
@@ -239,6 +279,12 @@ class TokenDataset(_Windowed):
                 `num_train + num_val` windows.
         """
         owner = "TokenDataset"
+        seq_len = _seq_len(owner, seq_len, num_steps)
+        if seq_len is None:
+            raise ConfigError(
+                f"{owner}: seq_len (tokens per input sequence) is required, e.g. "
+                "TokenDataset(tokens, seq_len=128)."
+            )
         ids = np.asarray(tokens)
         if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
             raise ConfigError(
@@ -250,7 +296,7 @@ class TokenDataset(_Windowed):
                 f"{owner}: tokens must be 1-D, got shape {ids.shape}; concatenate "
                 "the documents into one sequence."
             )
-        num_steps = check_int(owner, "num_steps", num_steps, min=1)
+        seq_len = check_int(owner, "seq_len", seq_len, min=1)
         num_val = check_int(owner, "num_val", num_val, min=0)
         if vocab is not None:
             vocab = tuple(str(v) for v in vocab)
@@ -269,32 +315,37 @@ class TokenDataset(_Windowed):
             )
         if vocab_size > np.iinfo(np.int32).max:
             raise ConfigError(f"{owner}: vocab_size={vocab_size} exceeds int32.")
-        num_windows = max(ids.size - num_steps, 0)
+        num_windows = max(ids.size - seq_len, 0)
         if num_train is not None:
             num_train = check_int(owner, "num_train", num_train, min=1)
         if (num_train or 1) + num_val > num_windows:
             raise ConfigError(
                 f"{owner}: {ids.size} tokens give {num_windows} windows of "
-                f"num_steps + 1 = {num_steps + 1}, fewer than num_train + num_val = "
+                f"seq_len + 1 = {seq_len + 1}, fewer than num_train + num_val = "
                 f"{(num_train or 1) + num_val} (at least one training window); give "
                 "more tokens or lower them."
             )
         if num_train is None:
             num_train = num_windows - num_val
         self.corpus = jnp.asarray(ids, dtype=jnp.int32)
-        self.num_steps, self.num_train, self.num_val = num_steps, num_train, num_val
+        self.seq_len, self.num_train, self.num_val = seq_len, num_train, num_val
         self.vocab_size, self.vocab = vocab_size, vocab
 
     @classmethod
     def from_text(
         cls,
         text: str,
-        num_steps: int,
+        seq_len: int | None = None,
         *,
         num_train: int | None = None,
         num_val: int = 0,
+        num_steps: int | None = None,
     ) -> TokenDataset:
-        """A character dataset of `text` with its own vocabulary (sorted characters)."""
+        """A character dataset of `text` with its own vocabulary (sorted characters).
+
+        `seq_len` as for `TokenDataset`; `num_steps` is its deprecated name.
+        """
+        seq_len = _seq_len("TokenDataset.from_text", seq_len, num_steps)
         if not isinstance(text, str) or not text:
             raise ConfigError(
                 "TokenDataset.from_text: text must be a non-empty str, got "
@@ -303,7 +354,7 @@ class TokenDataset(_Windowed):
         vocab = tuple(sorted(set(text)))
         index = {c: i for i, c in enumerate(vocab)}
         ids = np.fromiter((index[c] for c in text), np.int32, len(text))
-        return cls(ids, num_steps, num_train=num_train, num_val=num_val, vocab=vocab)
+        return cls(ids, seq_len, num_train=num_train, num_val=num_val, vocab=vocab)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` (text datasets only; every character must be known)."""

@@ -8,6 +8,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ..nn.block import TransformerBlock
+from ..nn.config import BlockConfig
+
 __all__ = ["count_params", "census"]
 
 
@@ -18,15 +21,28 @@ def _is_param(leaf) -> bool:
     return eqx.is_inexact_array(leaf)
 
 
+def _abstract(module):
+    """A `BlockConfig` as its block, built abstractly (shapes only, no weights)."""
+    if isinstance(module, BlockConfig):
+        return eqx.filter_eval_shape(TransformerBlock, module, key=jax.random.key(0))
+    return module
+
+
 def count_params(module) -> int:
     """Number of trainable scalars: the sizes of all floating-point arrays in `module`.
+
+    `module` may be a `BlockConfig`: its `TransformerBlock` is counted.
 
     Integer leaves are not parameters: the per-layer attention settings
     (`MultiHeadAttention.window`, `.rope_theta`, int32 data) are not counted.
     Works on abstract modules too (`eqx.filter_eval_shape`), so a census of a
     large configuration allocates nothing.
     """
-    leaves = jax.tree_util.tree_leaves(module)
+    return _count(_abstract(module))
+
+
+def _count(tree) -> int:
+    leaves = jax.tree_util.tree_leaves(tree)
     return int(sum(leaf.size for leaf in leaves if _is_param(leaf)))
 
 
@@ -35,15 +51,17 @@ def census(module) -> dict[str, int]:
 
     Parts are the module's dataclass fields that hold parameters, in
     declaration order; for a `TransformerBlock` these are `norm1`, `norm2`,
-    (`out_norm1`, `out_norm2`,) `attention` and `ffn`.
+    (`out_norm1`, `out_norm2`,) `attention` and `ffn`. `module` may be a
+    `BlockConfig`: the census of its `TransformerBlock` (built abstractly).
 
     >>> census(TransformerBlock(256, 8, key=key))["attention"]
     262144
     """
+    module = _abstract(module)
     parts = {}
     for field in dataclasses.fields(module):
-        n = count_params(getattr(module, field.name, None))
+        n = _count(getattr(module, field.name, None))
         if n:
             parts[field.name] = n
-    parts["total"] = count_params(module)
+    parts["total"] = _count(module)
     return parts

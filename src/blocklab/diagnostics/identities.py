@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
+from .._validate import ConfigError
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import TransformerBlock
 from ..nn.functional import layer_norm, rms_norm
@@ -113,7 +114,7 @@ def _f64(tree):
 
 def _check_positive(owner: str, name: str, value: float) -> None:
     if not value > 0:
-        raise ValueError(f"{owner}: {name} must be > 0, got {name}={value!r}.")
+        raise ConfigError(f"{owner}: {name} must be > 0, got {name}={value!r}.")
 
 
 def _cosine(a, b):
@@ -289,26 +290,26 @@ _QK_PROJECTIONS = ("W_q", "W_k")
 def _head_loss(attn, x, projection, head, readout, owner):
     """`(loss(W_h), W_h)`: the readout loss as a function of one head's rows."""
     if not isinstance(attn, MultiHeadAttention):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: attn must be a MultiHeadAttention, got {type(attn)}."
         )
     if attn.q_norm is None or attn.q_norm.eps != 0 or attn.k_norm.eps != 0:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: the identity needs QK-norm with eps = 0; build the layer as "
             "MultiHeadAttention(..., qk_norm=True, qk_norm_eps=0.0)."
         )
     if projection not in _QK_PROJECTIONS:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: projection must be one of {list(_QK_PROJECTIONS)}, "
             f"got projection={projection!r}."
         )
     if getattr(attn, projection).bias is not None:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: {projection} has a bias, which breaks scale invariance; "
             "build the layer with bias=False."
         )
     if not 0 <= head < attn.num_heads:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: head must be in [0, {attn.num_heads}), got head={head!r}."
         )
     p = attn.head_dim
@@ -526,10 +527,10 @@ def _block_list(blocks, placement: str, owner: str) -> list[TransformerBlock]:
         else list(blocks)
     )
     if not blks:
-        raise ValueError(f"{owner}: blocks is empty.")
+        raise ConfigError(f"{owner}: blocks is empty.")
     for b in blks:
         if not isinstance(b, TransformerBlock) or b.placement != placement:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: needs TransformerBlocks with placement={placement!r}, got "
                 f"{type(b).__name__} with placement={getattr(b, 'placement', None)!r}."
             )
@@ -611,7 +612,7 @@ def pre_ln_jacobian_expansion(
     """
     blks = _block_list(blocks, "pre", "pre_ln_jacobian_expansion")
     if len(blks) > 5:
-        raise ValueError(
+        raise ConfigError(
             "pre_ln_jacobian_expansion: at most 5 blocks (2^10 terms), "
             f"got {len(blks)}."
         )
@@ -671,7 +672,7 @@ def post_ln_norm_product(
     """
     blks = _block_list(blocks, "post", "post_ln_norm_product")
     if any(b.norm != "rms" for b in blks):
-        raise ValueError(
+        raise ConfigError(
             "post_ln_norm_product: the blocks must be built with norm='rms'."
         )
     with _float64():
@@ -679,7 +680,7 @@ def post_ln_norm_product(
         x = _f64(jnp.asarray(x))
         d = x.shape[-1]
         if d <= 2 * len(blks):
-            raise ValueError(
+            raise ConfigError(
                 f"post_ln_norm_product: need d > 2N to find a vector orthogonal to all "
                 f"u_j, got d={d}, N={len(blks)}."
             )

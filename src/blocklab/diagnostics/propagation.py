@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._validate import ConfigError, check_int, renamed_keyword
 from ..nn import init
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import PLACEMENTS, TransformerBlock
@@ -134,7 +136,7 @@ def _readout_array(readout, shape, dtype) -> Array:
     ):
         return jax.random.normal(readout, shape, dtype)
     if readout.shape != shape:
-        raise ValueError(
+        raise ConfigError(
             f"signal_stats: readout must be a PRNG key or an array of the shape of "
             f"X {shape}, got readout.shape={tuple(readout.shape)}."
         )
@@ -145,7 +147,7 @@ def _collect(block, h, key):
     """One block inside the scan: its output and its statistics over the batch."""
     tr = block.trace(h, key=key)
     if tr.attention is None:
-        raise ValueError(
+        raise ConfigError(
             "signal_stats needs attention with a `trace` method (weights and "
             "logits); the block's attention module has none."
         )
@@ -266,7 +268,7 @@ def chapter_stack(
     stack eagerly costs one compilation rather than thousands of small ops.
     """
     if placement not in PLACEMENTS:
-        raise ValueError(
+        raise ConfigError(
             f"chapter_stack: placement must be one of {list(PLACEMENTS)}, "
             f"got placement={placement!r}."
         )
@@ -356,8 +358,9 @@ def _seed_fn(placement, options):
 
 def signal_sweep(
     placement: str,
-    seeds: int | Sequence[int] | PRNGKeyArray,
+    seeds: int | Sequence[int] | PRNGKeyArray | None = None,
     *,
+    num_seeds: int | None = None,
     chunk: int | None = None,
     **options,
 ) -> SignalStats:
@@ -368,8 +371,10 @@ def signal_sweep(
 
     Args:
         placement: as for `chapter_stack`.
-        seeds: a number S (seeds 0..S-1), a sequence of int seeds, or an array
-            of PRNG keys; seed s uses `jax.random.key(s)`.
+        seeds: a sequence of int seeds, or an array of PRNG keys; seed s uses
+            `jax.random.key(s)`. (A number S here is the deprecated spelling
+            of `num_seeds=S`.)
+        num_seeds: instead of `seeds`, a count S: seeds 0..S-1.
         chunk: seeds per compiled call, to bound memory on deep or wide
             stacks (each seed holds its stack, gradients and activations);
             `None`: all at once. The values do not depend on it.
@@ -378,10 +383,20 @@ def signal_sweep(
     Returns:
         `SignalStats` whose fields have shape `(S, N)`.
     """
-    if isinstance(seeds, int):
-        if seeds < 1:
-            raise ValueError(f"signal_sweep: seeds must be >= 1, got seeds={seeds}.")
-        seeds = range(seeds)
+    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
+        num_seeds = renamed_keyword(
+            "signal_sweep", "num_seeds", num_seeds, "seeds", seeds,
+            " (seeds= is a list of seeds; a count is num_seeds=)",
+        )  # fmt: skip
+        seeds = None
+    if (seeds is None) == (num_seeds is None):
+        raise ConfigError(
+            "signal_sweep: give the seeds as seeds=[...] (a sequence or PRNG keys) "
+            f"or a count as num_seeds=S, exactly one; got seeds={seeds!r} and "
+            f"num_seeds={num_seeds!r}."
+        )
+    if num_seeds is not None:
+        seeds = range(check_int("signal_sweep", "num_seeds", num_seeds, min=1))
     is_keys = hasattr(seeds, "dtype") and jnp.issubdtype(
         seeds.dtype, jax.dtypes.prng_key
     )
@@ -419,7 +434,7 @@ def fit_power_law(
     y = np.asarray(y, np.float64)
     last = len(y) if last is None else last
     if not 1 <= first < last <= len(y):
-        raise ValueError(
+        raise ConfigError(
             f"fit_power_law: need 1 <= first < last <= {len(y)}, got first={first}, "
             f"last={last}."
         )
@@ -497,7 +512,7 @@ def head_input_rms(
         depths = [2**i for i in range(n.bit_length()) if 2**i <= n]
     depths = np.asarray(sorted({int(d) for d in depths}))
     if depths.size == 0 or depths[0] < 1 or depths[-1] > n:
-        raise ValueError(
+        raise ConfigError(
             f"head_input_rms: depths must lie in 1..{n}, got {depths.tolist()}."
         )
     at = rms.reshape(-1, n)[:, depths - 1]

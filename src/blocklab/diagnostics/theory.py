@@ -3,8 +3,9 @@ r"""Closed-form predictions from the chapter's exercises (exact integers where e
 Every function here is pure arithmetic (Python integers, NumPy float64): it
 never builds a module or draws a weight. `blocklab check` (and the tests)
 compare each prediction with a measurement of the library itself:
-`count_params` for the parameter counts, `blocklab.diagnostics.propagation.signal_stats` for
-the variance budget and the token collapse, `MultiHeadAttention` for the
+`count_params` for the parameter counts,
+`blocklab.diagnostics.propagation.signal_stats` for the variance budget and
+the token collapse, `MultiHeadAttention` for the
 QK-norm bounds and a timed `rms_norm` for the cost of a norm.
 
 Contents, by exercise:
@@ -24,13 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from jaxtyping import ArrayLike, Float
 
-from ..nn.block import PLACEMENTS
-from ..nn.ffn import ACTS, GATED_ACTS
-from ..nn.normalization import NORMS
+from .._validate import ConfigError, renamed_keyword
+from ..nn.config import GATED_ACTS, BlockConfig, check_act
 
 __all__ = [
     "ffn_param_count",
@@ -61,7 +62,7 @@ __all__ = [
 def _check_positive_int(owner: str, **values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}.")
+            raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}.")
 
 
 def _matched_width(num_hiddens: int, gated: bool) -> int:
@@ -86,10 +87,7 @@ def ffn_param_count(
     ungated $2dw$ (+ $w + d$ biases), gated $3dw$ (+ $2w + d$ biases).
     """
     _check_positive_int("ffn_param_count", num_hiddens=num_hiddens)
-    if act not in ACTS:
-        raise ValueError(
-            f"ffn_param_count: act must be one of {list(ACTS)}, got act={act!r}."
-        )
+    check_act("ffn_param_count", act)
     gated = act in GATED_ACTS
     w = _matched_width(num_hiddens, gated) if width is None else width
     _check_positive_int("ffn_param_count", width=w)
@@ -99,30 +97,15 @@ def ffn_param_count(
 
 
 def block_param_count(
-    num_hiddens: int,
-    num_heads: int,
-    *,
-    norm: str = "rms",
-    act: str = "swiglu",
-    placement: str = "pre",
-    bias: bool = False,
-    qk_norm: bool | str = False,
-    dropout: float = 0.0,
-    norm_eps: float = 1e-6,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    ffn_width: int | None = None,
-    attn_scale: float | None = None,
-    rope_theta: float | None = None,
-    window: int | None = None,
-    attn_bias: bool | None = None,
-    ffn_bias: bool | None = None,
+    num_hiddens: int | BlockConfig, num_heads: int | None = None, **options: Any
 ) -> int:
-    r"""Exact parameter count of `TransformerBlock(num_hiddens, num_heads, **opts)`.
+    r"""Exact parameter count of the `TransformerBlock` of a `BlockConfig`.
 
-    Exercise 8a, generalized to the real-architecture options. With $H$
-    query heads, $K$ key/value heads (default $H$), head width $p$ (default
-    $d/H$):
+    Exercise 8a, generalized to the real-architecture options. Takes a
+    `BlockConfig` alone, or `(num_hiddens, num_heads, **options)`, the
+    arguments of `BlockConfig` (validated there). With $H$ query heads, $K$
+    key/value heads, head width $p$ and FFN width $w$ (the config's resolved
+    values):
 
     $$\underbrace{2dHp + 2dKp + (Hp + 2Kp + d)\,[\text{attn\_bias}]
     + n_{qk}}_{\text{attention}}
@@ -132,52 +115,30 @@ def block_param_count(
     for `"full"`, 0 without; $k = 4$ norms for `"sandwich"`, else 2. For the
     chapter's block ($K = H$, $Hp = d$) the attention is $4d^2 + 4d\,[\text{bias}]$
     and the default block has $4d^2 + 3d\,\mathrm{round}(8d/3) + 2d$.
-    `dropout`, `norm_eps`, `attn_scale`, `rope_theta` and `window` are accepted
-    (they have no parameters) so that any block's options can be passed through.
+    The options without parameters (`dropout`, `norm_eps`, `attn_scale`,
+    `rope_theta`, `window`) do not change it.
     """
-    owner = "block_param_count"
-    _check_positive_int(owner, num_hiddens=num_hiddens, num_heads=num_heads)
-    if head_dim is None and num_hiddens % num_heads:
-        raise ValueError(
-            f"block_param_count: num_hiddens must be divisible by num_heads, got "
-            f"num_hiddens={num_hiddens}, num_heads={num_heads}."
-        )
-    if norm not in NORMS:
-        raise ValueError(
-            f"block_param_count: norm must be one of {sorted(NORMS)}, "
-            f"got norm={norm!r}."
-        )
-    if act not in ACTS:
-        raise ValueError(
-            f"block_param_count: act must be one of {list(ACTS)}, got act={act!r}."
-        )
-    if placement not in PLACEMENTS:
-        raise ValueError(
-            f"block_param_count: placement must be one of {list(PLACEMENTS)}, "
-            f"got placement={placement!r}."
-        )
-    if qk_norm not in (False, True, "head", "full"):
-        raise ValueError(
-            f"block_param_count: qk_norm must be one of [False, True, 'head', "
-            f"'full'], got qk_norm={qk_norm!r}."
-        )
-    del dropout, norm_eps, attn_scale, rope_theta, window
-    d, H = num_hiddens, num_heads
-    K = H if num_kv_heads is None else num_kv_heads
-    p = d // H if head_dim is None else head_dim
-    _check_positive_int(owner, num_kv_heads=K, head_dim=p)
-    attn_bias = bias if attn_bias is None else attn_bias
-    ffn_bias = bias if ffn_bias is None else ffn_bias
+    if isinstance(num_hiddens, BlockConfig):
+        if num_heads is not None or options:
+            raise ConfigError(
+                "block_param_count: give a BlockConfig alone or (num_hiddens, "
+                f"num_heads, **options), got a BlockConfig and num_heads={num_heads!r}"
+                f", options {sorted(options)}."
+            )
+        cfg = num_hiddens
+    else:
+        cfg = BlockConfig(num_hiddens, num_heads, **options)
+    d, H, K, p = cfg.num_hiddens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attention = 2 * d * H * p + 2 * d * K * p
-    if attn_bias:
+    if cfg.attn_bias:
         attention += H * p + 2 * K * p + d
-    if qk_norm == "full":
+    if cfg.qk_norm == "full":
         attention += (H + K) * p
-    elif qk_norm:
+    elif cfg.qk_norm == "head":
         attention += 2 * p
-    num_norms = 4 if placement == "sandwich" else 2
-    norms = num_norms * d * (2 if norm == "layer" else 1)
-    ffn = ffn_param_count(d, act, bias=ffn_bias, width=ffn_width)
+    num_norms = 4 if cfg.placement == "sandwich" else 2
+    norms = num_norms * d * (2 if cfg.norm == "layer" else 1)
+    ffn = ffn_param_count(d, cfg.act, bias=cfg.ffn_bias, width=cfg.ffn_width)
     return attention + ffn + norms
 
 
@@ -241,7 +202,7 @@ def _gain_product_max(head_dim, gain_q, gain_k) -> float:
     gk = np.ones(head_dim) if gain_k is None else np.asarray(gain_k, np.float64)
     for name, g in (("gain_q", gq), ("gain_k", gk)):
         if g.shape != (head_dim,):
-            raise ValueError(
+            raise ConfigError(
                 f"qk_logit_bound: {name} must have shape (head_dim,) = ({head_dim},), "
                 f"got {g.shape}."
             )
@@ -292,7 +253,7 @@ def _gaussian_expectation(
     f: Callable[[np.ndarray], np.ndarray], variance: float
 ) -> float:
     if not variance >= 0:
-        raise ValueError(f"variance must be >= 0, got variance={variance!r}.")
+        raise ConfigError(f"variance must be >= 0, got variance={variance!r}.")
     return float(np.sum(_WEIGHTS * f(math.sqrt(variance) * _NODES)))
 
 
@@ -430,11 +391,17 @@ def collapse_rho0(num_tokens: int) -> float:
     """
     _check_positive_int("collapse_rho0", num_tokens=num_tokens)
     if num_tokens < 2:
-        raise ValueError(f"collapse_rho0: num_tokens must be >= 2, got {num_tokens}.")
+        raise ConfigError(f"collapse_rho0: num_tokens must be >= 2, got {num_tokens}.")
     return 1.0 / (num_tokens - 1)
 
 
-def collapse_spread(num_blocks: int, alpha: float, num_tokens: int) -> float:
+def collapse_spread(
+    num_blks: int | None = None,
+    alpha: float | None = None,
+    num_tokens: int | None = None,
+    *,
+    num_blocks: int | None = None,
+) -> float:
     r"""Predicted token spread after $k$ post-LN blocks, FFN sublayers ignored (ex. 5a).
 
     Write the tokens as $x_i = \mu + \delta_i$ and $\rho = n\|\mu\|^2 /
@@ -447,21 +414,28 @@ def collapse_spread(num_blocks: int, alpha: float, num_tokens: int) -> float:
     $$\rho_k = \rho_0 (1 + \alpha^4)^k,\qquad
     \text{spread}_k = \big(1 + (1 + \alpha^4)^k/(n - 1)\big)^{-1/2}.$$
 
-    Measured with `blocklab.diagnostics.propagation`, a post-LN stack whose FFN writes zero
-    follows this at k = 8, 16, 32 and for GPT-1's initialization; the full
-    MiniBlock collapses faster, because the tanh-GELU has a positive mean
-    (`gelu_mean(0.4)` = 0.135) and every FFN adds the same vector
-    $W_2\,\mathbb E[\mathrm{GELU}]$ (mean square $1.6 \cdot 0.135^2 = 0.029$)
-    to every token: an additive common component the formula leaves out.
+    Measured with `blocklab.diagnostics.propagation`, a post-LN stack whose
+    FFN writes zero follows this at k = 8, 16, 32 and for GPT-1's
+    initialization; the full MiniBlock collapses faster, because the
+    tanh-GELU has a positive mean (`gelu_mean(0.4)` = 0.135) and every FFN
+    adds the same vector $W_2\,\mathbb E[\mathrm{GELU}]$ (mean square
+    $1.6 \cdot 0.135^2 = 0.029$) to every token: an additive common component
+    the formula leaves out.
+
+    `num_blks` is $k$ (`num_blocks=` is its deprecated name).
     """
-    if not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(
-            "collapse_spread: num_blocks must be a non-negative int, "
-            f"got {num_blocks!r}."
+    num_blks = renamed_keyword(
+        "collapse_spread", "num_blks", num_blks, "num_blocks", num_blocks
+    )
+    if not isinstance(num_blks, int) or num_blks < 0:
+        raise ConfigError(
+            f"collapse_spread: num_blks must be a non-negative int, got {num_blks!r}."
         )
-    if not alpha >= 0:
-        raise ValueError(f"collapse_spread: alpha must be >= 0, got alpha={alpha!r}.")
-    rho = collapse_rho0(num_tokens) * (1.0 + alpha**4) ** num_blocks
+    if alpha is None or not alpha >= 0:
+        raise ConfigError(f"collapse_spread: alpha must be >= 0, got alpha={alpha!r}.")
+    if num_tokens is None:
+        raise ConfigError("collapse_spread: num_tokens is required.")
+    rho = collapse_rho0(num_tokens) * (1.0 + alpha**4) ** num_blks
     return (1.0 + rho) ** -0.5
 
 
@@ -477,7 +451,10 @@ def init_alpha(num_hiddens: int, std: float) -> float:
 
 
 def post_ln_identity_factor(
-    c: float | Sequence[float] | Float[ArrayLike, " n"], num_blocks: int | None = None
+    c: float | Sequence[float] | Float[ArrayLike, " n"],
+    num_blks: int | None = None,
+    *,
+    num_blocks: int | None = None,
 ) -> float:
     r"""Post-LN's stand-in for pre-LN's identity term: $\prod_j (1 + c_j)^{-1/2}$.
 
@@ -487,19 +464,23 @@ def post_ln_identity_factor(
     outputs uncorrelated with the stream, $r(u_j)^2 = 1 + c_j$, and the
     product of the $2N$ norm Jacobians scales every vector orthogonal to all
     $u_j$ by $\prod_j r(u_j)^{-1} = \prod_j (1 + c_j)^{-1/2}$. Pass a sequence
-    of the $2N$ mean squares $c_j$, or a common $c$ and `num_blocks` $N$:
+    of the $2N$ mean squares $c_j$, or a common $c$ and `num_blks` $N$:
     $(1 + c)^{-N}$, exponentially small in depth, where pre-LN's identity
-    term is 1 at every depth.
+    term is 1 at every depth. (`num_blocks=` is the deprecated name of
+    `num_blks`.)
     """
-    if num_blocks is None:
+    num_blks = renamed_keyword(
+        "post_ln_identity_factor", "num_blks", num_blks, "num_blocks", num_blocks
+    )
+    if num_blks is None:
         cs = np.asarray(c, np.float64)
         return float(np.prod((1.0 + cs) ** -0.5))
-    if not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(
-            f"post_ln_identity_factor: num_blocks must be a non-negative int, "
-            f"got {num_blocks!r}."
+    if not isinstance(num_blks, int) or num_blks < 0:
+        raise ConfigError(
+            f"post_ln_identity_factor: num_blks must be a non-negative int, "
+            f"got {num_blks!r}."
         )
-    return float((1.0 + float(c)) ** (-num_blocks))
+    return float((1.0 + float(c)) ** (-num_blks))
 
 
 # ------------------------------------------------------------- norm cost (ex 9)
@@ -547,7 +528,7 @@ def norm_cost(shape: Sequence[int], norm: str = "rms", itemsize: int = 4) -> Nor
     byte, so both are memory-bound everywhere.
     """
     if norm not in _FLOPS_PER_ELEMENT:
-        raise ValueError(
+        raise ConfigError(
             f"norm_cost: norm must be one of {sorted(_FLOPS_PER_ELEMENT)}, "
             f"got norm={norm!r}."
         )
@@ -566,7 +547,7 @@ def norm_cost(shape: Sequence[int], norm: str = "rms", itemsize: int = 4) -> Nor
 def achieved_bandwidth(bytes_moved: int, seconds: float) -> float:
     """Bytes per second: `bytes_moved / seconds` (ex. 9b)."""
     if not seconds > 0:
-        raise ValueError(f"achieved_bandwidth: seconds must be > 0, got {seconds!r}.")
+        raise ConfigError(f"achieved_bandwidth: seconds must be > 0, got {seconds!r}.")
     return bytes_moved / seconds
 
 
@@ -580,7 +561,7 @@ def passes_over_x(seconds: float, bandwidth: float, nbytes_x: int) -> float:
     adds one.
     """
     if not seconds > 0 or not bandwidth > 0 or nbytes_x <= 0:
-        raise ValueError(
+        raise ConfigError(
             "passes_over_x: seconds, bandwidth and nbytes_x must be positive, got "
             f"seconds={seconds!r}, bandwidth={bandwidth!r}, nbytes_x={nbytes_x!r}."
         )

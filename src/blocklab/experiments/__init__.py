@@ -4,16 +4,21 @@ One module per study. Each study is a function whose keyword arguments are
 its protocol (the defaults are the chapter's) and which returns a dataclass
 of plain data with methods that render it: `.table()` (Markdown),
 `.to_json()` (a strict-JSON-ready dict) and `.figures(out_dir)` (PNG paths,
-written atomically). The CLI (`blocklab.cli.commands`) and the report only parse
-arguments, call these and print what they render; notebooks call them
-directly:
+written atomically). Every study module also has
+`report_section(out_dir, *, quick, full, progress)` and
+`report_estimate(*, quick, full)`, one signature for all
+(`blocklab.experiments.protocol`, whose `STUDIES` registers them with their
+commands: `blocklab <study>`). The CLI (`blocklab.cli.commands`) and the
+report only parse arguments, call these and print what they render;
+notebooks call them directly:
 
     import blocklab as bl
     result = bl.experiments.census.run_census(num_hiddens=512)
     print(result.table())
 
 Layering: experiments import the library (models, training, diagnostics,
-theory) and `blocklab.experiments.plotting`; nothing here imports `blocklab.cli.commands` or
+theory) and `blocklab.experiments.plotting`; nothing here imports
+`blocklab.cli.commands` or
 `blocklab.cli`. Submodules are imported on first use, so `import blocklab`
 stays light.
 """
@@ -25,8 +30,10 @@ from typing import Any
 
 from ._render import dumps, markdown_table, nonfinite_paths, to_jsonable
 
-#: The study modules, importable as `blocklab.experiments.<name>`.
+#: The study modules, importable as `blocklab.experiments.<name>` (registered
+#: with their commands in `blocklab.experiments.protocol.STUDIES`).
 STUDIES = ("census", "norms", "check", "activations", "signal", "lr_sensitivity")
+_LAZY = (*STUDIES, "protocol")
 
 __all__ = [
     "STUDIES",
@@ -38,10 +45,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in STUDIES:
+    if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *STUDIES})
+    return sorted({*globals(), *_LAZY})

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import ConfigError
+
 __all__ = [
     "dumps",
     "markdown_table",
@@ -70,12 +72,12 @@ def to_jsonable(obj: Any) -> Any:
             return [to_jsonable(v) for v in a]
         if np.issubdtype(a.dtype, np.str_):
             return a.tolist()
-        raise TypeError(f"to_jsonable: arrays of dtype {a.dtype} have no JSON form.")
+        raise ConfigError(f"to_jsonable: arrays of dtype {a.dtype} have no JSON form.")
     if isinstance(obj, (list, tuple, set, frozenset)) or (
         isinstance(obj, Sequence) and not isinstance(obj, (bytes, bytearray))
     ):
         return [to_jsonable(v) for v in obj]
-    raise TypeError(
+    raise ConfigError(
         f"to_jsonable: a value of type {type(obj).__name__} has no JSON form."
     )
 
@@ -123,7 +125,7 @@ def markdown_table(
     the first column left, the others right)."""
     align = align or "l" + "r" * (len(header) - 1)
     if len(align) != len(header):
-        raise ValueError(
+        raise ConfigError(
             f"markdown_table: align has {len(align)} letters for {len(header)} columns."
         )
     rule = {"l": "---", "r": "---:", "c": ":---:"}

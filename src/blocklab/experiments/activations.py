@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._validate import check_bool, check_float, check_int
+from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
 from ..nn.ffn import ACTS
@@ -39,6 +39,7 @@ from ..training.sweep import train_sweep
 from ..training.train import TrainResult, train_lm
 from ._seeds import check_seeds
 from .plotting import line_plot
+from .protocol import check_report_flags
 
 __all__ = [
     "CHAPTER_JAX",
@@ -90,7 +91,7 @@ def _model_factory(data: TimeMachine, act, num_hiddens, num_heads, num_blks):
     def make_model(key):
         return CharLM(
             data.vocab_size, num_hiddens, num_heads, num_blks, act,
-            max_len=data.num_steps, key=key,
+            max_len=data.seq_len, key=key,
         )  # fmt: skip
 
     return make_model
@@ -232,6 +233,10 @@ class ActivationComparison:
             "diverged": self.diverged,
         }
 
+    def figures(self, out_dir: str | Path) -> list[Path]:
+        """`out_dir/train_losses.png`: the loss curves (`plot`)."""
+        return [self.plot(Path(out_dir) / "train_losses.png")]
+
     def plot(self, path: str | Path, window: int | None = None) -> Path:
         """Loss curves: mean over seeds, smoothed over `window` steps; band: min-max.
 
@@ -306,7 +311,7 @@ def compare_activations(
         seq_len: characters per training sequence (ignored when `data` is given).
         batch_size: sequences per step.
         lr: AdamW learning rate (> 0), no weight decay.
-        data: the corpus (default `TimeMachine(num_steps=seq_len)`).
+        data: the corpus (default `TimeMachine(seq_len=seq_len)`).
         progress: show a tqdm bar per activation.
 
     Returns:
@@ -315,12 +320,12 @@ def compare_activations(
     owner = "compare_activations"
     acts = tuple(acts)
     if not acts:
-        raise ValueError(f"{owner}: acts must name at least one activation.")
+        raise ConfigError(f"{owner}: acts must name at least one activation.")
     for a in acts:
         if a not in ACTS:
-            raise ValueError(f"{owner}: acts must be among {list(ACTS)}, got {a!r}.")
+            raise ConfigError(f"{owner}: acts must be among {list(ACTS)}, got {a!r}.")
     if len(set(acts)) != len(acts):
-        raise ValueError(f"{owner}: acts must be distinct, got {list(acts)}.")
+        raise ConfigError(f"{owner}: acts must be distinct, got {list(acts)}.")
     seeds = check_seeds(owner, "seeds", seeds)
     steps = check_int(owner, "steps", steps, min=1)
     for name, v in (("num_hiddens", num_hiddens), ("num_heads", num_heads),
@@ -329,11 +334,11 @@ def compare_activations(
         check_int(owner, name, v, min=1)
     lr = check_float(owner, "lr", lr, min=0.0, min_open=True)
     if num_hiddens % num_heads:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: num_hiddens must be a multiple of num_heads, got "
             f"num_hiddens={num_hiddens}, num_heads={num_heads}."
         )
-    data = TimeMachine(num_steps=seq_len) if data is None else data
+    data = TimeMachine(seq_len=seq_len) if data is None else data
     points, window = checkpoints(steps)
     loss, val, curves, div = {}, {}, {}, {}
     for act in acts:
@@ -349,7 +354,7 @@ def compare_activations(
         div[act] = [int(d) for d in res.diverged_at]
     protocol = dict(
         num_hiddens=num_hiddens, num_heads=num_heads, num_blks=num_blks,
-        seq_len=data.num_steps, batch_size=batch_size, lr=lr, steps=steps,
+        seq_len=data.seq_len, batch_size=batch_size, lr=lr, steps=steps,
         seeds=list(seeds),
     )  # fmt: skip
     return ActivationComparison(
@@ -394,6 +399,16 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> str:
     return "quick" if quick else "full" if full else "cpu"
 
 
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 idle CPU cores: 0.26 s per step and run, plus compilation.
+
+    (The per-step figure's calibration: benchmarks/README.md.)
+    """
+    quick, full, _ = check_report_flags("activations.report_estimate", quick, full)
+    steps, seeds = REPORT_PROTOCOLS[report_protocol(quick=quick, full=full)]
+    return 2 * len(seeds) * steps * 0.26 + 20
+
+
 def report_section(
     out_dir: str | Path,
     *,
@@ -408,13 +423,13 @@ def report_section(
     the section names that protocol and how to run the full one. `quick`: 90
     steps, seed 0. Writes `out_dir/train_losses.png`.
     """
-    owner = "activations.report_section"
-    quick, full = check_bool(owner, "quick", quick), check_bool(owner, "full", full)
-    progress = check_bool(owner, "progress", progress)
+    quick, full, progress = check_report_flags(
+        "activations.report_section", quick, full, progress
+    )
     name = report_protocol(quick=quick, full=full)
     steps, seeds = REPORT_PROTOCOLS[name]
     result = compare_activations(("gelu", "swiglu"), seeds, steps, progress=progress)
-    png = result.plot(Path(out_dir) / "train_losses.png")
+    (png,) = result.figures(out_dir)
     text = report_markdown(result, png.name)
     if name == "cpu":
         full_steps, full_seeds = REPORT_PROTOCOLS["full"]
@@ -423,7 +438,8 @@ def report_section(
             "comparison, seed 0 only. The full one (`full`: "
             f"{full_steps} steps, seeds {list(full_seeds)}, a mean and a spread "
             "over seeds) runs with `blocklab report --full` (the default on a GPU "
-            f"or TPU) or `blocklab train --seeds {' '.join(map(str, full_seeds))}`, "
+            "or TPU) or `blocklab activations --seeds "
+            f"{' '.join(map(str, full_seeds))}`, "
             "and takes about 16 min on 2 CPU cores.\n\n"
         )
         head, description, rest = text.split("\n\n", 2)

@@ -22,6 +22,7 @@ from ..nn.block import PLACEMENTS, TransformerBlock
 from ..nn.ffn import ACTS, FeedForward
 from ..nn.normalization import NORMS
 from ._render import markdown_table
+from .protocol import check_report_flags
 
 __all__ = ["CHAPTER_BLOCKS", "CensusResult", "act_blocks", "block_census", "run_census"]
 
@@ -183,3 +184,22 @@ def run_census(
         blocks={label: block_census(d, h, **opts) for label, opts in configs.items()},
         ffn=ffn_census(d, acts),
     )
+
+
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 CPU cores (abstract blocks: nothing is computed)."""
+    check_report_flags("census.report_estimate", quick, full)
+    return 5.0
+
+
+def report_section(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
+) -> str:
+    """The report's census of the chapter's blocks (the same at every size)."""
+    check_report_flags("census.report_section", quick, full, progress)
+    del out_dir  # the census has no figures
+    return run_census().section()

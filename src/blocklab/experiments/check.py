@@ -1,6 +1,7 @@
 r"""The table of identities and closed forms: the chapter's claims against the library.
 
-One table, one row per claim: the closed form (`blocklab.diagnostics.theory`, or the right
+One table, one row per claim: the closed form (`blocklab.diagnostics.theory`, or
+the right
 side of a `blocklab.diagnostics.identities` identity), what the library measures, their
 discrepancy, the tolerance and whether the claim holds. Four kinds of rows:
 
@@ -45,6 +46,8 @@ from ..nn.block import PLACEMENTS, TransformerBlock
 from ..nn.ffn import ACTS, FeedForward, ffn_width
 from ..nn.functional import gelu, layer_norm, rms_norm
 from ..nn.normalization import NORMS
+from ._seeds import resolve_num_seeds
+from .protocol import check_report_flags
 
 __all__ = ["CheckResult", "KEYS", "check_rows", "run_check"]
 
@@ -150,7 +153,8 @@ def _seed_row(claim, closed, samples, *, log=False, note=""):
 
 # ------------------------------------------------------- exercises 1-3: identities
 def identity_rows() -> list[dict[str, Any]]:
-    """Every identity of `blocklab.diagnostics.identities` on small random inputs (float64)."""
+    """Every identity of `blocklab.diagnostics.identities` on small random inputs
+    (float64)."""
     k = iter(jax.random.split(jax.random.key(0), 12))
     x = jax.random.normal(next(k), (8, 64))
     gain = 1.0 + 0.3 * jax.random.normal(next(k), (64,))
@@ -184,18 +188,18 @@ def identity_rows() -> list[dict[str, Any]]:
     return [_identity_row(r) for r in results]
 
 
-def post_ln_factor_rows(num_blks: int = 8, seeds: int = 6) -> list[dict[str, Any]]:
+def post_ln_factor_rows(num_blks: int = 8, num_seeds: int = 6) -> list[dict[str, Any]]:
     r"""Exercise 3b: the closed forms in $c_j$ against a post-LN stack's factor.
 
     `num_blks` post-LN RMSNorm blocks of width 256 (4 heads, tanh-GELU MLP),
-    Xavier-uniform, on 64 standard-normal tokens, for `seeds` weight draws.
+    Xavier-uniform, on 64 standard-normal tokens, for `num_seeds` weight draws.
     Per draw, the mean over tokens of $\log\prod_j r(u_j)^{-1}$ minus that of
     the closed form; the noise is over draws, not tokens: for one draw the
     cross terms $2\langle x_{j-1}, F_j\rangle/d$ have a weight-dependent mean
     of order $1/d$ that averaging over tokens does not remove.
     """
     logm, logc, logcommon, cs = [], [], [], []
-    for seed in range(seeds):
+    for seed in range(num_seeds):
         keys = jax.random.split(jax.random.key(100 + seed), num_blks + 2)
         blocks = [
             TransformerBlock(256, 4, placement="post", act="gelu", key=kb)
@@ -466,29 +470,30 @@ _WIDE_CHUNK = 1
 _CHUNK = 4
 
 
-def _measure(seeds: int, **options):
-    """`signal_stats` of `seeds` stacks (weights from seeds 0..S-1 of key 10,
+def _measure(num_seeds: int, **options):
+    """`signal_stats` of `num_seeds` stacks (weights from seeds 0..S-1 of key 10,
     inputs from key 20), as NumPy; wide stacks a few seeds at a time."""
-    stack_keys = jax.random.split(jax.random.key(10), seeds)
-    keys = jax.random.split(jax.random.key(20), seeds)
+    stack_keys = jax.random.split(jax.random.key(10), num_seeds)
+    keys = jax.random.split(jax.random.key(20), num_seeds)
     chunk = _CHUNK if options.get("num_hiddens", 256) <= 256 else _WIDE_CHUNK
     parts = [
         jax.tree_util.tree_map(
             np.asarray,
             _sweep(_stacks(stack_keys[i : i + chunk], **options), keys[i : i + chunk]),
         )
-        for i in range(0, seeds, chunk)
+        for i in range(0, num_seeds, chunk)
     ]
     return jax.tree_util.tree_map(lambda *a: np.concatenate(a), *parts)
 
 
 def signal_rows(
-    *, seeds: int = 6, quick: bool = False, gpt1: bool = True
+    *, num_seeds: int = 6, quick: bool = False, gpt1: bool = True
 ) -> list[dict[str, Any]]:
-    """Exercises 4a-b and 5a-c against `blocklab.diagnostics.propagation.signal_stats` over seeds.
+    """Exercises 4a-b and 5a-c against `blocklab.diagnostics.propagation.signal_stats`
+    over seeds.
 
     Block-1 mean squares come from 32 one-block stacks (cheap, and precise
-    enough to resolve the 9 % of exercise 4b); the spreads from `seeds`
+    enough to resolve the 9 % of exercise 4b); the spreads from `num_seeds`
     stacks of 32 blocks (d = 256) and, with `gpt1`, 12 blocks (d = 768).
     """
     n, rows = 64, []
@@ -534,8 +539,8 @@ def signal_rows(
             first.c_attn[:, 0],
         ),
     ]
-    full = _measure(seeds)
-    no_ffn = _measure(seeds, ffn=False)
+    full = _measure(num_seeds)
+    no_ffn = _measure(num_seeds, ffn=False)
     bar.update()
     ffn_note = (
         "collapses faster: each FFN adds the token-independent vector W_2 E[GELU] "
@@ -562,7 +567,7 @@ def signal_rows(
                 )
             )
     if not quick:
-        uniform = _measure(seeds, ffn=False, uniform=True)
+        uniform = _measure(num_seeds, ffn=False, uniform=True)
         rows.append(
             _seed_row(
                 "ex. 5a: post-LN spread at k=16, alpha=1, attention only with "
@@ -574,7 +579,7 @@ def signal_rows(
             )
         )
     for alpha in () if quick else (0.7, 0.5):
-        stats = _measure(seeds, ffn=False, alpha=alpha)
+        stats = _measure(num_seeds, ffn=False, alpha=alpha)
         rows.append(
             _seed_row(
                 f"ex. 5b: post-LN spread at k=32, alpha={alpha} (attention only)",
@@ -585,13 +590,13 @@ def signal_rows(
         )
     bar.update()
     if gpt1:
-        rows += _gpt1_rows(seeds)
+        rows += _gpt1_rows(num_seeds)
     bar.update()
     bar.close()
     return rows
 
 
-def _gpt1_rows(seeds: int) -> list[dict[str, Any]]:
+def _gpt1_rows(num_seeds: int) -> list[dict[str, Any]]:
     """Exercise 5c: GPT-1's alpha and the spread after 12 blocks at d = 768."""
     n, rows = 64, []
     alpha_gpt1 = theory.init_alpha(768, 0.02)
@@ -625,7 +630,7 @@ def _gpt1_rows(seeds: int) -> list[dict[str, Any]]:
         ("GPT-1 init, FFN removed", dict(std=0.02, ffn=False), ""),
         ("Xavier at d=768 (alpha=1)", {}, gpt_note),
     ):
-        stats = _measure(seeds, **options, **gpt_opts)
+        stats = _measure(num_seeds, **options, **gpt_opts)
         alpha = 1.0 if "std" not in options else alpha_gpt1
         rows.append(
             _seed_row(
@@ -712,24 +717,23 @@ def norm_rows(*, quick: bool = False) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- the table
 def check_rows(
-    *, seeds: int = 6, quick: bool = False, gpt1: bool | None = None
+    *, num_seeds: int = 6, quick: bool = False, gpt1: bool | None = None
 ) -> list[dict[str, Any]]:
     """Every row of the table (see the module docstring), in exercise order.
 
     `quick` takes fewer configurations and a smaller timing array; `gpt1`
     (default: not `quick`) adds the d = 768 measurements of exercise 5c.
     """
-    if seeds < 2:
-        raise ValueError(
-            f"check: seeds must be >= 2 (for a standard error), got {seeds}."
-        )
+    num_seeds = check_int("check_rows", "num_seeds", num_seeds, min=2)
     parts = [
         ("identities", identity_rows),
         ("ex. 3b", post_ln_factor_rows),
         (
             "signal",
             lambda: signal_rows(
-                seeds=seeds, quick=quick, gpt1=not quick if gpt1 is None else gpt1
+                num_seeds=num_seeds,
+                quick=quick,
+                gpt1=not quick if gpt1 is None else gpt1,
             ),
         ),
         ("QK-norm", qk_rows),
@@ -813,13 +817,13 @@ class CheckResult:
         rows: one dict per claim, with the keys `KEYS`: `claim`, `closed_form`,
             `measured`, `discrepancy`, `tolerance`, `holds` and `note` (why a
             claim that does not hold fails), in exercise order.
-        seeds: seeds of the spread predictions.
+        num_seeds: weight draws (seeds 0..num_seeds-1) of the spread predictions.
         quick: whether the reduced grid and timing array were used.
         gpt1: whether the d = 768 rows of exercise 5c were measured.
     """
 
     rows: list[dict[str, Any]]
-    seeds: int
+    num_seeds: int
     quick: bool
     gpt1: bool
 
@@ -855,13 +859,18 @@ class CheckResult:
 
 
 def run_check(
-    *, seeds: int = 6, quick: bool = False, gpt1: bool | None = None
+    *,
+    num_seeds: int = 6,
+    quick: bool = False,
+    gpt1: bool | None = None,
+    seeds: int | None = None,
 ) -> CheckResult:
     """Measure every claim of the table (see the module docstring).
 
     Args:
-        seeds: weight draws for the spread predictions (>= 2, for a standard
-            error; the report uses 8, or 4 under `--quick`).
+        num_seeds: weight draws for the spread predictions, seeds
+            0..num_seeds-1 (>= 2, for a standard error; the report uses 8, or 4
+            under `--quick`).
         quick: fewer block configurations and a smaller timing array.
         gpt1: add exercise 5c's d = 768 measurements (default: not `quick`).
 
@@ -869,8 +878,28 @@ def run_check(
         A `CheckResult`.
     """
     owner = "run_check"
-    seeds = check_int(owner, "seeds", seeds, min=2)
+    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=6, min=2)
     quick = check_bool(owner, "quick", quick)
     gpt1 = not quick if gpt1 is None else check_bool(owner, "gpt1", gpt1)
-    rows = check_rows(seeds=seeds, quick=quick, gpt1=gpt1)
-    return CheckResult(rows=rows, seeds=seeds, quick=quick, gpt1=gpt1)
+    rows = check_rows(num_seeds=num_seeds, quick=quick, gpt1=gpt1)
+    return CheckResult(rows=rows, num_seeds=num_seeds, quick=quick, gpt1=gpt1)
+
+
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 idle CPU cores (calibration: benchmarks/README.md)."""
+    quick, full, _ = check_report_flags("check.report_estimate", quick, full)
+    return 80.0 if quick else 140.0
+
+
+def report_section(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
+) -> str:
+    """The report's table of claims: 8 seeds and exercise 5c's d = 768 rows;
+    `quick`: 4 seeds, the reduced grid and timing array. No figures."""
+    quick, full, _ = check_report_flags("check.report_section", quick, full, progress)
+    del out_dir
+    return run_check(num_seeds=4 if quick else 8, quick=quick, gpt1=True).section()

@@ -15,7 +15,7 @@ logit| on a fixed batch (`LogitProbe`).
 $64 \times 128$ batches, 1000 steps: about 3.5 PFLOP, hours on a 2-core CPU,
 minutes on a GPU); `CPU` is the reduced protocol `blocklab report` runs
 without an accelerator (a few minutes on 2 cores); `QUICK` is smaller still
-(`blocklab lr-sweep --quick`, `blocklab report --quick`).
+(`blocklab lr-sensitivity --quick`, `blocklab report --quick`).
 
 **Decision rule** (for every rate where the model without QK-norm ends worse,
 i.e. its final loss exceeds the QK-norm model's by more than `GAP` nats, or it
@@ -46,12 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .._validate import check_float, check_int
+from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
 from ..training.sweep import SweepResult, train_sweep
 from ._seeds import check_seed
 from .plotting import line_plot
+from .protocol import check_report_flags
 
 __all__ = [
     "CPU",
@@ -116,12 +117,12 @@ class LRProtocol:
             if f.name != "name":
                 check_int(owner, f.name, getattr(self, f.name), min=1)
         if self.num_hiddens % self.num_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: num_hiddens must be a multiple of num_heads, got "
                 f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}."
             )
         if self.steps < self.record_every:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: steps must be >= record_every, got steps={self.steps}, "
                 f"record_every={self.record_every}."
             )
@@ -150,7 +151,7 @@ class LRProtocol:
 FULL = LRProtocol("full", 256, 6, 4, 128, 64, 1000, 100, 8)
 #: The reduced protocol of `blocklab report` on a CPU (a few minutes on 2 cores).
 CPU = LRProtocol("cpu", 64, 2, 4, 64, 32, 400, 40, 8)
-#: The smallest protocol: `blocklab lr-sweep --quick`, `blocklab report --quick`.
+#: The smallest protocol: `blocklab lr-sensitivity --quick`, `blocklab report --quick`.
 QUICK = LRProtocol("quick", 64, 2, 4, 32, 16, 300, 30, 8)
 PROTOCOLS = {p.name: p for p in (FULL, CPU, QUICK)}
 
@@ -457,13 +458,13 @@ class LRSensitivityResult:
 def _check_lrs(owner: str, lrs) -> tuple[float, ...]:
     lrs = tuple(lrs)
     if not lrs:
-        raise ValueError(f"{owner}: lrs must hold at least one learning rate.")
+        raise ConfigError(f"{owner}: lrs must hold at least one learning rate.")
     out = tuple(
         check_float(owner, f"lrs[{i}]", v, min=0.0, min_open=True)
         for i, v in enumerate(lrs)
     )
     if len(set(out)) != len(out):
-        raise ValueError(f"{owner}: lrs must be distinct, got {list(out)}.")
+        raise ConfigError(f"{owner}: lrs must be distinct, got {list(out)}.")
     return out
 
 
@@ -485,19 +486,19 @@ def run_study(
         protocol: an `LRProtocol` (`FULL`, `CPU`, `QUICK`, or `FULL.replace(...)`).
         lrs: distinct positive learning rates (default the exercise's seven).
         seed: a non-negative int seed.
-        data: the corpus (default `TimeMachine(num_steps=protocol.seq_len)`).
+        data: the corpus (default `TimeMachine(seq_len=protocol.seq_len)`).
         progress: a tqdm bar per model.
     """
     owner = "run_study"
     if not isinstance(protocol, LRProtocol):
-        raise TypeError(
+        raise ConfigError(
             f"{owner}: protocol must be an LRProtocol (FULL, CPU, QUICK or "
             f"FULL.replace(...)), got {type(protocol).__name__}."
         )
     lrs = _check_lrs(owner, lrs)
     seed = check_seed(owner, "seed", seed)
     p = protocol
-    data = TimeMachine(num_steps=p.seq_len) if data is None else data
+    data = TimeMachine(seq_len=p.seq_len) if data is None else data
     stride = max(1, data.num_train // p.probe_batch)
     tokens = data.windows(jnp.arange(p.probe_batch) * stride)[0]
     probe = LogitProbe(tokens)
@@ -505,7 +506,7 @@ def run_study(
     results: dict[str, SweepResult] = {}
     for name in MODELS:
         make_model = _model_factory(
-            data.vocab_size, p.num_hiddens, p.num_heads, p.num_blks, data.num_steps,
+            data.vocab_size, p.num_hiddens, p.num_heads, p.num_blks, data.seq_len,
             name == "qk_norm",
         )  # fmt: skip
         results[name] = train_sweep(
@@ -550,6 +551,26 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> LRProtocol:
     return QUICK if quick else FULL if full else CPU
 
 
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 CPU cores of the protocol the report runs."""
+    quick, full, _ = check_report_flags("lr_sensitivity.report_estimate", quick, full)
+    return estimate_seconds(report_protocol(quick=quick, full=full))
+
+
+def slow_warning(protocol: LRProtocol, lrs: Sequence[float] = LRS) -> str | None:
+    """A line saying how long `protocol` takes on a 2-core CPU, when that is more
+    than half an hour (`None` otherwise); the CLI prints it on a CPU backend."""
+    flops = study_flops(protocol, lrs)
+    hours = flops / CPU_FLOPS / 3600
+    if hours <= 0.5:
+        return None
+    return (
+        f"lr-sensitivity: this protocol is {flops / 1e15:.1f} PFLOP of training, "
+        f"about {hours:.0f} h on a 2-core CPU at 200 GFLOP/s (minutes on a GPU); "
+        "--quick runs a reduced protocol in minutes."
+    )
+
+
 def report_section(
     out_dir: str | Path,
     *,
@@ -563,6 +584,9 @@ def report_section(
     otherwise `CPU`; the section names the protocol, and when it is not the
     full one, how to run that. `progress`: a tqdm bar per model.
     """
+    quick, full, progress = check_report_flags(
+        "lr_sensitivity.report_section", quick, full, progress
+    )
     protocol = report_protocol(quick=quick, full=full)
     result = run_study(protocol, progress=progress)
     paths = result.figures(out_dir)
@@ -573,7 +597,7 @@ def report_section(
             f"This is the reduced protocol `{protocol.name}`, sized for a CPU; the "
             f"exercise's protocol (`full`: {full_text}) runs with "
             "`blocklab report --full` (the default on a GPU or TPU) or "
-            "`blocklab lr-sweep`, and takes hours on a 2-core CPU.\n\n"
+            "`blocklab lr-sensitivity`, and takes hours on a 2-core CPU.\n\n"
         )
     return (
         "## Learning-rate sensitivity with and without QK-norm (exercise 11)\n\n"

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .._validate import check_bool, check_int
+from .._validate import ConfigError, check_bool, check_int
 from ..diagnostics.theory import achieved_bandwidth, norm_cost, passes_over_x
 from ..nn.functional import layer_norm, rms_norm
 from ..nn.inplace import layer_norm_, rms_norm_
 from ._render import markdown_table
+from .protocol import check_report_flags
 from .timing import time_call
 
 __all__ = ["DEFAULT_SHAPE", "NormsResult", "implementations", "run_norms"]
@@ -153,7 +154,7 @@ def run_norms(
         check_int(owner, f"shape[{i}]", s, min=1) for i, s in enumerate(shape)
     )
     if not shape:
-        raise ValueError(f"{owner}: shape must have at least one axis, got ().")
+        raise ConfigError(f"{owner}: shape must have at least one axis, got ().")
     reps = check_int(owner, "reps", reps, min=1)
     seed = check_int(owner, "seed", seed, min=0)
     progress = check_bool(owner, "progress", progress)
@@ -359,3 +360,24 @@ class NormsResult:
             "donation copies the result into the donated buffer, so it is no "
             f"faster.\n\n![achieved bandwidth]({png.name})\n"
         )
+
+
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 idle CPU cores (measured: 13 s; far more on a shared one)."""
+    quick, full, _ = check_report_flags("norms.report_estimate", quick, full)
+    return 10.0 if quick else 15.0
+
+
+def report_section(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
+) -> str:
+    """The report's timings (`REPORT_RUNS[quick]`); writes `norms_bandwidth.png`."""
+    quick, full, progress = check_report_flags(
+        "norms.report_section", quick, full, progress
+    )
+    shape, reps = REPORT_RUNS[quick]
+    return run_norms(shape=shape, reps=reps, progress=progress).section(out_dir)

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from numpy.typing import ArrayLike  # noqa: E402
 
 from .._io import atomic_path  # noqa: E402
+from .._validate import ConfigError  # noqa: E402
 
 __all__ = ["line_plot", "bar_plot", "sanitize"]
 
@@ -43,7 +44,7 @@ def sanitize(
     xs = np.asarray(x, np.float64).ravel()
     ys = np.asarray(y, np.float64).ravel()
     if xs.shape != ys.shape:
-        raise ValueError(
+        raise ConfigError(
             f"plotting: x has {xs.size} values and y {ys.size}; they must match."
         )
     keep = np.isfinite(xs) & np.isfinite(ys)

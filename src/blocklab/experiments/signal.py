@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .._validate import check_bool, check_float, check_int
+from .._validate import ConfigError, check_bool, check_float, check_int
 from ..diagnostics.propagation import (
     PROJECTIONS,
     SignalStats,
@@ -49,7 +49,9 @@ from ..diagnostics.propagation import (
 )
 from ..diagnostics.theory import c_attn_1, c_ffn_1, collapse_spread
 from ..nn.block import PLACEMENTS
+from ._seeds import resolve_num_seeds
 from .plotting import line_plot
+from .protocol import check_report_flags
 
 __all__ = [
     "ARCHS",
@@ -115,10 +117,10 @@ class SignalPropagation:
     """What `signal_propagation` returns.
 
     Attributes:
-        options: the protocol (seeds, num_blks, num_hiddens, num_heads, qk_norm,
+        options: the protocol (num_seeds, num_blks, num_hiddens, num_heads, qk_norm,
             alpha, ffn, and `arch` when a real architecture was measured).
         stats: placement (or architecture) -> `SignalStats` of float64 NumPy
-            arrays of shape `(seeds, N)`.
+            arrays of shape `(num_seeds, N)`.
     """
 
     options: dict[str, Any]
@@ -166,6 +168,10 @@ class SignalPropagation:
         out["nonfinite"] = bad
         return out
 
+    def figures(self, out_dir: str | Path) -> list[Path]:
+        """The four figures (one line per placement, min-max band over seeds)."""
+        return self.plot(out_dir)
+
     def plot(self, out_dir: str | Path) -> list[Path]:
         """The four figures (one line per placement, min-max band over seeds)."""
         k = [float(i) for i in range(1, self.num_blks + 1)]
@@ -199,52 +205,56 @@ class SignalPropagation:
         return paths
 
 
-def _check_protocol(owner, seeds, num_blks, num_hiddens, num_heads, alpha):
-    seeds = check_int(owner, "seeds", seeds, min=1)
+def _check_protocol(owner, num_seeds, num_blks, num_hiddens, num_heads, alpha):
+    num_seeds = check_int(owner, "num_seeds", num_seeds, min=1)
     num_blks = check_int(owner, "num_blks", num_blks, min=1)
     num_hiddens = check_int(owner, "num_hiddens", num_hiddens, min=1)
     num_heads = check_int(owner, "num_heads", num_heads, min=1)
     if num_hiddens % num_heads:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: num_hiddens must be a multiple of num_heads, got "
             f"num_hiddens={num_hiddens}, num_heads={num_heads}."
         )
     alpha = check_float(owner, "alpha", alpha, min=0.0, min_open=True)
-    return seeds, num_blks, num_hiddens, num_heads, alpha
+    return num_seeds, num_blks, num_hiddens, num_heads, alpha
 
 
 def run_placements(
-    placements: Sequence[str], seeds: int, *, chunk: int | None = None, **options
+    placements: Sequence[str], num_seeds: int, *, chunk: int | None = None, **options
 ) -> dict[str, SignalStats]:
-    """`signal_sweep` per placement, as float64 NumPy arrays `(seeds, N)` per field.
+    """`signal_sweep` per placement over seeds 0..num_seeds-1, as float64 NumPy
+    arrays `(num_seeds, N)` per field.
 
     `chunk`: seeds per compiled call (bounds memory; see `signal_sweep`)."""
     return {
-        p: _numpy(signal_sweep(p, seeds, chunk=chunk, **options)) for p in placements
+        p: _numpy(signal_sweep(p, num_seeds=num_seeds, chunk=chunk, **options))
+        for p in placements
     }
 
 
 def signal_propagation(
     placements: Sequence[str] = PLACEMENTS,
     *,
-    seeds: int = 3,
+    num_seeds: int = 3,
     num_blks: int = 32,
     num_hiddens: int = 256,
     num_heads: int = 4,
     qk_norm: bool = False,
     alpha: float = 1.0,
     ffn: bool = True,
+    seeds: int | None = None,
 ) -> SignalPropagation:
     """The chapter's signal experiment for each placement, vmapped over seeds.
 
     Args:
         placements: any of `blocklab.PLACEMENTS` (distinct).
-        seeds: number of seeds S >= 1 (seeds 0..S-1, one compiled program).
+        num_seeds: number of seeds S >= 1 (seeds 0..S-1, one compiled program).
         num_blks: depth N (the chapter: 32).
         num_hiddens, num_heads: width d (256) and heads (4).
         qk_norm: RMS-normalize queries and keys in every block.
         alpha: scale of every weight matrix after the Xavier draw (> 0).
         ffn: `False` replaces every FFN by a zero sublayer.
+        seeds: deprecated spelling of `num_seeds` (a `DeprecationWarning`).
 
     Returns:
         A `SignalPropagation`.
@@ -252,14 +262,15 @@ def signal_propagation(
     owner = "signal_propagation"
     placements = tuple(placements)
     if not placements or len(set(placements)) != len(placements):
-        raise ValueError(f"{owner}: placements must be distinct and non-empty.")
+        raise ConfigError(f"{owner}: placements must be distinct and non-empty.")
     for p in placements:
         if p not in PLACEMENTS:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: placements must be among {list(PLACEMENTS)}, got {p!r}."
             )
-    seeds, num_blks, num_hiddens, num_heads, alpha = _check_protocol(
-        owner, seeds, num_blks, num_hiddens, num_heads, alpha
+    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
+    num_seeds, num_blks, num_hiddens, num_heads, alpha = _check_protocol(
+        owner, num_seeds, num_blks, num_hiddens, num_heads, alpha
     )
     qk_norm = check_bool(owner, "qk_norm", qk_norm)
     ffn = check_bool(owner, "ffn", ffn)
@@ -267,8 +278,8 @@ def signal_propagation(
         num_blks=num_blks, num_hiddens=num_hiddens, num_heads=num_heads,
         qk_norm=qk_norm, alpha=alpha, ffn=ffn,
     )  # fmt: skip
-    stats = run_placements(placements, seeds, **opts)
-    return SignalPropagation({"seeds": seeds, **opts}, stats)
+    stats = run_placements(placements, num_seeds, **opts)
+    return SignalPropagation({"num_seeds": num_seeds, **opts}, stats)
 
 
 # --------------------------------------------------------------- architectures
@@ -285,10 +296,11 @@ def _preset(arch: str, num_blks: int, num_hiddens: int, num_heads: int):
 def signal_arch(
     arch: str,
     *,
-    seeds: int = 3,
+    num_seeds: int = 3,
     num_blks: int = 32,
     num_hiddens: int = 256,
     num_heads: int = 4,
+    seeds: int | None = None,
 ) -> SignalPropagation:
     """`signal_stats` on the `stack` of a real architecture's decoder, over seeds.
 
@@ -298,17 +310,19 @@ def signal_arch(
     `DecoderLM(config, key=key(s))` with its own initialization and reads a
     standard-normal input `(2, 64, d)` and readout drawn from the same key,
     as the chapter's experiment does (the stack is measured, not the
-    embeddings). Raises `ValueError` when the decoder module is unavailable.
+    embeddings). Seeds 0..num_seeds-1 (`seeds=` is the deprecated spelling).
+    Raises `ConfigError` when the decoder module is unavailable.
     """
     owner = "signal_arch"
     if arch not in ARCHS:
-        raise ValueError(f"{owner}: arch must be one of {list(ARCHS)}, got {arch!r}.")
-    seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
-        owner, seeds, num_blks, num_hiddens, num_heads, 1.0
+        raise ConfigError(f"{owner}: arch must be one of {list(ARCHS)}, got {arch!r}.")
+    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
+    num_seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
+        owner, num_seeds, num_blks, num_hiddens, num_heads, 1.0
     )
     if arch == "chapter":
         res = signal_propagation(
-            ("pre",), seeds=seeds, num_blks=num_blks, num_hiddens=num_hiddens,
+            ("pre",), num_seeds=num_seeds, num_blks=num_blks, num_hiddens=num_hiddens,
             num_heads=num_heads,
         )  # fmt: skip
         return SignalPropagation(
@@ -318,7 +332,7 @@ def signal_arch(
         config = _preset(arch, num_blks, num_hiddens, num_heads)
         from ..nn.decoder import DecoderLM
     except (ImportError, AttributeError) as e:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: arch={arch!r} needs blocklab.DecoderConfig.{arch}(), which "
             f"is not available here ({e})."
         ) from None
@@ -329,9 +343,9 @@ def signal_arch(
         X = jax.random.normal(x_key, (2, SEQ_LEN, num_hiddens), jnp.float32)
         return signal_stats(stack, X, r_key)
 
-    keys = jax.vmap(jax.random.key)(jnp.arange(seeds, dtype=jnp.uint32))
+    keys = jax.vmap(jax.random.key)(jnp.arange(num_seeds, dtype=jnp.uint32))
     stacked = _numpy(eqx.filter_jit(jax.vmap(one))(keys))
-    opts = dict(seeds=seeds, num_blks=num_blks, num_hiddens=num_hiddens,
+    opts = dict(num_seeds=num_seeds, num_blks=num_blks, num_hiddens=num_hiddens,
                 num_heads=num_heads, arch=arch)  # fmt: skip
     return SignalPropagation(opts, {arch: stacked})
 
@@ -395,7 +409,8 @@ class VarianceBudget:
         )
         return (
             "\n".join(lines)
-            + f"\n\nBlock 1 predicted by `blocklab.diagnostics.theory`: c_attn = {c_attn_1(64):.4f}"
+            + "\n\nBlock 1 predicted by `blocklab.diagnostics.theory`: "
+            f"c_attn = {c_attn_1(64):.4f}"
             f" (large-n limit e/64), c_ffn = {c_ffn_1():.4f}."
             + f"\n\nPower-law fits of the stream RMS: {fits}."
         )
@@ -456,7 +471,7 @@ class TokenCollapse:
 
 
 def exercise_5(
-    seeds: int,
+    num_seeds: int,
     num_blks: int = 32,
     alphas: Sequence[float] = (1.0, 0.7, 0.5),
     **options,
@@ -468,7 +483,8 @@ def exercise_5(
     for alpha in alphas:
         for ffn in (True, False):
             stats = signal_sweep(
-                "post", seeds, num_blks=num_blks, alpha=alpha, ffn=ffn, **options
+                "post", num_seeds=num_seeds, num_blks=num_blks, alpha=alpha, ffn=ffn,
+                **options,
             )
             rows[f"alpha={alpha:g}, {'full block' if ffn else 'no FFN'}"] = np.asarray(
                 stats.token_spread, np.float64
@@ -519,12 +535,13 @@ class LogitGrowth:
 
 def exercise_6c(
     num_hiddens: int = 256,
-    seeds: int = 1,
+    num_seeds: int = 1,
     lambdas: Sequence[float] = (1.0, 2.0, 4.0, 8.0),
 ) -> LogitGrowth:
     """Logit std and mean entropy for W_q, W_k scaled by lambda, +/- QK-norm.
 
-    Seed means of `blocklab.diagnostics.propagation.logit_growth` over seeds 0..seeds-1.
+    Seed means of `blocklab.diagnostics.propagation.logit_growth` over seeds
+    0..num_seeds-1.
     """
     lam = jnp.asarray(lambdas, jnp.float32)
     out = {}
@@ -533,7 +550,7 @@ def exercise_6c(
             logit_growth(
                 lam, qk_norm=qk, num_hiddens=num_hiddens, key=jax.random.key(s)
             )
-            for s in range(seeds)
+            for s in range(num_seeds)
         ]
         tag = "qk" if qk else "plain"
         for field in ("logit_std", "entropy"):
@@ -570,12 +587,12 @@ class PlacementComparison:
         return {k: {f: _clean(v) for f, v in r.items()} for k, r in self.rows.items()}
 
 
-def exercise_7(seeds: int, num_blks: int = 32, **options) -> PlacementComparison:
+def exercise_7(num_seeds: int, num_blks: int = 32, **options) -> PlacementComparison:
     """Four placements, with and without QK-norm: RMS, spread, W_q grads, entropy."""
     rows = {}
     for qk in (False, True):
         res = run_placements(
-            PLACEMENTS, seeds, num_blks=num_blks, qk_norm=qk, **options
+            PLACEMENTS, num_seeds, num_blks=num_blks, qk_norm=qk, **options
         )
         for placement, stats in res.items():
             r = stats.as_dict()
@@ -604,35 +621,38 @@ TITLES = {
 def run_exercises(
     names: Sequence[str],
     *,
-    seeds: int = 3,
+    num_seeds: int = 3,
     num_blks: int = 32,
     num_hiddens: int = 256,
     num_heads: int = 4,
     pre: SignalStats | None = None,
+    seeds: int | None = None,
 ) -> dict[str, Any]:
     """Run the named exercises at one protocol; returns name -> typed result.
 
     `pre` reuses a pre-LN run of that protocol (plain: no QK-norm, alpha 1,
-    full FFN) for exercises 3c and 4 instead of running one.
+    full FFN) for exercises 3c and 4 instead of running one. Seeds
+    0..num_seeds-1 (`seeds=` is the deprecated spelling).
     """
     owner = "run_exercises"
     for n in names:
         if n not in EXERCISES:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: exercises must be among {list(EXERCISES)}, got {n!r}."
             )
-    seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
-        owner, seeds, num_blks, num_hiddens, num_heads, 1.0
+    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
+    num_seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
+        owner, num_seeds, num_blks, num_hiddens, num_heads, 1.0
     )
     opts = dict(num_hiddens=num_hiddens, num_heads=num_heads)
     if {"3c", "4"} & set(names) and pre is None:
-        pre = run_placements(["pre"], seeds, num_blks=num_blks, **opts)["pre"]
+        pre = run_placements(["pre"], num_seeds, num_blks=num_blks, **opts)["pre"]
     run = {
         "3c": lambda: exercise_3c(pre),
         "4": lambda: exercise_4(pre),
-        "5": lambda: exercise_5(seeds, num_blks, **opts),
-        "6c": lambda: exercise_6c(num_hiddens, seeds),
-        "7": lambda: exercise_7(seeds, num_blks, **opts),
+        "5": lambda: exercise_5(num_seeds, num_blks, **opts),
+        "6c": lambda: exercise_6c(num_hiddens, num_seeds),
+        "7": lambda: exercise_7(num_seeds, num_blks, **opts),
     }
     return {n: run[n]() for n in EXERCISES if n in names}
 
@@ -651,38 +671,50 @@ OUTPUT_FAILURE = (
 )
 
 
+def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+    """Seconds on 2 idle CPU cores (calibration: benchmarks/README.md)."""
+    quick, full, _ = check_report_flags("signal.report_estimate", quick, full)
+    return 20.0 if quick else 140.0
+
+
 def report_section(
-    out_dir: str | Path, *, quick: bool = False, progress: bool = False
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    full: bool = False,
+    progress: bool = False,
 ) -> str:
     """Run the signal study and its exercises; write 4 PNGs; return the Markdown.
 
     Full: 4 seeds, 32 blocks, d = 256, exercise 3c on a 128-block pre-LN run.
     `quick`: 1 seed, exercise 3c on the 32-block run. `progress`: a tqdm bar
-    over the study's five runs (stderr).
+    over the study's five runs (stderr). The full protocol runs on a CPU too
+    (`full` changes nothing).
     """
-    quick = check_bool("signal.report_section", "quick", quick)
-    progress = check_bool("signal.report_section", "progress", progress)
-    seeds, n = (1, 32) if quick else (4, 32)
+    quick, full, progress = check_report_flags(
+        "signal.report_section", quick, full, progress
+    )
+    num_seeds, n = (1, 32) if quick else (4, 32)
     opts = dict(num_hiddens=256, num_heads=4)
     bar = tqdm(total=5, desc="signal", unit="run", leave=False, disable=not progress)
-    main = signal_propagation(PLACEMENTS, seeds=seeds, num_blks=n, **opts)
+    main = signal_propagation(PLACEMENTS, num_seeds=num_seeds, num_blks=n, **opts)
     bar.update()
-    figures = main.plot(out_dir)
+    figures = main.figures(out_dir)
     pre = main.stats["pre"]
     # 128 blocks of d = 256 hold about 1.5 GB per seed: one seed at a time
     deep = (
         pre
         if quick
-        else run_placements(["pre"], seeds, chunk=1, num_blks=128, **opts)["pre"]
+        else run_placements(["pre"], num_seeds, chunk=1, num_blks=128, **opts)["pre"]
     )
     bar.update()
     ex3 = exercise_3c(deep)
     ex4 = exercise_4(pre)
-    ex5 = exercise_5(seeds, n, **opts)
+    ex5 = exercise_5(num_seeds, n, **opts)
     bar.update()
-    ex6 = exercise_6c(256, seeds)
+    ex6 = exercise_6c(256, num_seeds)
     bar.update()
-    ex7 = exercise_7(seeds, n, **opts)
+    ex7 = exercise_7(num_seeds, n, **opts)
     bar.update()
     bar.close()
     chapter = "\n".join(
@@ -699,7 +731,7 @@ def report_section(
         f"{n} MiniBlocks (d = 256, 4 heads, LayerNorm, tanh-GELU MLP 4d with bias, "
         "attention without bias), every weight Xavier-uniform, input (2, 64, 256) "
         "standard normal, readout loss mean(R * H_N); "
-        f"mean [min, max] over {seeds} seed(s), vmapped.\n\n"
+        f"mean [min, max] over {num_seeds} seed(s), vmapped.\n\n"
         f"{main.table()}\n{chapter}\n\n{images}\n\n"
         f"### Exercise 7: off-stream normalization and QK-norm\n\n"
         f"{ex7.table()}\n\n{OUTPUT_FAILURE}\n\n"

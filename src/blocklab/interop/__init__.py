@@ -1,6 +1,9 @@
 """Layer 4, interoperation: Hugging Face families and the chapter's PyTorch state dicts.
 
-torch and transformers are imported lazily, only when a torch model is passed.
+`huggingface` is the conversion machinery; each family is a module (`gpt2`,
+`llama`, `olmo2`, `gemma3`, `mixtral`) built on the public helpers of
+`hf_common`; `porting` maps the chapter's PyTorch state dicts. torch and
+transformers are imported lazily, only when a torch model is passed.
 """
 
 from .huggingface import (
@@ -13,7 +16,7 @@ from .huggingface import (
     register_family,
     to_huggingface_state_dict,
 )
-from .mixtral import MoEDecoderConfig  # registers the "mixtral" family
+from .mixtral import MoEDecoderConfig
 from .porting import load_state_dict, state_dict
 
 __all__ = [

@@ -25,18 +25,19 @@ from typing import Any
 from .._validate import check_choice, check_int
 from ..nn.decoder import DecoderConfig
 from ..nn.moe import DISPATCHES, ROUTINGS, MoEFeedForward
-from .huggingface import (
+from .hf_common import (
     HFFamily,
     Rule,
-    _attn_rules,
-    _get,
-    _llama_like,
-    _model_global,
-    _refuse,
+    attn_rules,
+    get_field,
+    llama_like,
+    llama_like_fields,
+    model_global_rules,
+    refuse,
     register_family,
 )
 
-__all__ = ["MoEDecoderConfig"]
+__all__ = ["MIXTRAL", "MoEDecoderConfig"]
 
 _OWNER = "MoEDecoderConfig"
 
@@ -123,36 +124,52 @@ class MoEDecoderConfig(DecoderConfig):
         )
 
 
-def _mixtral_config(hf) -> MoEDecoderConfig:
+def mixtral_config(hf: Any) -> MoEDecoderConfig:
+    """The `MoEDecoderConfig` of a `MixtralConfig`; refuses what blocklab lacks."""
     cls = "MixtralForCausalLM"
-    E = _get(hf, "num_local_experts")
-    k = _get(hf, "num_experts_per_tok")
+    E = get_field(hf, "num_local_experts")
+    k = get_field(hf, "num_experts_per_tok")
     for field, value in (("num_local_experts", E), ("num_experts_per_tok", k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _refuse(cls, field, value, "expected a positive int")
+            raise refuse(cls, field, value, "expected a positive int")
     if k > E:
-        raise _refuse(
+        raise refuse(
             cls,
             "num_experts_per_tok",
             k,
             f"more experts per token than num_local_experts={E}",
         )
-    return _llama_like(
+    return llama_like(
         hf,
         cls,
         MoEDecoderConfig.llama,
-        head_dim=_get(hf, "head_dim"),
-        window=_get(hf, "sliding_window"),
+        head_dim=get_field(hf, "head_dim"),
+        window=get_field(hf, "sliding_window"),
         num_experts=E,
         top_k=k,
         routing="mixtral",
     )
 
 
-def _mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
+def mixtral_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The `MixtralConfig` fields of `cfg` (the inverse of `mixtral_config`;
+    Mixtral has no attention or expert biases, and one window for every layer)."""
+    return dict(
+        llama_like_fields(cfg),
+        head_dim=cfg.head_dim_,
+        sliding_window=cfg.window,
+        # A dense config: one expert, so that the difference is named.
+        num_local_experts=getattr(cfg, "num_experts", 1),
+        num_experts_per_tok=getattr(cfg, "top_k", 1),
+    )
+
+
+def mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
+    """One Mixtral block: Llama's attention and norms, the router `mlp.gate` and
+    the fused experts (`gate_up_proj` holds W_g then W_1 along axis 1)."""
     return [
         Rule("input_layernorm.weight", ("norm1.weight",)),
-        *_attn_rules(cfg),
+        *attn_rules(cfg),
         Rule("post_attention_layernorm.weight", ("norm2.weight",)),
         Rule("mlp.gate.weight", ("ffn.router.weight",)),
         Rule(
@@ -164,20 +181,15 @@ def _mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
     ]
 
 
-register_family(
+MIXTRAL = register_family(
     HFFamily(
         name="mixtral",
         classes=("MixtralForCausalLM",),
-        to_config=_mixtral_config,
+        to_config=mixtral_config,
+        hf_fields=mixtral_fields,
         layer_prefix="model.layers.{i}.",
-        layer_rules=_mixtral_layer,
-        global_rules=_model_global,
-        matches=lambda c: (
-            isinstance(c, MoEDecoderConfig)
-            and c.positions == "rope"
-            and c.placement == "pre"
-            and c.norm == "rms"
-        ),
+        layer_rules=mixtral_layer,
+        global_rules=model_global_rules,
         dropout_fields=("attention_dropout", "router_jitter_noise"),
     )
 )

@@ -32,7 +32,7 @@ import numpy as np
 from .._validate import ConfigError
 from ..nn.stack import Stack
 
-__all__ = ["state_dict", "load_state_dict"]
+__all__ = ["check_keys", "load_state_dict", "param_shapes", "state_dict"]
 
 
 def _is_param(leaf) -> bool:
@@ -55,7 +55,7 @@ def _as_numpy(name: str, value: Any) -> np.ndarray:
     try:
         return np.asarray(value)
     except (TypeError, ValueError) as err:
-        raise ValueError(
+        raise ConfigError(
             f"load_state_dict: key {name!r} is not an array ({type(value).__name__}:"
             f" {err})."
         ) from None
@@ -102,8 +102,9 @@ def _walk(module, fn, prefix: str = ""):
     )
 
 
-def _shapes(module) -> dict[str, tuple[int, ...]]:
-    """name -> expected shape of every parameter (per block inside a `Stack`)."""
+def param_shapes(module) -> dict[str, tuple[int, ...]]:
+    """`{dotted name: shape}` of every parameter of `module` (concrete or
+    abstract), per block inside a `Stack`: the names of `state_dict`."""
     shapes = {}
 
     def record(names, leaf):
@@ -145,10 +146,18 @@ def state_dict(module) -> dict[str, np.ndarray]:
     return {name: value for group in entries for name, value in group}
 
 
-def _check_keys(
+def check_keys(
     owner: str, expected: Any, given: Any, model: str, *, hint: str = ""
 ) -> None:
-    """Raise `ConfigError` naming every missing and every unexpected key."""
+    """Raise `ConfigError` naming every missing and every unexpected key.
+
+    Args:
+        owner: the public function, first in the message.
+        expected: the keys `model` has.
+        given: the keys of the state dict received.
+        model: what the state dict should match, in words.
+        hint: appended to the message.
+    """
     missing = [k for k in expected if k not in given]
     unexpected = [k for k in given if k not in expected]
     if missing or unexpected:
@@ -179,13 +188,13 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         A new module of the same structure; `module` is unchanged.
 
     Raises:
-        ValueError: naming every missing key and every unexpected key, a
+        ConfigError: naming every missing key and every unexpected key, a
             key whose array has the wrong shape (with both shapes), or a key
             whose array is not real floating point (integer, bool and complex
             arrays are refused rather than cast) or holds NaN or infinities.
     """
-    expected = _shapes(module)
-    _check_keys(
+    expected = param_shapes(module)
+    check_keys(
         "load_state_dict",
         expected,
         state_dict,
@@ -208,13 +217,13 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         value = _as_numpy(name, state_dict[name])
         got = tuple(value.shape)
         if got != shape:
-            raise ValueError(
+            raise ConfigError(
                 f"load_state_dict: shape mismatch for key {name!r}: the state "
                 f"dict has shape {got}, the module expects shape {shape} "
                 "(weights are (out_features, in_features), as in PyTorch)."
             )
         if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise ValueError(
+            raise ConfigError(
                 f"load_state_dict: key {name!r} holds an array of dtype "
                 f"{value.dtype}; parameters must be real floating point (an "
                 "integer, bool or complex array is refused, not cast). Convert "
@@ -223,7 +232,7 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         bad = ~np.isfinite(value.astype(np.float64))
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
+            raise ConfigError(
                 f"load_state_dict: key {name!r} holds {int(bad.sum())} non-finite "
                 f"value(s) (first: {value[where]!r} at index {list(where)}); "
                 "refusing to load NaN or infinite weights."
@@ -234,7 +243,7 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         with np.errstate(over="ignore"):  # an overflow is reported just below
             out = jnp.asarray(arrays[name], target)
         if not bool(jnp.all(jnp.isfinite(out))):
-            raise ValueError(
+            raise ConfigError(
                 f"load_state_dict: key {name!r} overflows {jnp.dtype(target)} "
                 f"(its largest magnitude is {np.abs(arrays[name]).max()!r}); "
                 "pass a wider dtype= or rescale the weights."

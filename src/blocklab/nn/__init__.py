@@ -1,6 +1,7 @@
 """Layer 1, the model: pure array functions and the Equinox modules built on them.
 
 `functional` (norms, activations, RoPE, masked softmax), `normalization`,
+`config` (`BlockConfig`, the block's options, checked once),
 `inplace` (donating norms), `attention`, `ffn`, `moe`, `block`, `stack`,
 `charlm`, `decoder` (real architectures) and `init` (re-initialization). It
 imports only `blocklab.data` (the character vocabulary) and the shared
@@ -10,6 +11,7 @@ checks below it.
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .charlm import CharLM, generate
+from .config import BlockConfig
 from .decoder import DecoderConfig, DecoderLM
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .inplace import layer_norm_, rms_norm_
@@ -20,6 +22,7 @@ from .stack import Stack
 __all__ = [
     "ACTS",
     "AttentionTrace",
+    "BlockConfig",
     "BlockTrace",
     "CharLM",
     "DecoderConfig",

@@ -11,15 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import check_bool, check_float, check_int, check_key
+from .._validate import ConfigError, check_bool, check_float, check_int, check_key
 from . import init
+from .config import (
+    QK_NORMS,
+    BlockConfig,
+    check_dropout,
+    check_qk_norm,
+    check_rope,
+    check_sizes,
+    reject_options_beside_config,
+)
 from .functional import _check_int_array, _lengths, dropout, linear, rope, softmax_where
 from .normalization import RMSNorm, check_float_input
 
 __all__ = ["MultiHeadAttention", "AttentionTrace", "check_config", "dense", "QK_NORMS"]
-
-#: The valid values of the `qk_norm` option (`True` means `"head"`).
-QK_NORMS = (False, True, "head", "full")
 
 
 class AttentionTrace(NamedTuple):
@@ -50,37 +56,16 @@ def check_config(
     owner: str, num_hiddens: int, num_heads: int, dropout: float, *, divisible=True
 ) -> tuple[int, int, float]:
     """Validate the sizes shared by attention and the block; return them as
-    Python numbers (NumPy scalars accepted). Raises `ValueError`."""
-    sizes = []
-    for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
-        value = check_int(owner, name, value)
-        if value < 1:
-            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}.")
-        sizes.append(value)
-    num_hiddens, num_heads = sizes
-    if divisible and num_hiddens % num_heads:
-        raise ValueError(
-            f"{owner}: num_hiddens must be divisible by num_heads, got "
-            f"num_hiddens={num_hiddens}, num_heads={num_heads}; choose num_heads "
-            f"among the divisors of {num_hiddens}, or give head_dim explicitly."
-        )
-    dropout = check_float(owner, "dropout", dropout)
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(
-            f"{owner}: dropout must be in [0, 1), got dropout={dropout!r}."
-        )
-    return num_hiddens, num_heads, dropout
+    Python numbers (NumPy scalars accepted). Raises `ConfigError`.
 
-
-def check_qk_norm(owner: str, qk_norm) -> str | None:
-    """`False` -> None, `True` / `"head"` -> "head", `"full"` -> "full"."""
-    if isinstance(qk_norm, (bool, np.bool_)):
-        return "head" if qk_norm else None
-    if isinstance(qk_norm, str) and qk_norm in ("head", "full"):
-        return qk_norm
-    raise ValueError(
-        f"{owner}: qk_norm must be one of {list(QK_NORMS)}, got qk_norm={qk_norm!r}."
+    Kept for callers of the flat layout; the checks are `config.check_sizes`
+    and `config.check_dropout`.
+    """
+    # head_dim=1 stands for "given" (no divisibility rule); it is not returned.
+    d, H, _, _ = check_sizes(
+        owner, num_hiddens, num_heads, head_dim=None if divisible else 1
     )
+    return d, H, check_dropout(owner, dropout)
 
 
 def _encode_theta(theta: float) -> Int[Array, ""]:
@@ -160,8 +145,8 @@ class MultiHeadAttention(eqx.Module):
 
     def __init__(
         self,
-        num_hiddens: int,
-        num_heads: int,
+        num_hiddens: int | BlockConfig,
+        num_heads: int | None = None,
         *,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
@@ -176,7 +161,11 @@ class MultiHeadAttention(eqx.Module):
         key: PRNGKeyArray,
     ):
         """Args:
-        num_hiddens: model width $d$.
+        num_hiddens: model width $d$; or a `BlockConfig`, alone (with `key`):
+            the block's attention, built from the config without checking it
+            again (`num_kv_heads`, `head_dim`, `attn_scale`, `rope_theta`,
+            `window`, `attn_bias`, `qk_norm`, `norm_eps`, Gemma QK-norms when
+            `norm="gemma_rms"`, `dropout`).
         num_heads: number of query heads $H$; must divide `num_hiddens` unless
             `head_dim` is given.
         num_kv_heads: key/value heads $K$ (default $H$); must divide $H$.
@@ -195,36 +184,44 @@ class MultiHeadAttention(eqx.Module):
         key: PRNG key for the weights.
         """
         owner = "MultiHeadAttention"
-        head_dim = check_int(owner, "head_dim", head_dim, min=1, optional=True)
-        d, H, self.dropout = check_config(
-            owner, num_hiddens, num_heads, dropout, divisible=head_dim is None
-        )
-        KV = check_int(owner, "num_kv_heads", num_kv_heads, min=1, optional=True)
-        KV = H if KV is None else KV
-        if H % KV:
-            raise ValueError(
-                f"{owner}: num_kv_heads must divide num_heads, got "
-                f"num_kv_heads={KV}, num_heads={H}."
+        if isinstance(num_hiddens, BlockConfig):
+            reject_options_beside_config(
+                owner,
+                MultiHeadAttention.__init__,
+                dict(
+                    num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, scale=scale, rope_theta=rope_theta,
+                    window=window, bias=bias, qk_norm=qk_norm,
+                    qk_norm_eps=qk_norm_eps,
+                    qk_norm_unit_offset=qk_norm_unit_offset, dropout=dropout,
+                ),
+            )  # fmt: skip
+            cfg = num_hiddens  # validated when it was built
+            d, H, KV, p = cfg.num_hiddens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            scale, rope_theta, window = cfg.attn_scale, cfg.rope_theta, cfg.window
+            bias, qk_norm, qk_norm_eps = cfg.attn_bias, cfg.qk_norm, cfg.norm_eps
+            unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
+        else:
+            d, H, KV, p = check_sizes(
+                owner, num_hiddens, num_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+            )  # fmt: skip
+            dropout = check_dropout(owner, dropout)
+            scale = check_float(
+                owner, "scale", scale, min=0.0, min_open=True, optional=True
             )
-        p = d // H if head_dim is None else head_dim
-        scale = check_float(
-            owner, "scale", scale, min=0.0, min_open=True, optional=True
-        )
-        bias = check_bool(owner, "bias", bias)
-        self.qk_norm = check_qk_norm(owner, qk_norm)
-        qk_norm_eps = check_float(owner, "qk_norm_eps", qk_norm_eps, min=0.0)
-        unit = check_bool(owner, "qk_norm_unit_offset", qk_norm_unit_offset)
-        rope_theta = check_float(
-            owner, "rope_theta", rope_theta, min=0.0, min_open=True, optional=True
-        )
-        window = check_int(owner, "window", window, min=0, optional=True)
-        key = check_key(owner, "key", key)
-        if rope_theta is not None and p % 2:
-            raise ValueError(f"{owner}: RoPE needs an even head_dim, got head_dim={p}.")
+            bias = check_bool(owner, "bias", bias)
+            qk_norm = check_qk_norm(owner, qk_norm)
+            qk_norm_eps = check_float(owner, "qk_norm_eps", qk_norm_eps, min=0.0)
+            unit = check_bool(owner, "qk_norm_unit_offset", qk_norm_unit_offset)
+            rope_theta = check_rope(owner, rope_theta, p)
+            window = check_int(owner, "window", window, min=0, optional=True)
 
+        key = check_key(owner, "key", key)
         self.num_hiddens, self.num_heads, self.num_kv_heads = d, H, KV
-        self.head_dim = p
+        self.head_dim, self.dropout = p, dropout
         self.scale = 1.0 / math.sqrt(p) if scale is None else scale
+        self.qk_norm = qk_norm or None
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.W_q = init.linear(d, H * p, bias=bias, key=kq)
         self.W_k = init.linear(d, KV * p, bias=bias, key=kk)
@@ -267,7 +264,7 @@ class MultiHeadAttention(eqx.Module):
         `__call__`.
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ValueError(
+            raise ConfigError(
                 f"MultiHeadAttention acts on a sequence x of shape (T, "
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
@@ -378,7 +375,7 @@ def _positions(positions, shape) -> Array:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(
+        raise ConfigError(
             f"MultiHeadAttention: positions must broadcast to x.shape[:-1] = "
             f"{tuple(shape)} (e.g. shape (T,) = ({shape[-1]},)), got shape "
             f"{tuple(pos.shape)}."

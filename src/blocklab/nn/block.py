@@ -10,16 +10,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import check_bool, check_int, check_key
-from .attention import AttentionTrace, MultiHeadAttention, check_config, check_qk_norm
-from .ffn import ACTS, FeedForward
+from .._validate import ConfigError, check_key
+from .attention import AttentionTrace, MultiHeadAttention
+from .config import PLACEMENTS, BlockConfig, reject_options_beside_config
+from .ffn import FeedForward
 from .functional import dropout
-from .normalization import NORMS, LayerNorm, RMSNorm, check_float_input, make_norm
+from .normalization import LayerNorm, RMSNorm, check_float_input, make_norm
 
-__all__ = ["TransformerBlock", "BlockTrace", "PLACEMENTS"]
-
-#: The valid values of the `placement` option.
-PLACEMENTS = ("post", "pre", "output", "sandwich")
+__all__ = ["TransformerBlock", "BlockTrace", "BlockConfig", "PLACEMENTS"]
 
 
 class BlockTrace(NamedTuple):
@@ -85,17 +83,12 @@ class TransformerBlock(eqx.Module):
     out_norm2: RMSNorm | LayerNorm | None
     attention: Any
     ffn: Any
-    num_hiddens: int = eqx.field(static=True)
-    num_heads: int = eqx.field(static=True)
-    norm: str = eqx.field(static=True)
-    act: str = eqx.field(static=True)
-    placement: str = eqx.field(static=True)
-    dropout: float = eqx.field(static=True)
+    cfg: BlockConfig = eqx.field(static=True)
 
     def __init__(
         self,
-        num_hiddens: int,
-        num_heads: int,
+        num_hiddens: int | BlockConfig,
+        num_heads: int | None = None,
         *,
         dropout: float = 0.0,
         norm: str = "rms",
@@ -116,8 +109,16 @@ class TransformerBlock(eqx.Module):
         ffn_factory: Callable[..., Any] | None = None,
         key: PRNGKeyArray,
     ):
-        """Args:
-        num_hiddens: model width $d$.
+        """Build the block from its options, or from a `BlockConfig`.
+
+        `TransformerBlock(d, H, **options, key=key)` is
+        `TransformerBlock(BlockConfig(d, H, **options), key=key)`: the options
+        are the fields of `BlockConfig` (validated there, once; a bad one
+        raises `ConfigError`), and the block stores that config as `cfg`.
+        Given a `BlockConfig`, pass no other option (only the factories).
+
+        Args:
+        num_hiddens: model width $d$, or a `BlockConfig` (then alone).
         num_heads: attention (query) heads; must divide `num_hiddens` unless
             `head_dim` is given.
         dropout: rate for attention weights and both branch outputs.
@@ -148,68 +149,86 @@ class TransformerBlock(eqx.Module):
             `trace` method; replaces the default.
         key: PRNG key for the weights.
         """
-        owner = "TransformerBlock"
-        head_dim = check_int(owner, "head_dim", head_dim, min=1, optional=True)
-        num_hiddens, num_heads, dropout = check_config(
-            owner, num_hiddens, num_heads, dropout, divisible=head_dim is None
-        )
-        if not isinstance(norm, str) or norm not in NORMS:
-            raise ValueError(
-                f"TransformerBlock: norm must be one of {sorted(NORMS)}, "
-                f"got norm={norm!r}."
+        options = dict(
+            dropout=dropout, norm=norm, act=act, placement=placement, bias=bias,
+            qk_norm=qk_norm, norm_eps=norm_eps, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, ffn_width=ffn_width, attn_scale=attn_scale,
+            rope_theta=rope_theta, window=window, attn_bias=attn_bias,
+            ffn_bias=ffn_bias,
+        )  # fmt: skip
+        if isinstance(num_hiddens, BlockConfig):
+            owner = "TransformerBlock"
+            reject_options_beside_config(
+                owner, TransformerBlock.__init__, dict(num_heads=num_heads, **options)
             )
-        if not isinstance(act, str) or act not in ACTS:
-            raise ValueError(
-                f"TransformerBlock: act must be one of {list(ACTS)}, got act={act!r}."
-            )
-        if not isinstance(placement, str) or placement not in PLACEMENTS:
-            raise ValueError(
-                f"TransformerBlock: placement must be one of {list(PLACEMENTS)}, "
-                f"got placement={placement!r}."
-            )
-        bias = check_bool(owner, "bias", bias)
-        attn_bias = (
-            bias if attn_bias is None else check_bool(owner, "attn_bias", attn_bias)
-        )
-        ffn_bias = bias if ffn_bias is None else check_bool(owner, "ffn_bias", ffn_bias)
-        qk_norm = check_qk_norm(owner, qk_norm)
-        key = check_key(owner, "key", key)
-        self.num_hiddens, self.num_heads = num_hiddens, num_heads
-        self.norm, self.act = norm, act
-        self.placement, self.dropout = placement, dropout
+            cfg = num_hiddens
+        else:
+            cfg = BlockConfig(num_hiddens, num_heads, **options)
+        key = check_key("TransformerBlock", "key", key)
+        self.cfg = cfg
         attn_key, ffn_key = jax.random.split(key)
 
         def new_norm():
-            return make_norm(norm, num_hiddens, norm_eps)
+            return make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
 
         self.norm1, self.norm2 = new_norm(), new_norm()
-        sandwich = placement == "sandwich"
+        sandwich = cfg.placement == "sandwich"
         self.out_norm1 = new_norm() if sandwich else None
         self.out_norm2 = new_norm() if sandwich else None
         self.attention = (
-            MultiHeadAttention(
-                num_hiddens,
-                num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                scale=attn_scale,
-                rope_theta=rope_theta,
-                window=window,
-                bias=attn_bias,
-                qk_norm=False if qk_norm is None else qk_norm,
-                qk_norm_eps=norm_eps,
-                qk_norm_unit_offset=norm == "gemma_rms",
-                dropout=dropout,
-                key=attn_key,
-            )
+            MultiHeadAttention(cfg, key=attn_key)
             if attn_factory is None
             else attn_factory(key=attn_key)
         )
         self.ffn = (
-            FeedForward(num_hiddens, act, bias=ffn_bias, width=ffn_width, key=ffn_key)
+            FeedForward(cfg, key=ffn_key)
             if ffn_factory is None
             else ffn_factory(key=ffn_key)
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: BlockConfig,
+        *,
+        attn_factory: Callable[..., Any] | None = None,
+        ffn_factory: Callable[..., Any] | None = None,
+        key: PRNGKeyArray,
+    ) -> TransformerBlock:
+        """`TransformerBlock(cfg, key=key)`, spelled out: the block of a
+        validated `BlockConfig` (checked when it was built, not again)."""
+        if not isinstance(cfg, BlockConfig):
+            raise ConfigError(
+                "TransformerBlock.from_config: cfg must be a BlockConfig, got "
+                f"{type(cfg).__name__}; build one with BlockConfig(num_hiddens, "
+                "num_heads, ...)."
+            )
+        return cls(cfg, attn_factory=attn_factory, ffn_factory=ffn_factory, key=key)
+
+    # The chapter's attributes, read from the config.
+    @property
+    def num_hiddens(self) -> int:
+        return self.cfg.num_hiddens
+
+    @property
+    def num_heads(self) -> int:
+        return self.cfg.num_heads
+
+    @property
+    def norm(self) -> str:
+        return self.cfg.norm
+
+    @property
+    def act(self) -> str:
+        return self.cfg.act
+
+    @property
+    def placement(self) -> str:
+        return self.cfg.placement
+
+    @property
+    def dropout(self) -> float:
+        return self.cfg.dropout
 
     def _sublayer(self, x, branch_fn, norm, out_norm, key):
         """One residual sublayer; returns (new stream, what the branch wrote)."""
@@ -241,7 +260,7 @@ class TransformerBlock(eqx.Module):
         `.output`); see `BlockTrace`. Arguments as for `__call__`.
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ValueError(
+            raise ConfigError(
                 f"TransformerBlock acts on a sequence x of shape (T, "
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."

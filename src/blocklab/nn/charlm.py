@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
 from .block import TransformerBlock
+from .config import BlockConfig
 from .functional import linear
 from .normalization import RMSNorm
 from .stack import Stack
@@ -30,30 +31,24 @@ def _python_scalar(value: Any) -> Any:
 
 @eqx.filter_jit
 def _build_charlm(
-    key,
-    vocab_size,
-    num_hiddens,
-    num_heads,
-    num_blks,
-    act,
-    max_len,
-    remat,
-    unroll,
-    options,
+    key, vocab_size, block, layer_data, factories, num_blks, max_len, remat, unroll
 ):
     """CharLM's random arrays, drawn in one compiled program.
 
-    Drawing them op by op compiles dozens of tiny kernels (tens of seconds on
-    a busy 2-core machine); one jitted builder compiles once per configuration.
+    Drawing them op by op compiles dozens of tiny kernels; one jitted builder
+    compiles once per configuration. `layer_data` is `(block.window,
+    block.rope_theta)`: `BlockConfig`'s `==` leaves them out (they are data),
+    so they key the compiled builder here.
     """
+    del layer_data
     tok_key, pos_key, stack_key = jax.random.split(key, 3)
 
     def embedding(n, k):
-        weight = 0.02 * jax.random.normal(k, (n, num_hiddens), jnp.float32)
+        weight = 0.02 * jax.random.normal(k, (n, block.num_hiddens), jnp.float32)
         return eqx.nn.Embedding(weight=weight)
 
     def make_block(k):
-        return TransformerBlock(num_hiddens, num_heads, act=act, key=k, **dict(options))
+        return TransformerBlock(block, key=k, **dict(factories))
 
     stack = Stack(make_block, num_blks, remat=remat, unroll=unroll, key=stack_key)
     return embedding(vocab_size, tok_key), embedding(max_len, pos_key), stack
@@ -69,9 +64,9 @@ class CharLM(eqx.Module):
     to itself and the positions before it (causal). The token embedding $E$
     (`vocab_size x d`) and the learned position embedding $P$ (`max_len x d`)
     are drawn from $\mathcal N(0, 0.02^2)$; the output head reuses $E$ (weight
-    tying, Press & Wolf, 2017). The blocks are
-    `TransformerBlock(num_hiddens, num_heads, act=act, **block_options)` with
-    their default (Flax NNX-matching) initialization.
+    tying, Press & Wolf, 2017). The blocks are `TransformerBlock(self.block)`,
+    `self.block = BlockConfig(num_hiddens, num_heads, act=act,
+    **block_options)`, with their default (Flax NNX-matching) initialization.
     """
 
     token_emb: eqx.nn.Embedding
@@ -85,6 +80,7 @@ class CharLM(eqx.Module):
     act: str = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
     block_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    block: BlockConfig = eqx.field(static=True)
 
     def __init__(
         self,
@@ -109,8 +105,10 @@ class CharLM(eqx.Module):
         unroll: blocks per scan iteration (see `Stack`); default
             `min(num_blks, 4)`, so the chapter's two blocks run unrolled.
         key: PRNG key for every weight.
-        **block_options: further `TransformerBlock` options (`norm`,
-            `placement`, `bias`, `qk_norm`, `dropout`, factories).
+        **block_options: further `BlockConfig` fields (`norm`, `placement`,
+            `bias`, `qk_norm`, `dropout`, ...), checked there once, and the
+            `TransformerBlock` factories (`attn_factory`, `ffn_factory`). The
+            blocks' config is `self.block`.
         """
         key = check_key("CharLM", "key", key)
         vocab_size, num_hiddens, num_heads, num_blks, max_len = (
@@ -136,17 +134,23 @@ class CharLM(eqx.Module):
         self.block_options = tuple(
             sorted((k, _python_scalar(v)) for k, v in block_options.items())
         )
+        options = dict(self.block_options)
+        factories = tuple(
+            (name, options.pop(name))
+            for name in ("attn_factory", "ffn_factory")
+            if name in options
+        )
+        self.block = BlockConfig(num_hiddens, num_heads, act=self.act, **options)
         self.token_emb, self.pos_emb, self.stack = _build_charlm(
             key,
             vocab_size,
-            num_hiddens,
-            num_heads,
+            self.block,
+            (self.block.window, self.block.rope_theta),
+            factories,
             num_blks,
-            self.act,
             max_len,
             remat,
             min(num_blks, 4) if unroll is None else unroll,
-            self.block_options,
         )
         self.norm = RMSNorm(num_hiddens)
 
@@ -195,13 +199,13 @@ class CharLM(eqx.Module):
             key = check_key("CharLM", "key", key)
         tokens = jnp.asarray(tokens)
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
+            raise ConfigError(
                 f"CharLM: tokens must be integer token ids, got dtype "
                 f"{tokens.dtype}; encode text with blocklab.data.encode "
                 "(floats and bools are refused, not truncated)."
             )
         if tokens.ndim < 1 or not 1 <= tokens.shape[-1] <= self.max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"CharLM takes sequences (T,) or batches (..., T) of 1 to "
                 f"max_len={self.max_len} token ids, got "
                 f"tokens.shape={tuple(tokens.shape)}; split longer sequences."
@@ -213,7 +217,7 @@ class CharLM(eqx.Module):
             outside = (ids < 0) | (ids >= self.vocab_size)
             if outside.any():
                 where = tuple(int(i) for i in np.argwhere(outside)[0])
-                raise ValueError(
+                raise ConfigError(
                     f"CharLM: token ids must lie in [0, vocab_size="
                     f"{self.vocab_size}), got tokens{list(where)}="
                     f"{int(tokens[where])}; the model was built for "
@@ -283,7 +287,7 @@ def generate(
         )
     text = preprocess(prompt)
     if not text:
-        raise ValueError("generate: prompt must contain at least one character.")
+        raise ConfigError("generate: prompt must contain at least one character.")
     ids = encode(text)[-model.max_len :]
     buf = jnp.zeros(model.max_len, jnp.int32).at[: len(ids)].set(ids)
     new = _sample(model, buf, jnp.asarray(len(ids)), key, num_chars, temperature)

@@ -34,18 +34,16 @@ from .._validate import (
     check_key,
 )
 from . import init
-from .block import PLACEMENTS, TransformerBlock
-from .ffn import ACTS
+from .block import TransformerBlock
+from .config import QK_NORMS, BlockConfig
 from .functional import linear
 from .normalization import LayerNorm, RMSNorm
 from .stack import Stack
 
-__all__ = ["DecoderConfig", "DecoderLM", "DECODER_NORMS", "QK_NORMS"]
+__all__ = ["DecoderConfig", "DecoderLM", "DECODER_NORMS", "QK_NORMS", "set_layer_data"]
 
 #: The valid values of `DecoderConfig.norm`.
 DECODER_NORMS = ("rms", "layer", "gemma_rms")
-#: The valid values of `DecoderConfig.qk_norm`.
-QK_NORMS = (False, True, "head", "full")
 _OWNER = "DecoderConfig"
 
 #: What Llama and OLMo 2 share: RMSNorm, SwiGLU, RoPE (theta 1e4), untied head.
@@ -136,52 +134,26 @@ class DecoderConfig:
     tie_embeddings: bool = True
 
     def __post_init__(self):
+        """Check the model's own fields here and the block's in `BlockConfig`
+        (built once, as `self.block`), so each rule is written once."""
+
         def put(name, value):
             object.__setattr__(self, name, value)
 
-        for name in ("vocab_size", "num_hiddens", "num_heads", "num_blks", "max_len"):
+        for name in ("vocab_size", "num_blks", "max_len"):
             put(name, check_int(_OWNER, name, getattr(self, name), min=1))
-        for name in ("num_kv_heads", "head_dim", "ffn_width"):
-            put(
-                name, check_int(_OWNER, name, getattr(self, name), min=1, optional=True)
-            )
-        put("act", check_choice(_OWNER, "act", self.act, ACTS))
-        put("norm", check_choice(_OWNER, "norm", self.norm, DECODER_NORMS))
-        put("norm_eps", check_float(_OWNER, "norm_eps", self.norm_eps, min=0.0))
-        put("placement", check_choice(_OWNER, "placement", self.placement, PLACEMENTS))
-        for name in ("attn_bias", "ffn_bias", "tie_embeddings"):
-            put(name, check_bool(_OWNER, name, getattr(self, name)))
-        qk = self.qk_norm
-        put("qk_norm", check_choice(_OWNER, "qk_norm", qk, QK_NORMS))
         put(
             "positions",
             check_choice(_OWNER, "positions", self.positions, ("learned", "rope")),
         )
-        for name in ("attn_scale", "embed_scale"):
-            put(
-                name,
-                check_float(
-                    _OWNER,
-                    name,
-                    getattr(self, name),
-                    min=0.0,
-                    min_open=True,
-                    optional=True,
-                ),
-            )
-        H, K = self.num_heads, self.num_kv_heads
-        if K is not None and H % K:
-            raise ConfigError(
-                f"{_OWNER}: num_heads must be divisible by num_kv_heads, got "
-                f"num_heads={H}, num_kv_heads={K}; choose num_kv_heads among the "
-                f"divisors of {H}."
-            )
-        if self.head_dim is None and self.num_hiddens % H:
-            raise ConfigError(
-                f"{_OWNER}: num_hiddens must be divisible by num_heads when head_dim "
-                f"is None, got num_hiddens={self.num_hiddens}, num_heads={H}; set "
-                "head_dim explicitly."
-            )
+        put(
+            "embed_scale",
+            check_float(
+                _OWNER, "embed_scale", self.embed_scale, min=0.0, min_open=True,
+                optional=True,
+            ),
+        )  # fmt: skip
+        put("tie_embeddings", check_bool(_OWNER, "tie_embeddings", self.tie_embeddings))
         rope = self.positions == "rope"
         for name in ("rope_theta", "local_rope_theta"):
             value = getattr(self, name)
@@ -196,11 +168,6 @@ class DecoderConfig:
             )
         if rope and self.rope_theta is None:
             put("rope_theta", 10000.0)
-        if rope and self.head_dim_ % 2:
-            raise ConfigError(
-                f"{_OWNER}: rotary positions need an even head_dim, got "
-                f"head_dim={self.head_dim_}."
-            )
         put("window", check_int(_OWNER, "window", self.window, min=1, optional=True))
         layers = self.global_layers
         if layers is not None:
@@ -229,6 +196,45 @@ class DecoderConfig:
                 f"{_OWNER}: local_rope_theta={self.local_rope_theta!r} needs local "
                 "layers; set window (and global_layers)."
             )
+        thetas, windows = self.layer_thetas(), self.layer_windows()
+        block = BlockConfig(
+            self.num_hiddens,
+            self.num_heads,
+            norm=self.norm,
+            act=self.act,
+            placement=self.placement,
+            qk_norm=self.qk_norm,
+            norm_eps=self.norm_eps,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            ffn_width=self.ffn_width,
+            attn_scale=self.attn_scale,
+            # Built with the first layer's values; `set_layer_data` writes
+            # every layer's (they are data in the stacked pytree).
+            rope_theta=None if thetas is None else thetas[0],
+            window=None if self.window is None else windows[0],
+            attn_bias=self.attn_bias,
+            ffn_bias=self.ffn_bias,
+        )
+        object.__setattr__(self, "_block", block)
+        # The block's checked values, as Python numbers; the optional sizes
+        # stay `None` when not given (the defaults follow the other fields).
+        for name in ("num_hiddens", "num_heads", "norm", "act", "placement"):
+            put(name, getattr(block, name))
+        for name in ("norm_eps", "attn_scale", "attn_bias", "ffn_bias"):
+            put(name, getattr(block, name))
+        for name in ("num_kv_heads", "head_dim", "ffn_width"):
+            if getattr(self, name) is not None:
+                put(name, getattr(block, name))
+
+    @property
+    def block(self) -> BlockConfig:
+        """The `BlockConfig` of the layers (built and checked with this config).
+
+        Its `window` and `rope_theta` are the first layer's; each layer's own
+        are data in the stacked attention (`layer_windows`, `layer_thetas`).
+        """
+        return self._block
 
     # Derived sizes ---------------------------------------------------------
 
@@ -400,41 +406,6 @@ class DecoderConfig:
         return cls(vocab_size, num_hiddens, num_heads, num_blks, **fields)
 
 
-def _block_options(cfg: DecoderConfig) -> dict[str, Any]:
-    """The `TransformerBlock` options of `cfg`, leaving out those at their default.
-
-    Only non-default options are passed, so a configuration the block has
-    always supported (GPT-2) builds with any version of the block.
-    """
-    opts: dict[str, Any] = dict(
-        norm=cfg.norm, act=cfg.act, placement=cfg.placement, norm_eps=cfg.norm_eps
-    )
-    if cfg.attn_bias == cfg.ffn_bias:
-        if cfg.attn_bias:
-            opts["bias"] = True
-    else:
-        opts.update(attn_bias=cfg.attn_bias, ffn_bias=cfg.ffn_bias)
-    if cfg.qk_norm is not False:
-        opts["qk_norm"] = cfg.qk_norm
-    if cfg.num_kv_heads is not None and cfg.num_kv_heads != cfg.num_heads:
-        opts["num_kv_heads"] = cfg.num_kv_heads
-    if cfg.head_dim is not None and cfg.head_dim * cfg.num_heads != cfg.num_hiddens:
-        opts["head_dim"] = cfg.head_dim
-    if cfg.ffn_width is not None:
-        opts["ffn_width"] = cfg.ffn_width
-    if cfg.attn_scale is not None:
-        opts["attn_scale"] = cfg.attn_scale
-    if cfg.positions == "rope":
-        # Built with the local base; the global layers are overwritten below.
-        opts["rope_theta"] = cfg.layer_thetas()[0]
-    if cfg.window is not None:
-        opts["window"] = cfg.layer_windows()[0]
-    factory = getattr(cfg, "ffn_factory", None)
-    if factory is not None:  # a subclass's FFN (interop.mixtral.MoEDecoderConfig)
-        opts["ffn_factory"] = factory
-    return opts
-
-
 def _theta_bits(theta: float) -> np.ndarray:
     """RoPE base as the attention stores it: the int32 bit pattern of the float32."""
     return np.array(theta, np.float32).view(np.int32)
@@ -462,6 +433,10 @@ def _set_layer_data(stack: Stack, cfg: DecoderConfig) -> Stack:
     return stack
 
 
+#: Public name for `interop` (which loads weights into an abstract skeleton).
+set_layer_data = _set_layer_data
+
+
 def _final_norm(cfg: DecoderConfig) -> RMSNorm | LayerNorm:
     if cfg.norm == "layer":
         return LayerNorm(cfg.num_hiddens, cfg.norm_eps)
@@ -479,10 +454,12 @@ def _build(cfg: DecoderConfig, key):
     def embedding(n, k):
         return eqx.nn.Embedding(weight=0.02 * jax.random.normal(k, (n, d), jnp.float32))
 
-    options = _block_options(cfg)
+    block = cfg.block
+    # a subclass's FFN (interop.mixtral.MoEDecoderConfig)
+    ffn_factory = getattr(cfg, "ffn_factory", None)
 
     def make_block(k):
-        return TransformerBlock(d, cfg.num_heads, key=k, **options)
+        return TransformerBlock(block, ffn_factory=ffn_factory, key=k)
 
     stack = _set_layer_data(
         Stack(make_block, cfg.num_blks, unroll=1, key=stack_key), cfg
@@ -589,12 +566,14 @@ class DecoderLM(eqx.Module):
         cfg = self.cfg
         ids = jnp.asarray(ids)
         if ids.ndim < 1 or not 1 <= ids.shape[-1] <= cfg.max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"DecoderLM takes sequences (T,) or batches (..., T) of 1 to "
                 f"max_len={cfg.max_len} token ids, got ids.shape={tuple(ids.shape)}."
             )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"DecoderLM: ids must be integers, got dtype {ids.dtype}.")
+            raise ConfigError(
+                f"DecoderLM: ids must be integers, got dtype {ids.dtype}."
+            )
         ids = eqx.error_if(
             ids,
             (ids < 0) | (ids >= cfg.vocab_size),
@@ -606,7 +585,7 @@ class DecoderLM(eqx.Module):
         else:
             pos = jnp.asarray(positions)
             if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.shape[-1:] != (T,):
-                raise ValueError(
+                raise ConfigError(
                     f"DecoderLM: positions must be integers of shape (..., T={T}), "
                     f"got dtype {pos.dtype}, shape {tuple(pos.shape)}."
                 )

@@ -6,53 +6,33 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._validate import check_bool, check_int, check_key
+from .._validate import ConfigError, check_bool, check_int, check_key
 from . import init
 from .attention import dense
+from .config import (
+    ACTS,
+    GATED_ACTS,
+    BlockConfig,
+    check_act,
+    ffn_width,
+    reject_options_beside_config,
+)
 from .functional import ACTIVATIONS
 from .normalization import check_float_input
 
 __all__ = ["FeedForward", "ACTS", "GATED_ACTS", "ffn_width"]
 
-#: act -> (elementwise function, gated?). `None` is the identity (bilinear).
-_ACTS = {
-    "relu": ("relu", False),
-    "gelu": ("gelu", False),
-    "gelu_exact": ("gelu_exact", False),
-    "swiglu": ("silu", True),
-    "geglu": ("gelu", True),
-    "reglu": ("relu", True),
-    "bilinear": (None, True),
+#: act -> its elementwise function in `ACTIVATIONS` (`None`: the identity,
+#: bilinear); the gated ones are `GATED_ACTS`.
+_PHI = {
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_exact": "gelu_exact",
+    "swiglu": "silu",
+    "geglu": "gelu",
+    "reglu": "relu",
+    "bilinear": None,
 }
-#: The valid values of the `act` option, in the chapter's order.
-ACTS = tuple(_ACTS)
-#: The gated settings (three matrices).
-GATED_ACTS = tuple(a for a, (_, gated) in _ACTS.items() if gated)
-
-
-def _check_act(act: str, owner: str) -> None:
-    if not isinstance(act, str) or act not in _ACTS:
-        raise ValueError(f"{owner}: act must be one of {list(ACTS)}, got act={act!r}.")
-
-
-def ffn_width(num_hiddens: int, act: str, multiple_of: int | None = None) -> int:
-    r"""Hidden width of the FFN for `act`.
-
-    Ungated: $4d$. Gated (three matrices): $\mathrm{round}(8d/3)$, which
-    matches the $8d^2$ budget of the ungated MLP. With `multiple_of=m` the
-    Llama rule applies: the smallest multiple of $m$ not below $\lfloor 8d/3
-    \rfloor$ (gated) or $4d$ (ungated); $d = 4096, m = 256$ gives 11008.
-    """
-    _check_act(act, "ffn_width")
-    num_hiddens = check_int("ffn_width", "num_hiddens", num_hiddens, min=1)
-    gated = _ACTS[act][1]
-    if multiple_of is None:
-        return round(8 * num_hiddens / 3) if gated else 4 * num_hiddens
-    multiple_of = check_int("ffn_width", "multiple_of", multiple_of)
-    if multiple_of < 1:
-        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}.")
-    base = (8 * num_hiddens) // 3 if gated else 4 * num_hiddens
-    return -(-base // multiple_of) * multiple_of
 
 
 class FeedForward(eqx.Module):
@@ -79,7 +59,7 @@ class FeedForward(eqx.Module):
 
     def __init__(
         self,
-        num_hiddens: int,
+        num_hiddens: int | BlockConfig,
         act: str = "swiglu",
         *,
         bias: bool = False,
@@ -88,7 +68,9 @@ class FeedForward(eqx.Module):
         key: PRNGKeyArray,
     ):
         """Args:
-        num_hiddens: model width $d$.
+        num_hiddens: model width $d$; or a `BlockConfig`, alone (with `key`):
+            the block's FFN (`act`, `ffn_bias`, `ffn_width`), built from the
+            config without checking it again.
         act: one of `ACTS`.
         bias: give the linear layers biases.
         width: hidden width; default `ffn_width(num_hiddens, act, multiple_of)`.
@@ -96,32 +78,43 @@ class FeedForward(eqx.Module):
         key: PRNG key for the weights.
         """
         owner = "FeedForward"
-        _check_act(act, owner)
-        num_hiddens = check_int(owner, "num_hiddens", num_hiddens)
-        if num_hiddens < 1:
-            raise ValueError(
-                f"FeedForward: num_hiddens must be a positive int, got {num_hiddens!r}."
+        if isinstance(num_hiddens, BlockConfig):
+            reject_options_beside_config(
+                owner,
+                FeedForward.__init__,
+                dict(act=act, bias=bias, width=width, multiple_of=multiple_of),
             )
-        width = check_int(owner, "width", width, optional=True)
-        multiple_of = check_int(owner, "multiple_of", multiple_of, optional=True)
-        bias = check_bool(owner, "bias", bias)
+            cfg = num_hiddens  # validated when it was built
+            num_hiddens, act, bias, width = (
+                cfg.num_hiddens, cfg.act, cfg.ffn_bias, cfg.ffn_width
+            )  # fmt: skip
+        else:
+            check_act(owner, act)
+            num_hiddens = check_int(owner, "num_hiddens", num_hiddens)
+            if num_hiddens < 1:
+                raise ConfigError(
+                    f"{owner}: num_hiddens must be a positive int, got {num_hiddens!r}."
+                )
+            width = check_int(owner, "width", width, optional=True)
+            multiple_of = check_int(owner, "multiple_of", multiple_of, optional=True)
+            bias = check_bool(owner, "bias", bias)
+            if width is not None and multiple_of is not None:
+                raise ConfigError(
+                    f"{owner}: give width or multiple_of, not both "
+                    f"(got width={width}, multiple_of={multiple_of})."
+                )
+            if width is None:
+                width = ffn_width(num_hiddens, act, multiple_of)
+            elif width < 1:
+                raise ConfigError(
+                    f"{owner}: width must be a positive int, got {width!r}."
+                )
         key = check_key(owner, "key", key)
-        if width is not None and multiple_of is not None:
-            raise ValueError(
-                "FeedForward: give width or multiple_of, not both "
-                f"(got width={width}, multiple_of={multiple_of})."
-            )
-        if width is None:
-            width = ffn_width(num_hiddens, act, multiple_of)
-        elif width < 1:
-            raise ValueError(
-                f"FeedForward: width must be a positive int, got {width!r}."
-            )
         self.num_hiddens, self.act, self.width = num_hiddens, act, width
         k1, k2, kg = jax.random.split(key, 3)
         self.W_1 = init.linear(num_hiddens, width, bias=bias, key=k1)
         self.W_2 = init.linear(width, num_hiddens, bias=bias, key=k2)
-        gated = _ACTS[act][1]
+        gated = act in GATED_ACTS
         self.W_g = init.linear(num_hiddens, width, bias=bias, key=kg) if gated else None
 
     def __call__(
@@ -134,12 +127,12 @@ class FeedForward(eqx.Module):
         """
         del key
         if x.ndim == 0 or x.shape[-1] != self.num_hiddens:
-            raise ValueError(
+            raise ConfigError(
                 f"FeedForward was built with num_hiddens={self.num_hiddens}, but "
                 f"its input x has shape {tuple(x.shape)}."
             )
         check_float_input(x, "FeedForward")
-        name, gated = _ACTS[self.act]
+        name, gated = _PHI[self.act], self.act in GATED_ACTS
         phi = (lambda z: z) if name is None else ACTIVATIONS[name]
         hidden = dense(self.W_1, x)
         hidden = phi(dense(self.W_g, x)) * hidden if gated else phi(hidden)

@@ -94,10 +94,8 @@ def linear(
     matrix product over a single row axis. A batch of sequences `(B, T, n)`
     left unflattened (as `jax.vmap` leaves it) contracts over two axes, and
     XLA:CPU then copies the activations into a transposed layout first,
-    fusing the activation's backward into that copy: that made the chapter's
-    GELU training step 1.7x slower than its SwiGLU one on CPU (333 against
-    192 ms; both take about 115 ms flattened). Computes in the wider of the
-    two dtypes.
+    fusing the activation's backward into that copy (measured cost:
+    benchmarks/README.md). Computes in the wider of the two dtypes.
 
     `out_dtype` (e.g. `jnp.float32` for a language model's logits) makes the
     product accumulate in, and return, the wider of it and the operands'
@@ -221,20 +219,20 @@ def _check_int_array(owner: str, name: str, value) -> Array:
     """`value` as an integer array; refuse bool and float dtypes and, when the
     values are concrete (not traced), negative entries."""
     if isinstance(value, (bool, np.bool_)):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: {name} must be integers, got the bool {value!r}; pass "
             f"lengths or positions as ints."
         )
     concrete = not isinstance(value, jax.core.Tracer)
     arr = np.asarray(value) if concrete else value
     if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: {name} must have an integer dtype, got dtype {arr.dtype}; "
             f"convert it with .astype(int) (a float or bool {name} is refused "
             f"rather than truncated)."
         )
     if concrete and arr.size and np.any(arr < 0):
-        raise ValueError(f"{owner}: {name} must be non-negative, got {arr.tolist()}.")
+        raise ConfigError(f"{owner}: {name} must be non-negative, got {arr.tolist()}.")
     return jnp.asarray(value)
 
 
@@ -258,7 +256,7 @@ def _lengths(
         ok = False
     if not ok:
         T = shape[-1]
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: valid_lens must be a scalar or have shape (T,) = ({T},) "
             f"(one length per query), got shape {tuple(lens.shape)}. For a batch "
             f"x.shape[:-1] = {tuple(shape)} it may be any shape that broadcasts "
@@ -343,7 +341,7 @@ def rope_frequencies(
     Python number or a (traced) scalar array.
     """
     if head_dim % 2:
-        raise ValueError(f"rope: the head dimension must be even, got {head_dim}.")
+        raise ConfigError(f"rope: the head dimension must be even, got {head_dim}.")
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / jnp.float32(head_dim)
     return 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
 
@@ -394,7 +392,7 @@ def rope(
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(
+            raise ConfigError(
                 f"rope: positions must broadcast to x.shape[:-1] = "
                 f"{tuple(x.shape[:-1])} (e.g. shape (T,) = ({T},)), got shape "
                 f"{tuple(pos.shape)}."

@@ -40,13 +40,12 @@ Inside another `jax.jit`, call `blocklab.rms_norm` instead: the outer
 computation decides about buffers, and donation applies only to top-level
 calls.
 
-Measured (`benchmarks/norms.py`, X of shape (64, 512, 1024) float32, a
-shared and loaded 2-core CPU): donated, `rms_norm_` reaches about 0.7 and
-`layer_norm_` about 0.5 of the bandwidth of donated `X -> 2X`, and both are
-5-7 times faster than the peers' donated calls (which copy). What is left:
-XLA on CPU never splits an in-place `dynamic_update_slice` over threads, so
-the loop runs on one core while `2X` uses both, and the per-row reductions
-cost about as much CPU time as the memory traffic.
+What is left (`benchmarks/norms.py`; figures in benchmarks/README.md): XLA
+on CPU never splits an in-place `dynamic_update_slice` over threads, so the
+loop runs on one core while `2X` uses both, and the per-row reductions cost
+about as much CPU time as the memory traffic. Donated, these norms stay below
+the bandwidth of donated `X -> 2X`, and well ahead of the peers' donated
+calls (which copy).
 
 Recipe::
 
@@ -64,6 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from .._validate import ConfigError
 from .functional import layer_norm, rms_norm
 
 __all__ = ["rms_norm_", "layer_norm_", "default_block_rows"]
@@ -71,10 +71,8 @@ __all__ = ["rms_norm_", "layer_norm_", "default_block_rows"]
 #: Bytes per block of rows: small enough that the block, and the temporary the
 #: statistic needs, stay in a core's L2 cache between the statistic and the
 #: scaling; large enough that the per-step loop overhead (about a microsecond)
-#: is small next to moving the block. 128 KiB (32 rows at d = 1024) used the
-#: least CPU time of 32 KiB ... 8 MiB on the 2-core development machine, with
-#: wall-clock times within the noise of each other from 32 KiB to 8 MiB
-#: (`python benchmarks/norms.py --block-rows ...`).
+#: is small next to moving the block. 128 KiB is 32 rows at d = 1024, chosen
+#: with `python benchmarks/norms.py --block-rows ...` (benchmarks/README.md).
 BLOCK_BYTES = 128 * 1024
 
 
@@ -133,7 +131,7 @@ def _check_block_rows(block_rows: int | None, x) -> int:
         or not isinstance(block_rows, int)
         or block_rows < 1
     ):
-        raise ValueError(
+        raise ConfigError(
             f"block_rows must be a positive int (rows per block) or None for "
             f"the default, got {block_rows!r}."
         )

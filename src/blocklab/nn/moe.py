@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._validate import check_bool, check_choice, check_int, check_key
+from .._validate import ConfigError, check_bool, check_choice, check_int, check_key
 from . import init
-from .ffn import _ACTS, ACTS, FeedForward
+from .ffn import _PHI, ACTS, GATED_ACTS, FeedForward
 from .functional import ACTIVATIONS, linear
 
 __all__ = [
@@ -155,11 +155,7 @@ class MoEFeedForward(eqx.Module):
       FFN (static shapes: room for every expert's last partial tile; with
       $m$ about half the mean group size $Nk/E$, at most 1.5x the active
       FLOPs), plus a copy of one expert's weights per tile, the sort and the
-      gathers.
-
-    (`jax.lax.ragged_dot`, the grouped product, exists in jax 0.10 but lowers
-    to a dense masked product on CPU, $E\times$ the active FLOPs; the tiles
-    avoid that.)
+      gathers. (Why not `jax.lax.ragged_dot`: benchmarks/README.md.)
     """
 
     router: eqx.nn.Linear
@@ -225,13 +221,13 @@ class MoEFeedForward(eqx.Module):
     def _check_router(self):
         shape = tuple(self.router.weight.shape)
         if shape != (self.num_experts, self.num_hiddens):
-            raise ValueError(
+            raise ConfigError(
                 f"MoEFeedForward: router.weight must have shape (num_experts="
                 f"{self.num_experts}, num_hiddens={self.num_hiddens}), got {shape}; "
                 "a router of another width or expert count does not fit."
             )
         if self.router.bias is not None:
-            raise ValueError("MoEFeedForward: the router has no bias (as Mixtral's).")
+            raise ConfigError("MoEFeedForward: the router has no bias (as Mixtral's).")
 
     def expert(self, e: int) -> FeedForward:
         """Expert `e` as an ordinary `FeedForward`."""
@@ -255,7 +251,7 @@ class MoEFeedForward(eqx.Module):
         del key
         self._check_router()
         if x.ndim < 1 or x.shape[-1] != self.num_hiddens:
-            raise ValueError(
+            raise ConfigError(
                 f"MoEFeedForward was built with num_hiddens={self.num_hiddens}, "
                 f"but its input x has shape {tuple(x.shape)}."
             )
@@ -300,7 +296,7 @@ class MoEFeedForward(eqx.Module):
         """
         E, w, d = self.num_experts, self.width, self.num_hiddens
         f = self.experts
-        name, gated = _ACTS[self.act]
+        name, gated = _PHI[self.act], self.act in GATED_ACTS
         phi = (lambda z: z) if name is None else ACTIVATIONS[name]
 
         def up(layer):
@@ -368,7 +364,7 @@ def _block_moe_trace(block: Any, h: Array, valid_lens: Any, positions: Any, key:
     tr = block.trace(h, valid_lens, key=key, **extra)
     ffn_trace = getattr(tr, "ffn_trace", None)
     if not _is_moe_trace(ffn_trace):
-        raise ValueError(
+        raise ConfigError(
             "MoE statistics need blocks whose FFN is a MoEFeedForward (built with "
             "ffn_factory) and a TransformerBlock whose trace returns ffn_trace; "
             f"got ffn_trace={type(ffn_trace).__name__}."
@@ -461,7 +457,7 @@ def moe_forward(model: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[MoESta
     wrapped = jax.tree_util.tree_map(wrap, model, is_leaf=is_stack)
     out = wrapped(*args, **kwargs)
     if not sink.items:
-        raise ValueError("moe_forward: the model called no blocklab.Stack.")
+        raise ConfigError("moe_forward: the model called no blocklab.Stack.")
     return out, list(sink.items)
 
 

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._validate import check_bool, check_choice, check_float, check_int
+from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from .functional import layer_norm, rms_norm
 
 __all__ = ["RMSNorm", "LayerNorm", "make_norm", "NORMS"]
@@ -14,7 +14,7 @@ __all__ = ["RMSNorm", "LayerNorm", "make_norm", "NORMS"]
 
 def _check_input(x: Array, num_hiddens: int, owner: str) -> None:
     if x.ndim == 0 or x.shape[-1] != num_hiddens:
-        raise ValueError(
+        raise ConfigError(
             f"{owner} was built with num_hiddens={num_hiddens}, but its input x "
             f"has shape {tuple(x.shape)}; the last axis must have size {num_hiddens}."
         )
@@ -25,7 +25,7 @@ def check_float_input(x: Array, owner: str) -> None:
     """Refuse a non-floating input: integer activations would come back
     truncated in the input dtype, so they are an error, not a silent cast."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: the input x must have a floating dtype, got {x.dtype}; "
             f"convert it first, e.g. x.astype(jnp.float32)."
         )
@@ -34,7 +34,7 @@ def check_float_input(x: Array, owner: str) -> None:
 def _check_size(num_hiddens: int, owner: str) -> int:
     num_hiddens = check_int(owner, "num_hiddens", num_hiddens)
     if num_hiddens < 1:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: num_hiddens must be a positive int, got {num_hiddens!r}."
         )
     return num_hiddens
@@ -131,9 +131,7 @@ NORMS = {"rms": RMSNorm, "layer": LayerNorm, "gemma_rms": RMSNorm}
 
 def make_norm(norm: str, num_hiddens: int, eps: float = 1e-6) -> RMSNorm | LayerNorm:
     """Build the norm named `norm` ("rms", "layer", "gemma_rms") with epsilon `eps`."""
-    if not isinstance(norm, str) or norm not in NORMS:
-        raise ValueError(f"norm must be one of {sorted(NORMS)}, got norm={norm!r}.")
-    check_choice("make_norm", "norm", norm, NORMS)
+    check_choice("make_norm", "norm", norm, sorted(NORMS))
     if norm == "gemma_rms":
         return RMSNorm(num_hiddens, eps, unit_offset=True)
     return NORMS[norm](num_hiddens, eps)

@@ -1,7 +1,8 @@
-"""Layer 2, training: the train step and loop, sweeps, sharding, checkpoints,
-joining and launching multi-process jobs."""
+"""Layer 2, training: the train step (`train`) and the one loop (`loop`) that
+`train_model` and `train_sweep` share, sweeps, the member axis (`sharding`),
+checkpoints, joining and launching multi-process jobs."""
 
-from .checkpoint import load, save
+from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
 from .sharding import check_seeds, member_mesh, pad_members, sharded_map
 from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
@@ -23,6 +24,7 @@ from .train import (
 
 __all__ = [
     "PRECISIONS",
+    "CheckpointError",
     "LMBatches",
     "LaunchError",
     "LaunchResult",

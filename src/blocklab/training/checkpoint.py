@@ -20,6 +20,12 @@ folder, fsync, rename), after checking everything that can be checked first
 (the model's class, that its config is JSON, the destination): a failure at
 any point leaves an earlier checkpoint at `path` exactly as it was.
 
+Errors: a bad argument (a model class that cannot be checkpointed, a path
+that is a folder or names no file, a `like=` model that does not match) is a
+`ConfigError`; a file that is not a readable, intact checkpoint (truncated,
+corrupted, an unknown version or class) is a `CheckpointError`. Both are
+`ValueError`s.
+
 `load` rebuilds the structure from the config (without drawing weights,
 `eqx.filter_eval_shape`) and reads the arrays back with their stored dtypes
 (float32, bfloat16, float16, float64, ...), so a round trip is bit-exact.
@@ -48,7 +54,7 @@ from .._validate import ConfigError
 from ..nn.charlm import CharLM
 from ..nn.decoder import DecoderLM
 
-__all__ = ["save", "load"]
+__all__ = ["CheckpointError", "save", "load"]
 
 _PREFIX = b"blocklab-checkpoint "
 _VERSION = 2
@@ -57,6 +63,14 @@ _MAGIC_V1 = _PREFIX + b"1\n"
 _SHA_TAG = b"sha256 "
 #: Model classes a checkpoint can hold, by name. Each has `config()`.
 _MODELS: dict[str, type] = {"CharLM": CharLM, "DecoderLM": DecoderLM}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read back: unreadable, truncated,
+    corrupted (its checksum does not match), of an unknown version or model
+    class, or with weights that do not fit its config. Not a bad argument
+    (that is `ConfigError`): the file itself is at fault, so use another copy.
+    """
 
 
 def _check_path(owner: str, path: Any) -> Path:
@@ -81,23 +95,25 @@ def save(path: str | Path, model: Any) -> Path:
     leaves an earlier checkpoint at `path` intact and no temporary file.
 
     Raises:
-        TypeError: `model` is not a checkpointable class, or its config holds
-            values JSON cannot store (e.g. an `attn_factory` function).
-        ValueError: `path` is a directory or its folder cannot be written.
+        ConfigError: `model` is not a checkpointable class, or its config holds
+            values JSON cannot store (e.g. an `attn_factory` function); `path`
+            is a directory or its folder cannot be written.
         OSError: the write itself failed (the old file is kept).
     """
     name = type(model).__name__
     if _MODELS.get(name) is not type(model):
-        raise TypeError(
-            f"save: cannot checkpoint a {name}; supported models: {sorted(_MODELS)}."
+        raise ConfigError(
+            f"save: cannot checkpoint a {name} (model=); supported models: "
+            f"{sorted(_MODELS)}."
         )
     config = model.config()
     try:
         json.dumps(config, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"save: the config of this {name} cannot be stored as JSON ({err}); "
-            "options such as attn_factory / ffn_factory must be rebuilt in code."
+        raise ConfigError(
+            f"save: the config of this {name} (model=) cannot be stored as JSON "
+            f"({err}); options such as attn_factory / ffn_factory must be rebuilt "
+            "in code."
         ) from None
     path = check_writable(_check_path("save", path), owner="save", name="path")
     buf = io.BytesIO()
@@ -123,49 +139,51 @@ def save(path: str | Path, model: Any) -> Path:
 def _read_file(path: Path) -> tuple[int, dict, bytes]:
     """`(version, header, weights)` of a checkpoint, checksum verified."""
     if path.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"load: {path} is a directory; pass the checkpoint file written by "
             "blocklab.save."
         )
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"load: no checkpoint at {path}.") from None
+        raise ConfigError(f"load: no checkpoint at path={str(path)!r}.") from None
     except OSError as err:
-        raise ValueError(f"load: cannot read {path}: {err}.") from None
+        raise CheckpointError(f"load: cannot read {path}: {err}.") from None
     if blob.startswith(_MAGIC):
         version = _VERSION
         line, sep, body = blob[len(_MAGIC) :].partition(b"\n")
         if not (sep and line.startswith(_SHA_TAG)):
-            raise ValueError(f"load: {path} has a truncated or corrupted header.")
+            raise CheckpointError(f"load: {path} has a truncated or corrupted header.")
         stored = line[len(_SHA_TAG) :].decode("ascii", "replace")
     elif blob.startswith(_MAGIC_V1):
         version, body = 1, blob[len(_MAGIC_V1) :]
     elif blob.startswith(_PREFIX):
         found = blob[len(_PREFIX) :].partition(b"\n")[0][:20]
-        raise ValueError(
+        raise CheckpointError(
             f"load: {path} is a blocklab checkpoint of an unsupported version "
             f"{found.decode('ascii', 'replace')!r}; this blocklab reads versions "
             f"1 to {_VERSION}."
         )
     else:
-        raise ValueError(f"load: {path} is not a blocklab checkpoint (bad header).")
+        raise CheckpointError(
+            f"load: {path} is not a blocklab checkpoint (bad header)."
+        )
     line, sep, payload = body.partition(b"\n")
     try:
         header = json.loads(line) if sep else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
     if not isinstance(header, dict) or {"class", "config", "nbytes"} - header.keys():
-        raise ValueError(f"load: {path} has a truncated or corrupted header.")
+        raise CheckpointError(f"load: {path} has a truncated or corrupted header.")
     if len(payload) != header["nbytes"]:
-        raise ValueError(
+        raise CheckpointError(
             f"load: {path} is truncated or corrupted: expected {header['nbytes']} "
             f"bytes of weights, found {len(payload)}."
         )
     if version >= 2:
         actual = hashlib.sha256(body).hexdigest()
         if stored != actual:
-            raise ValueError(
+            raise CheckpointError(
                 f"load: {path} is corrupted: its SHA-256 checksum does not match "
                 f"(stored {stored[:16]}..., computed {actual[:16]}...). The file "
                 "was changed or damaged after it was written; use another copy."
@@ -184,14 +202,14 @@ def _read_arrays(payload: bytes, skeleton: Any, dtypes: list[str] | None) -> Any
     leaves, treedef = jax.tree_util.tree_flatten(skeleton)
     slots = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
     if dtypes is not None and len(dtypes) != len(slots):
-        raise ValueError(
+        raise CheckpointError(
             f"the header lists {len(dtypes)} arrays, the model has {len(slots)}"
         )
     f = io.BytesIO(payload)
     for n, i in enumerate(slots):
         value = np.load(f, allow_pickle=False)
         if value.shape != leaves[i].shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"stored array {n} has shape {value.shape} where the model has "
                 f"{leaves[i].shape}"
             )
@@ -203,14 +221,16 @@ def _read_arrays(payload: bytes, skeleton: Any, dtypes: list[str] | None) -> Any
             target = value.dtype
         if value.dtype != target:
             if value.dtype.kind != "V" or value.dtype.itemsize != target.itemsize:
-                raise ValueError(
+                raise CheckpointError(
                     f"stored array {n} has dtype {value.dtype} where the header "
                     f"says {target}"
                 )
             value = value.view(target)
         leaves[i] = jnp.asarray(value)
     if f.tell() != len(payload):
-        raise ValueError(f"{len(payload) - f.tell()} bytes left after the last array")
+        raise CheckpointError(
+            f"{len(payload) - f.tell()} bytes left after the last array"
+        )
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -228,17 +248,22 @@ def load(path: str | Path, like: Any = None) -> Any:
         and of their stored dtypes.
 
     Raises:
-        ValueError: a missing, unreadable, truncated or corrupted file (a
-            checksum that does not match), a directory, or a config that
-            does not match `like`.
+        ConfigError: `path` names no file or a directory, or the stored
+            config does not match `like`.
+        CheckpointError: an unreadable, truncated or corrupted file (a
+            checksum that does not match), an unknown version or class, or
+            weights that do not fit the stored config.
     """
     path = _check_path("load", path)
     _, header, payload = _read_file(path)
     name, config = header["class"], header["config"]
     if name not in _MODELS:
-        raise ValueError(f"load: {path} holds an unknown model class {name!r}.")
+        raise CheckpointError(
+            f"load: {path} holds an unknown model class {name!r}; this blocklab "
+            f"reads {sorted(_MODELS)}."
+        )
     if not isinstance(config, dict):
-        raise ValueError(f"load: {path} has a corrupted header (config).")
+        raise CheckpointError(f"load: {path} has a corrupted header (config).")
     if like is not None:
         like_name = type(like).__name__
         like_config = like.config() if hasattr(like, "config") else None
@@ -252,8 +277,9 @@ def load(path: str | Path, like: Any = None) -> Any:
                 if like_name == name
                 else {"class": (name, like_name)}
             )
-            raise ValueError(
-                f"load: the checkpoint {path} does not match the given model; "
+            raise ConfigError(
+                f"load: the checkpoint {path} does not match the given model "
+                "(like=); "
                 f"(stored, given) differ in {diff}."
             )
     try:
@@ -261,13 +287,13 @@ def load(path: str | Path, like: Any = None) -> Any:
             lambda: _MODELS[name](**config, key=jax.random.key(0))
         )
     except (TypeError, ValueError) as err:
-        raise ValueError(
+        raise CheckpointError(
             f"load: the config stored in {path} does not build a {name}: {err}"
         ) from err
     try:
         return _read_arrays(payload, skeleton, header.get("dtypes"))
     except (ValueError, TypeError, OSError, EOFError) as err:
-        raise ValueError(
+        raise CheckpointError(
             f"load: the weights in {path} do not fit a {name}({config}): {err}. "
             "The file is corrupted or was written by an incompatible version."
         ) from err

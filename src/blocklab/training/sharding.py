@@ -42,11 +42,19 @@ from .._validate import ConfigError, check_int
 
 __all__ = [
     "AXIS",
+    "MAX_SEED",
     "MemberKeys",
     "check_seeds",
+    "global_rows",
+    "is_seeds",
+    "key_data",
     "member_mesh",
+    "member_sharding",
     "pad_members",
+    "pad_rows",
     "sharded_map",
+    "to_host",
+    "wrap_key",
 ]
 
 #: The name of the mesh axis that carries the members.
@@ -66,34 +74,38 @@ def member_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """
     devices = jax.devices() if devices is None else list(devices)
     if not devices:
-        raise ValueError("member_mesh: devices must not be empty.")
+        raise ConfigError(
+            "member_mesh: devices must not be empty, got []; pass None for every "
+            "visible device."
+        )
     return Mesh(np.asarray(devices), (AXIS,))
 
 
 def pad_members(num_members: int, num_devices: int) -> int:
     """The smallest multiple of `num_devices` that is >= `num_members`."""
-    if num_members < 1 or num_devices < 1:
-        raise ValueError(
-            f"pad_members: need num_members >= 1 and num_devices >= 1, got "
-            f"num_members={num_members}, num_devices={num_devices}."
-        )
+    num_members = check_int("pad_members", "num_members", num_members, min=1)
+    num_devices = check_int("pad_members", "num_devices", num_devices, min=1)
     return -(-num_members // num_devices) * num_devices
 
 
-def _pad(x: np.ndarray, size: int) -> np.ndarray:
-    """Pad axis 0 of `x` to `size` by repeating its last entry."""
+def pad_rows(x: np.ndarray, size: int) -> np.ndarray:
+    """Pad axis 0 of `x` to `size` rows by repeating its last row (a host array)."""
     extra = size - x.shape[0]
     return x if extra == 0 else np.concatenate([x, np.repeat(x[-1:], extra, 0)])
 
 
-def _global(x: ArrayLike, mesh: Mesh) -> Array:
-    """A host array (padded to the mesh) as a global array sharded over its axis 0."""
+def global_rows(x: ArrayLike, mesh: Mesh) -> Array:
+    """A host array (padded to the mesh) as a global array sharded over its axis 0.
+
+    Built with `jax.make_array_from_callback`: each process materializes only
+    the rows of its own devices.
+    """
     x = np.asarray(x)
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _host(x: Array) -> np.ndarray:
+def to_host(x: Array) -> np.ndarray:
     """A (possibly multi-host) array as one NumPy array on this host."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
@@ -139,7 +151,7 @@ def check_seeds(
     return out
 
 
-def _is_seeds(keys: Any) -> bool:
+def is_seeds(keys: Any) -> bool:
     """A list/tuple/range of integers, or a 1-D integer NumPy array."""
     if isinstance(keys, np.ndarray):
         return keys.ndim == 1 and np.issubdtype(keys.dtype, np.integer)
@@ -148,11 +160,11 @@ def _is_seeds(keys: Any) -> bool:
     )
 
 
-def _key_data(
+def key_data(
     keys: MemberKeys, owner: str = "sharded_map", name: str = "keys"
 ) -> np.ndarray:
     """Raw key data `(K, ...)` of typed keys, legacy uint32 keys or int seeds."""
-    if _is_seeds(keys):
+    if is_seeds(keys):
         seeds = check_seeds(owner, name, keys, distinct=False)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
@@ -161,11 +173,13 @@ def _key_data(
     return np.asarray(keys)
 
 
-def _wrap(data: Array) -> PRNGKeyArray:
+def wrap_key(data: Array) -> PRNGKeyArray:
+    """A typed PRNG key of raw key data (one row of `key_data`)."""
     return jax.random.wrap_key_data(data)
 
 
-def _sharding_of(mesh: Mesh):
+def member_sharding(mesh: Mesh) -> NamedSharding:
+    """Axis 0 split over the mesh axis `"members"`; the other axes replicated."""
     return NamedSharding(mesh, PartitionSpec(AXIS))
 
 
@@ -202,21 +216,23 @@ def sharded_map(
     """
     mesh = member_mesh() if mesh is None else mesh
     check_int("sharded_map", "chunk", chunk, min=1, optional=True)
-    data = _key_data(keys)
+    data = key_data(keys)
     K = data.shape[0]
     for i, a in enumerate(args):
         if np.shape(a)[:1] != (K,):
-            raise ValueError(
+            raise ConfigError(
                 f"sharded_map: args[{i}] must have leading axis K={K}, got shape "
                 f"{np.shape(a)}."
             )
     rows = [np.asarray(a) for a in (data, *args)]
     step = pad_members(min(K, chunk or K), mesh.devices.size)
-    program = _mapped(fn, _sharding_of(mesh))
+    program = _mapped(fn, member_sharding(mesh))
     parts = []
     for start in range(0, K, step):
-        inputs = [_global(_pad(r[start : start + step], step), mesh) for r in rows]
-        parts.append(jax.tree_util.tree_map(_host, program(*inputs)))
+        inputs = [
+            global_rows(pad_rows(r[start : start + step], step), mesh) for r in rows
+        ]
+        parts.append(jax.tree_util.tree_map(to_host, program(*inputs)))
     return jax.tree_util.tree_map(lambda *p: jnp.asarray(np.concatenate(p)[:K]), *parts)
 
 
@@ -225,7 +241,7 @@ def _mapped(fn, sharding):
     # Cached on (fn, sharding): calling again with the same function reuses
     # the compiled program.
     def run(data, *args):
-        out = jax.vmap(lambda k, *a: fn(_wrap(k), *a))(data, *args)
+        out = jax.vmap(lambda k, *a: fn(wrap_key(k), *a))(data, *args)
         return jax.lax.with_sharding_constraint(out, sharding)
 
     return jax.jit(run)

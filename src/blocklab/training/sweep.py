@@ -20,6 +20,10 @@ matmuls). Model keys and data keys are independent axes: `sweep_grid` builds
 the Cartesian product of hyperparameter values and seeds, and
 `SweepResult.select(learning_rate=..., ...)` looks members up by value.
 
+The chunks, the progress bar, the aux, the divergence bookkeeping and the
+validation are those of `train_model`: both run
+`blocklab.training.loop.run_chunks`, and differ only in the compiled chunk.
+
 **Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
 and padded to a multiple of the device count (`blocklab.training.sharding`). Members
 never communicate, so XLA inserts no collectives in the step.
@@ -41,10 +45,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -53,34 +57,32 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
-from tqdm.auto import tqdm
 
 from .._validate import ConfigError, check_bool, check_int
+from .loop import run_chunks
 from .sharding import (
     AXIS,
     MemberKeys,
-    _global,
-    _host,
-    _is_seeds,
-    _key_data,
-    _pad,
-    _sharding_of,
-    _wrap,
     check_seeds,
+    global_rows,
+    is_seeds,
+    key_data,
     member_mesh,
+    member_sharding,
     pad_members,
+    pad_rows,
     sharded_map,
+    to_host,
+    wrap_key,
 )
 from .train import (
     TrainResult,
     TrainState,
-    _is_token_data,
     init_state,
     make_train_step,
-    next_token_loss,
     step_keys,
+    validation_loss,
 )
-from .train import validation_loss as _validation_loss
 
 __all__ = [
     "AXIS",
@@ -161,7 +163,8 @@ def sweep_grid(**axes: Iterable[Any]) -> dict[str, np.ndarray]:
     return {name: np.asarray([r[i] for r in rows]) for i, name in enumerate(values)}
 
 
-class SweepResult(NamedTuple):
+@dataclass(frozen=True)
+class SweepResult:
     """What `train_sweep` returns (padding already dropped; K members).
 
     Attributes:
@@ -311,7 +314,7 @@ class SweepResult(NamedTuple):
 
 def _seeds_of(owner: str, name: str, keys: Any) -> np.ndarray | None:
     """The int seeds of `keys` if it is a sequence (or 1-D array) of seeds."""
-    if not _is_seeds(keys):
+    if not is_seeds(keys):
         return None
     return np.asarray(check_seeds(owner, name, keys, distinct=False), np.int64)
 
@@ -427,8 +430,8 @@ def train_sweep(
     validate = check_bool(owner, "validate", validate)
     model_seeds = _seeds_of(owner, "model_keys", model_keys)
     data_seeds = _seeds_of(owner, "data_keys", data_keys)
-    model_data = _key_data(model_keys, owner, "model_keys")
-    data_data = _key_data(data_keys, owner, "data_keys")
+    model_data = key_data(model_keys, owner, "model_keys")
+    data_data = key_data(data_keys, owner, "data_keys")
     K = model_data.shape[0]
     if K == 0:
         raise ConfigError(f"{owner}: model_keys must hold at least one key.")
@@ -475,68 +478,62 @@ def train_sweep(
         )
     has_aux = step.check(shape_state, owner=owner)
     mesh = member_mesh() if mesh is None else mesh
-    sharding = _sharding_of(mesh)
+    sharding = member_sharding(mesh)
     size = pad_members(K, mesh.devices.size)
-    mk, dk = (_global(_pad(a, size), mesh) for a in (model_data, data_data))
-    hv = {n: _global(_pad(v, size), mesh) for n, v in values.items()}
+    mk, dk = (global_rows(pad_rows(a, size), mesh) for a in (model_data, data_data))
+    hv = {n: global_rows(pad_rows(v, size), mesh) for n, v in values.items()}
 
     states = _init_states(make_model, optimizer, sharding, mk, hv)
 
     def record(models):
-        return jax.tree_util.tree_map(_host, _probe_members(probe, models, sharding))
+        probed = _probe_members(probe, models, sharding)
+        return jax.tree_util.tree_map(lambda a: to_host(a)[:K], probed)
 
     records = [] if probe is None else [record(states.model)]
     probe_steps = [0]
-    losses = np.full((size, num_steps), np.nan, np.float32)
-    auxes = []
-    done = 0
-    with tqdm(
-        total=num_steps, desc=f"sweep K={K}", unit="step", disable=not progress
-    ) as bar:
-        while done < num_steps:
-            n = min(steps_per_call, num_steps - done)
-            fixed = (step, dk, jnp.asarray(done, jnp.int32))
-            states, out = _run_chunk(fixed, states, n, sharding)
-            chunk, aux = out if has_aux else (out, None)
-            losses[:, done : done + n] = _host(chunk)
-            if has_aux:
-                auxes.append(jax.tree_util.tree_map(_host, aux))
-            done += n
-            if probe is not None:
-                records.append(record(states.model))
-                probe_steps.append(done)
-            bar.update(n)
-            last = losses[:K, done - 1]
-            alive = np.isfinite(last)
-            best = np.min(last[alive]) if alive.any() else math.nan
-            bar.set_postfix(alive=f"{alive.sum()}/{K}", best=f"{best:.3f}")
-    bad = ~np.isfinite(losses[:K])
-    diverged = np.where(bad.any(1), np.argmax(bad, 1) + 1, 0)
-    lm = step.loss_fn is next_token_loss and _is_token_data(step.data)
-    if validate and lm and getattr(step.data, "num_val", 0):
-        val = _host(_val_members(states.model, step.data, sharding))[:K]
-    else:
-        val = np.full(K, np.nan, np.float32)
+
+    def advance(states, done, n):
+        fixed = (step, dk, jnp.asarray(done, jnp.int32))
+        states, out = _run_chunk(fixed, states, n, sharding)
+        loss, aux = out if has_aux else (out, None)
+        aux = jax.tree_util.tree_map(lambda a: to_host(a)[:K], aux)
+        return states, to_host(loss)[:K], aux
+
+    def after_chunk(states, done):
+        if probe is not None:
+            records.append(record(states.model))
+            probe_steps.append(done)
+
+    def members_val(models):
+        return to_host(_val_members(models, step.data, sharding))[:K]
+
+    run = run_chunks(
+        advance,
+        states,
+        num_steps,
+        steps_per_call,
+        has_aux=has_aux,
+        members=(K,),
+        after_chunk=after_chunk,
+        validate=members_val if validate and step.has_validation else None,
+        desc=f"sweep K={K}",
+        progress=progress,
+    )
     probes = None
     if probe is not None:
-        probes = jax.tree_util.tree_map(lambda *r: np.stack(r, 1)[:K], *records)
-    aux_out = None
-    if has_aux:
-        aux_out = jax.tree_util.tree_map(lambda *a: np.concatenate(a, 1)[:K], *auxes)
-    final = _final_states(states, K)
-    lrs = values.get("learning_rate", np.full(K, np.nan, np.float32))
+        probes = jax.tree_util.tree_map(lambda *r: np.stack(r, 1), *records)
     return SweepResult(
-        losses[:K],
-        diverged,
-        np.asarray(val),
+        run.losses,
+        run.diverged_at,
+        run.val_loss.astype(np.float32),
         np.asarray(probe_steps),
         probes,
-        lrs,
-        final,
+        values.get("learning_rate", np.full(K, np.nan, np.float32)),
+        _final_states(run.state, K),
         values,
         model_seeds,
         data_seeds,
-        aux_out,
+        run.aux,
     )
 
 
@@ -545,14 +542,14 @@ def _final_states(states: TrainState, K: int) -> TrainState:
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(lambda a: a[:K] if eqx.is_array(a) else a, states)
     return jax.tree_util.tree_map(
-        lambda a: jnp.asarray(_host(a)[:K]) if eqx.is_array(a) else a, states
+        lambda a: jnp.asarray(to_host(a)[:K]) if eqx.is_array(a) else a, states
     )
 
 
 @eqx.filter_jit
 def _init_states(make_model, optimizer, sharding, model_keys, values):
     def one(k, vals):
-        state = init_state(make_model(_wrap(k)), optimizer)
+        state = init_state(make_model(wrap_key(k)), optimizer)
         if not vals:
             return state
         hyper = dict(state.opt_state.hyperparams)
@@ -569,7 +566,7 @@ def _init_states(make_model, optimizer, sharding, model_keys, values):
 @eqx.filter_jit(donate="all-except-first")
 def _run_chunk(fixed, states, n, sharding):
     step, data_keys, start = fixed
-    keys = jax.vmap(lambda k: step_keys(_wrap(k), start, n))(data_keys)
+    keys = jax.vmap(lambda k: step_keys(wrap_key(k), start, n))(data_keys)
     states, losses = eqx.filter_vmap(step.scan)(states, keys)
     return eqx.filter_shard((states, losses), sharding)
 
@@ -581,5 +578,5 @@ def _probe_members(probe, models, sharding):
 
 @eqx.filter_jit
 def _val_members(models, data, sharding):
-    losses = eqx.filter_vmap(lambda m: _validation_loss(m, data))(models)
+    losses = eqx.filter_vmap(lambda m: validation_loss(m, data))(models)
     return eqx.filter_shard(losses, sharding)

@@ -34,7 +34,9 @@ The pieces, from the inside out:
 - `train_lm(model, data, optimizer, num_steps, key=...)`: the loop that the
   chapter's experiment runs: compiled chunks of fused steps, tqdm progress, a
   stop with a message on a non-finite loss. `train_model(...)` is the same
-  loop for any source and loss.
+  loop for any source and loss. The loop itself (chunks, progress, aux,
+  divergence, validation) is `blocklab.training.loop.run_chunks`, shared
+  with `blocklab.train_sweep`.
 
 **Mixed precision** (`precision="bf16"`): the parameters and the optimizer
 state stay float32. For the forward and backward pass, the floating-point
@@ -59,9 +61,9 @@ chapter's batches are those of a plain `train_batch(key, ...)`).
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -69,10 +71,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
-from tqdm.auto import tqdm
 
 from .._validate import ConfigError, check_choice, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
+from .loop import run_chunks
 
 __all__ = [
     "LMBatches",
@@ -167,11 +169,16 @@ def _draw(source: Any, key: PRNGKeyArray) -> Any:
     return batch(key) if callable(batch) else source(key)
 
 
-def _is_float_leaf(x: Any) -> bool:
-    """A floating-point array, or the shape of one (`jax.ShapeDtypeStruct`)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jnp.issubdtype(x.dtype, jnp.inexact)
-    return eqx.is_inexact_array(x)
+def _is_array_leaf(x: Any) -> bool:
+    """An array of any dtype, or the shape of one (`jax.ShapeDtypeStruct`).
+
+    Every such leaf must be an *argument* of a traced function, never a
+    constant closed over: a model built by `eqx.filter_eval_shape` holds
+    `ShapeDtypeStruct`s for its integer leaves too (a decoder's per-layer
+    RoPE base and window), and a closed-over one is neither an array that
+    `lax.scan` slices per layer nor a value arithmetic accepts.
+    """
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
 
 
 def _split_loss(out: Any) -> tuple[Any, Any]:
@@ -250,6 +257,16 @@ class TrainStep(eqx.Module):
     @property
     def batch_size(self) -> int | None:
         return getattr(self.source, "batch_size", None)
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether a run of this step has a validation loss: the next-token
+        loss on a token dataset that has validation windows."""
+        return (
+            self.loss_fn is next_token_loss
+            and _is_token_data(self.data)
+            and bool(getattr(self.data, "num_val", 0))
+        )
 
     def _raw_loss(self, params, static, batch, key):
         """`(loss, aux)` of `loss_fn` in the compute dtype of `precision`."""
@@ -340,7 +357,7 @@ class TrainStep(eqx.Module):
                     f"integer (B, T) arrays of one shape; the source gave {shapes}. "
                     "Pass loss_fn= for other batches."
                 )
-        params, static = eqx.partition(state.model, _is_float_leaf)
+        params, static = eqx.partition(state.model, _is_array_leaf)
         try:
             raw, aux = jax.eval_shape(
                 lambda p, b, k: self._raw_loss(p, static, b, k), params, batch, key
@@ -463,7 +480,8 @@ def _run_chunk(step: TrainStep, state: TrainState, keys: Key[Array, " n"]):
 _validation_loss = eqx.filter_jit(validation_loss)
 
 
-class TrainResult(NamedTuple):
+@dataclass(frozen=True)
+class TrainResult:
     """What `train_lm` and `train_model` return.
 
     Attributes:
@@ -589,47 +607,50 @@ def train_model(
         lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, state
     )
     start = int(state.step)
-    losses: list[np.ndarray] = []
-    auxes: list[Any] = []
+
+    def advance(state, done, n):
+        state, out = _run_chunk(step, state, step_keys(key, start + done, n))
+        loss, aux = out if has_aux else (out, None)
+        return state, np.asarray(loss), jax.tree_util.tree_map(np.asarray, aux)
+
+    run = run_chunks(
+        advance,
+        state,
+        num_steps,
+        steps_per_call,
+        has_aux=has_aux,
+        stop_on_divergence=True,
+        validate=_validation_loss_of(step),
+        desc=owner,
+        progress=progress,
+    )
+    d = int(run.diverged_at)
+    kept = num_steps if d == 0 else d - 1
     stopped = None
-    done = 0
-    with tqdm(total=num_steps, desc=owner, unit="step", disable=not progress) as bar:
-        while done < num_steps:
-            n = min(steps_per_call, num_steps - done)
-            state, out = _run_chunk(step, state, step_keys(key, start + done, n))
-            chunk, aux = out if has_aux else (out, None)
-            chunk = np.asarray(chunk, dtype=np.float32)
-            bad = ~np.isfinite(chunk)
-            keep = int(np.argmax(bad)) if bad.any() else n
-            losses.append(chunk[:keep])
-            if has_aux:
-                auxes.append(
-                    jax.tree_util.tree_map(lambda a, k=keep: np.asarray(a)[:k], aux)
-                )
-            if bad.any():
-                stopped = (
-                    f"non-finite training loss or update at step "
-                    f"{start + done + keep + 1}; stopped and kept the model "
-                    f"after step {start + done + keep}."
-                )
-                bar.update(keep)
-                break
-            done += n
-            bar.update(n)
-            bar.set_postfix(loss=f"{chunk[-1]:.3f}")
-    if stopped is not None:
+    if d:
+        stopped = (
+            f"non-finite training loss or update at step {start + d}; stopped "
+            f"and kept the model after step {start + d - 1}."
+        )
         warnings.warn(f"{owner}: {stopped}", RuntimeWarning, stacklevel=3)
-    lm = step.loss_fn is next_token_loss and _is_token_data(step.data)
-    val = (
-        float(_validation_loss(state.model, step.data))
-        if lm and getattr(step.data, "num_val", 0)
-        else math.nan
+    aux = (
+        None if run.aux is None else jax.tree_util.tree_map(lambda a: a[:kept], run.aux)
     )
-    all_losses = np.concatenate(losses) if losses else np.zeros(0, np.float32)
-    aux_out = (
-        jax.tree_util.tree_map(lambda *a: np.concatenate(a), *auxes) if auxes else None
+    return TrainResult(
+        run.state.model,
+        run.losses[:kept],
+        float(run.val_loss),
+        run.state,
+        stopped,
+        aux,
     )
-    return TrainResult(state.model, all_losses, val, state, stopped, aux_out)
+
+
+def _validation_loss_of(step: TrainStep) -> Any:
+    """`validation_loss` of the step's token dataset (compiled), or `None`."""
+    if not step.has_validation:
+        return None
+    return lambda model: _validation_loss(model, step.data)
 
 
 def train_lm(

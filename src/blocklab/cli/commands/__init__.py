@@ -3,34 +3,66 @@
 
 Every command module defines:
 
-- `NAME` (the subcommand) and `HELP` (one line);
+- `NAME` (the subcommand: a study's name, `blocklab.experiments.protocol`)
+  and `HELP` (one line); optionally `ALIASES` (older names that still work);
 - `add_arguments(parser)`: its options (`--json` is added by `blocklab.cli`);
 - `run(args) -> int`: prints a human-readable table, or one JSON object on
   stdout when `args.json` is set (render it with
   `blocklab.experiments.dumps`: strict JSON, non-finite -> null, and say which
   run diverged in a `diverged` field); returns the exit status;
-- optionally `validate(args)`: checks argument values (raise `ValueError` /
-  `ConfigError`) before any work; `blocklab.cli` calls it, then checks the
+- optionally `validate(args)`: checks argument values (raise `ConfigError`)
+  before any work; `blocklab.cli` calls it, then checks the
   output paths (`--png`, `--out`, and the names in `OUTPUT_FILES` /
   `OUTPUT_DIRS`), all before `run`.
 
-A command whose study belongs in `blocklab report` also defines
-
-- `report_section(out_dir, *, quick, full) -> str`: runs its study, writes
-  PNGs into `out_dir` (atomically, via `blocklab.experiments.plotting` / `blocklab._io`)
-  and returns a Markdown section (starting with a `## ` heading) that links
-  them by file name. `quick` is `blocklab report --quick` (every section
-  reduced, minutes); `full` is True on an accelerator or with `--full` (the
-  chapter's full protocol everywhere) and False on a CPU, where a section
-  whose full protocol takes hours runs a reduced one, names it in its text and
-  says how to run the full one. A section that does not depend on `full` may
-  omit the parameter;
-- optionally `report_estimate(*, quick, full) -> float`: the section's
-  expected seconds on a 2-core CPU (printed before it starts).
+The report's sections are not here: each study module has its own
+`report_section` and `report_estimate` (one signature for all, see
+`blocklab.experiments.protocol`), and `blocklab report` iterates
+`blocklab.experiments.protocol.STUDIES`.
 """
 
-#: Subcommand modules (`blocklab NAME`), the report's sections first.
-COMMANDS = ("census", "norms", "train", "signal", "check", "lr_sweep", "launch")
+from ...experiments.protocol import STUDIES
 
-#: The sections of `blocklab report`, in the order it presents them.
-REPORT_SECTIONS = ("census", "norms", "train", "signal", "check", "lr_sweep")
+#: The sections of `blocklab report` (study names), in the order it presents them.
+REPORT_SECTIONS = tuple(s.name for s in STUDIES)
+
+#: Subcommand modules (`blocklab NAME`): one per study, then `launch`.
+COMMANDS = (*REPORT_SECTIONS, "launch")
+
+
+def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
+    """`--num-seeds N` (seeds 0..N-1), and the deprecated count `--seeds N`.
+
+    One meaning per name: `--seeds` lists seeds (`blocklab activations --seeds
+    0 1 2`); a count is `--num-seeds`. `num_seeds_of` resolves the two.
+    """
+    parser.add_argument("--num-seeds", type=int, default=None, metavar="N", help=help)
+    parser.add_argument(
+        "--seeds", type=int, default=None, dest="deprecated_seeds", metavar="N",
+        help="deprecated spelling of --num-seeds",
+    )  # fmt: skip
+
+
+def num_seeds_of(args, owner: str, default: int) -> int:
+    """`--num-seeds` (else `default`), or the deprecated `--seeds N`, which is
+    accepted with a note on stderr (once per parsed command line)."""
+    import sys
+
+    from ..._validate import ConfigError
+
+    old = getattr(args, "deprecated_seeds", None)
+    if old is None:
+        return default if args.num_seeds is None else args.num_seeds
+    if args.num_seeds is not None:
+        raise ConfigError(
+            f"{owner}: --num-seeds={args.num_seeds} and --seeds={old} both given; "
+            "give --num-seeds only (--seeds N is its deprecated spelling)."
+        )
+    if not getattr(args, "_warned_seeds", False):
+        print(
+            f"{owner}: --seeds {old} is deprecated: --seeds lists seeds (as in "
+            f"blocklab activations); use --num-seeds {old}.",
+            file=sys.stderr,
+        )
+        args._warned_seeds = True
+    return old

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ...experiments import census as study
 from ...experiments._render import dumps
@@ -58,13 +57,3 @@ def run(args: argparse.Namespace) -> int:
     for act, n in result.ffn.items():
         print(f"FeedForward({result.num_hiddens}, {act!r}): {n} parameters")
     return 0
-
-
-def report_estimate(*, quick: bool) -> float:
-    del quick
-    return 5.0
-
-
-def report_section(out_dir: Path, *, quick: bool) -> str:
-    del out_dir, quick
-    return study.run_census().section()

@@ -7,23 +7,21 @@ describes the four kinds of rows and their tolerances).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..._validate import check_int
 from ...experiments import check as study
 from ...experiments._render import dumps
+from . import add_num_seeds, num_seeds_of
 
 NAME = "check"
 HELP = "the chapter's identities and closed forms, checked against the library"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        help="seeds for the spread predictions, at least 2 (default 4, or 8 with "
-        "--full)",
+    add_num_seeds(
+        parser,
+        help="seeds 0..N-1 for the spread predictions, N >= 2 (default 4, or 8 "
+        "with --full)",
     )
     parser.add_argument(
         "--full",
@@ -33,25 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _num_seeds(args: argparse.Namespace) -> int:
+    return num_seeds_of(args, "blocklab check", 8 if args.full else 4)
+
+
 def validate(args: argparse.Namespace) -> None:
-    check_int("blocklab check", "--seeds", args.seeds, min=2, optional=True)
+    check_int("blocklab check", "--num-seeds", _num_seeds(args), min=2)
 
 
 def run(args: argparse.Namespace) -> int:
-    seeds = args.seeds if args.seeds is not None else 8 if args.full else 4
-    result = study.run_check(seeds=seeds, quick=not args.full)
+    result = study.run_check(num_seeds=_num_seeds(args), quick=not args.full)
     if args.json:
         print(dumps(result.to_json()))
     else:
         print(result.table())
     return 0
-
-
-def report_estimate(*, quick: bool) -> float:
-    """Seconds on 2 idle CPU cores (measured: 138 s for the report's 8 seeds)."""
-    return 80.0 if quick else 140.0
-
-
-def report_section(out_dir: Path, *, quick: bool) -> str:
-    del out_dir
-    return study.run_check(seeds=4 if quick else 8, quick=quick, gpt1=True).section()

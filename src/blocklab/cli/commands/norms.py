@@ -7,7 +7,6 @@ the fresh and donated modes and how bandwidth is counted).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..._validate import check_int
 from ...experiments import norms as study
@@ -53,13 +52,3 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(result.summary())
     return 0
-
-
-def report_estimate(*, quick: bool) -> float:
-    """Seconds on 2 idle CPU cores (measured: 13 s; far more on a shared one)."""
-    return 10.0 if quick else 15.0
-
-
-def report_section(out_dir: Path, *, quick: bool, progress: bool = False) -> str:
-    shape, reps = study.REPORT_RUNS[quick]
-    return study.run_norms(shape=shape, reps=reps, progress=progress).section(out_dir)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from ..._validate import ConfigError, check_int
 from ...experiments import signal as study
 from ...experiments._render import dumps
 from ...nn.block import PLACEMENTS
+from . import add_num_seeds, num_seeds_of
 
 NAME = "signal"
 HELP = "signal propagation at initialization: stream RMS, token spread, gradients"
 OUTPUT_DIRS = ("out",)
 
 EPILOG = (
-    "--seeds N runs seeds 0..N-1 (N >= 1) as one vmapped program. Statistics that "
+    "--num-seeds N runs seeds 0..N-1 (N >= 1) as one vmapped program. Statistics that "
     "overflow (e.g. a large --alpha) are reported, not raised: null in --json, "
     "with the placements named in 'nonfinite', exit status 0. Exit status 2: bad "
     "arguments (checked before any work); 1: a failure while working. --arch runs "
@@ -29,9 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS)
     )
     parser.add_argument("--qk-norm", action="store_true", help="QK-norm in every block")
-    parser.add_argument(
-        "--seeds", type=int, default=3, help="number of seeds (vmapped)"
-    )
+    add_num_seeds(parser, help="seeds 0..N-1, vmapped (default 3)")
     parser.add_argument("--blocks", type=int, default=32, help="depth N")
     parser.add_argument("--alpha", type=float, default=1.0, help="scale all weights")
     parser.add_argument("--no-ffn", action="store_true", help="zero FFN sublayers")
@@ -53,27 +52,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Every value checked before any work."""
     owner = "blocklab signal"
-    for name in ("seeds", "blocks", "num_hiddens"):
-        value = getattr(args, name)
-        if value < 1:
-            raise ValueError(
-                f"{owner}: --{name.replace('_', '-')} must be >= 1, got {value}."
-            )
+    check_int(owner, "--num-seeds", num_seeds_of(args, owner, 3), min=1)
+    for name in ("blocks", "num_hiddens"):
+        check_int(owner, f"--{name.replace('_', '-')}", getattr(args, name), min=1)
     if args.num_hiddens % 4:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: --num-hiddens must be a multiple of the 4 heads, got "
             f"{args.num_hiddens}."
         )
     if not 0 < args.alpha < float("inf"):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: --alpha must be a finite scale > 0, got {args.alpha}."
         )
     if len(set(args.placements)) != len(args.placements):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: --placements must be distinct, got {args.placements}."
         )
     if args.arch is not None and (args.qk_norm or args.no_ffn or args.alpha != 1.0):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: --arch measures the preset as configured; --qk-norm, --no-ffn "
             "and --alpha apply to the chapter's stack only."
         )
@@ -81,7 +77,8 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
-    size = dict(seeds=args.seeds, num_blks=args.blocks, num_hiddens=args.num_hiddens)
+    num_seeds = num_seeds_of(args, "blocklab signal", 3)
+    size = dict(num_seeds=num_seeds, num_blks=args.blocks, num_hiddens=args.num_hiddens)
     if args.arch is not None:
         result = study.signal_arch(args.arch, num_heads=4, **size)
     else:
@@ -89,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             args.placements, num_heads=4, qk_norm=args.qk_norm, alpha=args.alpha,
             ffn=not args.no_ffn, **size,
         )  # fmt: skip
-    result.plot(Path(args.out))
+    result.figures(args.out)
     plain = args.arch is None and not (args.qk_norm or args.no_ffn or args.alpha != 1)
     pre = result.stats.get("pre") if plain else None
     exercises = study.run_exercises(args.exercises, num_heads=4, pre=pre, **size)
@@ -103,19 +100,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.blocks} blocks, d={args.num_hiddens}, 4 heads"
         + (f", arch {args.arch}" if args.arch else f", alpha={args.alpha:g}")
         + f"{', QK-norm' if args.qk_norm else ''}{', no FFN' if args.no_ffn else ''}; "
-        f"mean [min, max] over {args.seeds} seed(s)"
+        f"mean [min, max] over {num_seeds} seed(s)"
     )
     print(result.table())
     for n, ex in exercises.items():
         print(f"\n{study.TITLES[n]}\n\n{ex.table()}")
     print(f"\nfigures in {args.out}/")
     return 0
-
-
-def report_estimate(*, quick: bool = False) -> float:
-    """Seconds on 2 idle CPU cores (measured: 140 s full, about 20 s quick)."""
-    return 20.0 if quick else 140.0
-
-
-def report_section(out_dir: Path, *, quick: bool, progress: bool = False) -> str:
-    return study.report_section(out_dir, quick=quick, progress=progress)

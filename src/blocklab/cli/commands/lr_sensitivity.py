@@ -1,4 +1,5 @@
-"""`blocklab lr-sweep`: learning-rate sensitivity with and without QK-norm (ex. 11).
+"""`blocklab lr-sensitivity` (alias `blocklab lr-sweep`): learning-rate sensitivity
+with and without QK-norm (ex. 11).
 
 The study, its protocols and its decision rule live in
 `blocklab.experiments.lr_sensitivity`.
@@ -8,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import jax
 from tqdm.auto import tqdm
 
+from ..._validate import ConfigError
 from ...experiments import lr_sensitivity as study
 from ...experiments._render import dumps
 from ...experiments._seeds import check_seed
 
-NAME = "lr_sweep"
+NAME = "lr_sensitivity"
+ALIASES = ("lr-sweep",)
 HELP = "learning-rate sensitivity of CharLM with and without QK-norm (exercise 11)"
 OUTPUT_DIRS = ("out",)
 SIZES = ("steps", "record_every", "num_hiddens", "num_blks", "batch_size", "seq_len")
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="a non-negative int seed")
     parser.add_argument(
-        "--out", default="lr_sweep", metavar="DIR",
+        "--out", default="lr_sensitivity", metavar="DIR",
         help="folder for the PNG plots (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
@@ -60,8 +62,9 @@ def protocol_of(args: argparse.Namespace) -> study.LRProtocol:
     changes = {n: getattr(args, n) for n in SIZES if getattr(args, n) is not None}
     for name, value in changes.items():
         if value < 1:
-            raise ValueError(
-                f"blocklab lr-sweep: --{name.replace('_', '-')} must be >= 1, got "
+            raise ConfigError(
+                f"blocklab lr-sensitivity: --{name.replace('_', '-')} must be >= 1, "
+                "got "
                 f"{value}."
             )
     return base.replace(**changes) if changes else base
@@ -69,7 +72,7 @@ def protocol_of(args: argparse.Namespace) -> study.LRProtocol:
 
 def validate(args: argparse.Namespace) -> None:
     """Every value checked before any training."""
-    owner = "blocklab lr-sweep"
+    owner = "blocklab lr-sensitivity"
     protocol_of(args)
     check_seed(owner, "--seed", args.seed)
     if args.lrs is not None:
@@ -78,15 +81,9 @@ def validate(args: argparse.Namespace) -> None:
 
 def warn_if_slow(protocol: study.LRProtocol, lrs) -> None:
     """On a CPU backend, say on stderr how long a large study will take."""
-    flops = study.study_flops(protocol, lrs)
-    hours = flops / study.CPU_FLOPS / 3600
-    if jax.default_backend() == "cpu" and hours > 0.5:
-        tqdm.write(  # keeps any progress bar on stderr intact
-            f"lr-sweep: this protocol is {flops / 1e15:.1f} PFLOP of training, about "
-            f"{hours:.0f} h on a 2-core CPU at 200 GFLOP/s (minutes on a GPU); "
-            "--quick runs a reduced protocol in minutes.",
-            file=sys.stderr,
-        )
+    line = study.slow_warning(protocol, lrs)
+    if line is not None and jax.default_backend() == "cpu":
+        tqdm.write(line, file=sys.stderr)  # keeps any progress bar intact
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,17 +107,3 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + result.explanation())
     print("\nplots: " + ", ".join(str(p) for p in paths))
     return 0
-
-
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
-    """Seconds on 2 CPU cores of the protocol the report runs."""
-    return study.estimate_seconds(study.report_protocol(quick=quick, full=full))
-
-
-def report_section(
-    out_dir: Path, *, quick: bool, full: bool = False, progress: bool = False
-) -> str:
-    protocol = study.report_protocol(quick=quick, full=full)
-    if not quick:
-        warn_if_slow(protocol, study.LRS)
-    return study.report_section(out_dir, quick=quick, full=full, progress=progress)

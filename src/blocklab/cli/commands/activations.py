@@ -1,16 +1,18 @@
-"""`blocklab train`: the chapter's GELU vs SwiGLU comparison (and any other acts)."""
+"""`blocklab activations` (alias `blocklab train`): the chapter's GELU vs SwiGLU
+comparison (and any other acts); the study is `blocklab.experiments.activations`."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from ..._validate import ConfigError
 from ...experiments import activations as study
 from ...experiments._render import dumps
 from ...experiments._seeds import check_seeds
 from ...nn.ffn import ACTS
 
-NAME = "train"
+NAME = "activations"
+ALIASES = ("train",)
 HELP = "train CharLM on the Time Machine with each FFN activation (chapter 11.1.4.2)"
 OUTPUT_FILES = ("png",)
 
@@ -37,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-blks", type=int, default=2)
     parser.add_argument(
-        "--num-steps", type=int, default=128,
-        help="sequence length (characters per training sequence)",
+        "--seq-len", "--num-steps", dest="seq_len", type=int, default=128,
+        help="sequence length (characters per training sequence; --num-steps is "
+        "its deprecated name: --steps counts optimizer steps)",
     )  # fmt: skip
     parser.add_argument(
         "--png", default="train_losses.png",
@@ -50,27 +53,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> dict:
     return dict(
         num_hiddens=args.num_hiddens, num_heads=args.num_heads, num_blks=args.num_blks,
-        seq_len=args.num_steps, batch_size=args.batch_size, lr=args.lr,
+        seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
     )  # fmt: skip
 
 
 def validate(args: argparse.Namespace) -> None:
     """Every value checked before any training (one rule for seeds, see `_seeds`)."""
-    owner = "blocklab train"
+    owner = "blocklab activations"
     if len(set(args.act)) != len(args.act):
-        raise ValueError(f"{owner}: --act must be distinct, got {args.act}.")
+        raise ConfigError(f"{owner}: --act must be distinct, got {args.act}.")
     check_seeds(owner, "--seeds", args.seeds)
     for name in ("steps", "batch_size", "num_hiddens", "num_heads", "num_blks",
-                 "num_steps"):  # fmt: skip
+                 "seq_len"):  # fmt: skip
         value = getattr(args, name)
         if value < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}: --{name.replace('_', '-')} must be >= 1, got {value}."
             )
     if not args.lr > 0 or args.lr == float("inf"):
-        raise ValueError(f"{owner}: --lr must be a finite rate > 0, got {args.lr}.")
+        raise ConfigError(f"{owner}: --lr must be a finite rate > 0, got {args.lr}.")
     if args.num_hiddens % args.num_heads:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: --num-hiddens must be a multiple of --num-heads, got "
             f"{args.num_hiddens} and {args.num_heads}."
         )
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         args.act, args.seeds, args.steps,
         progress=not (args.no_progress or args.json), **_options(args),
     )  # fmt: skip
-    result.plot(args.png)
+    result.plot(args.png)  # --png names the file; figures(out_dir) picks its own
     if args.json:
         print(dumps(result.to_json()))
         return 0
@@ -95,18 +98,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{d['act']}, seed {d['seed']}: diverged at step {d['step']}")
     print(f"\nloss curves: {args.png}")
     return 0
-
-
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
-    """Seconds on 2 idle CPU cores: about 0.26 s per step and run, plus compilation.
-
-    (Measured: the full protocol, 2 acts x 3 seeds x 600 steps, took 955 s.)
-    """
-    steps, seeds = study.REPORT_PROTOCOLS[study.report_protocol(quick=quick, full=full)]
-    return 2 * len(seeds) * steps * 0.26 + 20
-
-
-def report_section(
-    out_dir: Path, *, quick: bool, full: bool = False, progress: bool = False
-) -> str:
-    return study.report_section(out_dir, quick=quick, full=full, progress=progress)

@@ -1,0 +1,124 @@
+"""One protocol for every study: the registry that the CLI and the report iterate.
+
+Each study module in `blocklab.experiments` exposes the same surface:
+
+- a result type (a frozen dataclass of plain data) with `table()` (Markdown),
+  `to_json()` (a strict-JSON-ready dict) and `figures(out_dir)` (the PNG
+  paths it wrote, `[]` when it has none);
+- `report_section(out_dir, *, quick, full, progress) -> str`: runs the study
+  at the report's size, writes its PNGs into `out_dir` and returns a Markdown
+  section (a `## ` heading first) that links them by file name. `quick`:
+  every section reduced (minutes); `full`: the chapter's full protocol (on an
+  accelerator, or `blocklab report --full`), else a CPU-sized one that the
+  section names; `progress`: the section's own tqdm bars on stderr;
+- `report_estimate(*, quick, full) -> float`: the section's expected seconds
+  on 2 CPU cores.
+
+`STUDIES` registers them in the report's order, each with the subcommand
+that runs it (`blocklab <command>`; the command is named after the study, and
+an older name stays an alias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from .._validate import ConfigError, check_bool
+
+__all__ = ["STUDIES", "Study", "check_report_flags", "study"]
+
+
+def check_report_flags(
+    owner: str, quick: bool, full: bool, progress: bool = False
+) -> tuple[bool, bool, bool]:
+    """The flags of `report_section` / `report_estimate` as bools, or `ConfigError`.
+
+    `quick` and `full` exclude each other (`quick` reduces every section,
+    `full` runs the chapter's full protocol).
+    """
+    quick = check_bool(owner, "quick", quick)
+    full = check_bool(owner, "full", full)
+    progress = check_bool(owner, "progress", progress)
+    if quick and full:
+        raise ConfigError(
+            f"{owner}: quick=True and full=True exclude each other; choose one."
+        )
+    return quick, full, progress
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """One study: its module, its command and its report section.
+
+    Attributes:
+        name: the module `blocklab.experiments.<name>`.
+        command: the subcommand that runs it: `blocklab <command>`, the study's
+            name with `-` for `_`.
+        aliases: older subcommand names that still run it.
+        title: one line for help texts.
+    """
+
+    name: str
+    title: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def command(self) -> str:
+        return self.name.replace("_", "-")
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(f"blocklab.experiments.{self.name}")
+
+    @property
+    def report_section(self) -> Callable[..., str]:
+        """`report_section(out_dir, *, quick, full, progress) -> str`."""
+        return self.module.report_section
+
+    @property
+    def report_estimate(self) -> Callable[..., float]:
+        """`report_estimate(*, quick, full) -> float` (seconds on 2 CPU cores)."""
+        return self.module.report_estimate
+
+    def section(
+        self, out_dir: str | Path, *, quick: bool, full: bool, progress: bool
+    ) -> str:
+        """Run the report's section (one signature for every study)."""
+        return self.report_section(
+            Path(out_dir), quick=quick, full=full, progress=progress
+        )
+
+    def estimate(self, *, quick: bool, full: bool) -> float:
+        """The section's expected seconds on 2 CPU cores."""
+        return float(self.report_estimate(quick=quick, full=full))
+
+
+#: The studies, in the order of `blocklab report`.
+STUDIES: tuple[Study, ...] = (
+    Study("census", "parameter census of transformer blocks"),
+    Study("norms", "cost of the normalizers vs X -> 2X (exercise 9)"),
+    Study("activations", "GELU vs SwiGLU on CharLM (11.1.4.2)", aliases=("train",)),
+    Study("signal", "signal propagation at initialization (ex. 3-7)"),
+    Study("check", "the chapter's identities and closed forms"),
+    Study(
+        "lr_sensitivity",
+        "learning-rate sensitivity with and without QK-norm (ex. 11)",
+        aliases=("lr-sweep", "lr_sweep"),
+    ),
+)
+
+
+def study(name: str) -> Study:
+    """The study called `name`: its study name, command or an alias."""
+    for s in STUDIES:
+        if name in (s.name, s.command, *s.aliases):
+            return s
+    raise ConfigError(
+        f"blocklab.experiments.study: unknown study {name!r}; choose from "
+        f"{[s.name for s in STUDIES]} (or their commands "
+        f"{[s.command for s in STUDIES]})."
+    )

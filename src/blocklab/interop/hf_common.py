@@ -1,0 +1,527 @@
+r"""What every Hugging Face family shares: rules, the registry, config helpers.
+
+A family (one module each: `gpt2`, `llama`, `olmo2`, `gemma3`, `mixtral`) is
+an `HFFamily`: a config mapping in both directions (`to_config`: the
+`transformers` config -> `DecoderConfig`, refusing every field blocklab does
+not implement; `hf_fields`: a `DecoderConfig` -> the `transformers` config
+fields) and the `Rule`s that map state-dict keys onto blocklab parameters.
+The public helpers below are what the family modules build on; the conversion
+itself (`from_huggingface`, ...) lives in `interop.huggingface`.
+
+Expressibility. A family can express a `DecoderConfig` `cfg` exactly when its
+config mapping reproduces it: every setting that determines the forward pass
+(`forward_settings`) of `to_config(hf_fields(cfg))` equals that of `cfg`.
+Then the `transformers` model built from `hf_fields(cfg)`, loaded with the
+exported state dict, computes blocklab's logits; any other setting is named by
+`unsupported_settings`, and export refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._validate import ConfigError, check_choice
+from ..nn.decoder import DecoderConfig
+from ..nn.ffn import ffn_width
+
+__all__ = [
+    "FAMILIES",
+    "GATED_ACTS",
+    "HFFamily",
+    "RULE_KINDS",
+    "Rule",
+    "attn_rules",
+    "biased",
+    "family_for_class",
+    "forward_settings",
+    "gated_act",
+    "get_field",
+    "hf_gated_act",
+    "llama_like",
+    "llama_like_fields",
+    "mlp_rules",
+    "model_global_rules",
+    "no_softcapping",
+    "qk_norm_rules",
+    "refuse",
+    "register_family",
+    "require",
+    "resolve_family",
+    "rope_fields",
+    "rope_theta",
+    "unsupported_settings",
+]
+
+
+# State-dict rules ------------------------------------------------------------
+
+#: The layouts of a `Rule`: `"same"` (copied), `"T"` (transposed), `"cat_T"`
+#: (the transposed arrays concatenated along columns: GPT-2's fused
+#: `c_attn.weight`), `"cat"` (concatenated: its fused bias), `"cat1"`
+#: (concatenated along axis 1: Mixtral's fused expert `gate_up_proj`).
+RULE_KINDS = ("same", "T", "cat_T", "cat", "cat1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One Hugging Face key and the blocklab parameter(s) it holds.
+
+    Attributes:
+        hf: the `transformers` key (per-layer rules: relative to the layer
+            prefix, e.g. `"self_attn.q_proj.weight"`).
+        bl: the blocklab names (per-layer rules: relative to the block,
+            e.g. `("attention.W_q.weight",)`).
+        kind: the layout, one of `RULE_KINDS`.
+    """
+
+    hf: str
+    bl: tuple[str, ...]
+    kind: str = "same"
+
+    def __post_init__(self):
+        check_choice("Rule", "kind", self.kind, RULE_KINDS)
+
+    def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """The Hugging Face array from the blocklab arrays (in `bl` order)."""
+        if self.kind == "same":
+            return arrays[0]
+        if self.kind == "T":
+            return np.ascontiguousarray(arrays[0].T)
+        if self.kind == "cat_T":
+            return np.concatenate([a.T for a in arrays], axis=1)
+        if self.kind == "cat":
+            return np.concatenate(arrays, axis=0)
+        return np.concatenate(arrays, axis=1)  # "cat1"
+
+    def from_hf(self, array: np.ndarray) -> list[np.ndarray]:
+        """The blocklab arrays (in `bl` order) from the Hugging Face array."""
+        n = len(self.bl)
+        if self.kind == "same":
+            return [array]
+        if self.kind == "T":
+            return [np.ascontiguousarray(array.T)]
+        if self.kind == "cat_T":
+            return [np.ascontiguousarray(a.T) for a in np.split(array, n, axis=1)]
+        if self.kind == "cat":
+            return list(np.split(array, n, axis=0))
+        return [np.ascontiguousarray(a) for a in np.split(array, n, axis=1)]
+
+    def hf_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        """The Hugging Face shape from the blocklab shapes (in `bl` order)."""
+        if self.kind == "same":
+            return shapes[0]
+        if self.kind == "T":
+            return shapes[0][::-1]
+        if self.kind == "cat_T":
+            return (shapes[0][1], sum(s[0] for s in shapes))
+        if self.kind == "cat":
+            return (sum(s[0] for s in shapes),)
+        return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+
+
+def biased(rules: list[Rule], flag: bool) -> list[Rule]:
+    """Add the bias rule after each weight rule when `flag` (a fused `cat_T`
+    weight has a `cat` bias; any other, a copied one)."""
+    if not flag:
+        return rules
+    out = []
+    for r in rules:
+        out.append(r)
+        out.append(
+            Rule(
+                r.hf.replace(".weight", ".bias"),
+                tuple(b.replace(".weight", ".bias") for b in r.bl),
+                "cat" if r.kind == "cat_T" else "same",
+            )
+        )
+    return out
+
+
+def attn_rules(cfg: DecoderConfig) -> list[Rule]:
+    """`self_attn.{q,k,v,o}_proj` (Llama-style names), with biases if any."""
+    return biased(
+        [
+            Rule(f"self_attn.{n}_proj.weight", (f"attention.W_{n}.weight",))
+            for n in "qkvo"
+        ],
+        cfg.attn_bias,
+    )
+
+
+def mlp_rules(cfg: DecoderConfig) -> list[Rule]:
+    """The gated MLP `mlp.{gate,up,down}_proj`, with biases if any."""
+    return biased(
+        [
+            Rule("mlp.gate_proj.weight", ("ffn.W_g.weight",)),
+            Rule("mlp.up_proj.weight", ("ffn.W_1.weight",)),
+            Rule("mlp.down_proj.weight", ("ffn.W_2.weight",)),
+        ],
+        cfg.ffn_bias,
+    )
+
+
+def qk_norm_rules(cfg: DecoderConfig) -> list[Rule]:
+    """`self_attn.{q,k}_norm` gains when the config has QK-norm."""
+    if cfg.qk_norm is False:
+        return []
+    return [
+        Rule("self_attn.q_norm.weight", ("attention.q_norm.weight",)),
+        Rule("self_attn.k_norm.weight", ("attention.k_norm.weight",)),
+    ]
+
+
+def model_global_rules(cfg: DecoderConfig) -> list[Rule]:
+    """`model.embed_tokens`, `model.norm` and, when untied, `lm_head`."""
+    rules = [
+        Rule("model.embed_tokens.weight", ("token_emb.weight",)),
+        Rule("model.norm.weight", ("norm.weight",)),
+    ]
+    if not cfg.tie_embeddings:
+        rules.append(Rule("lm_head.weight", ("head.weight",)))
+    return rules
+
+
+# The registry ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+    """How one `transformers` model family maps onto `DecoderLM`.
+
+    Attributes:
+        name: short name (`"llama"`), accepted as `family=` by
+            `to_huggingface_state_dict` / `load_huggingface_state_dict`.
+        classes: the `transformers` model class names it converts.
+        to_config: `to_config(hf_config) -> DecoderConfig`; raises
+            `ConfigError` naming any unsupported field and its value. It reads
+            the config with `getattr` only, so any attribute holder works.
+        hf_fields: `hf_fields(cfg) -> dict`, the `transformers` config fields
+            of a `DecoderConfig` (the inverse of `to_config` on the configs the
+            family can express; see `unsupported_settings`).
+        layer_prefix: the prefix of layer `i`'s keys, with `{i}`.
+        layer_rules: `layer_rules(cfg)` -> the `Rule`s of one layer.
+        global_rules: `global_rules(cfg)` -> the `Rule`s outside the layers
+            (embeddings, final norm, untied head), with absolute names.
+        dropout_fields: config fields holding dropout rates, refused while
+            the PyTorch model is in training mode.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    to_config: Callable[[Any], DecoderConfig]
+    hf_fields: Callable[[DecoderConfig], dict[str, Any]]
+    layer_prefix: str
+    layer_rules: Callable[[DecoderConfig], list[Rule]]
+    global_rules: Callable[[DecoderConfig], list[Rule]]
+    dropout_fields: tuple[str, ...] = ("attention_dropout",)
+
+
+#: Registered families by short name (`register_family` adds one).
+FAMILIES: dict[str, HFFamily] = {}
+
+
+def register_family(family: HFFamily) -> HFFamily:
+    """Add `family` to `FAMILIES` (replacing one of the same name); returns it."""
+    if not isinstance(family, HFFamily):
+        raise ConfigError(
+            f"register_family: family must be an HFFamily, got {type(family).__name__}."
+        )
+    FAMILIES[family.name] = family
+    return family
+
+
+def _class_names() -> list[str]:
+    return sorted(c for f in FAMILIES.values() for c in f.classes)
+
+
+def family_for_class(name: str) -> HFFamily:
+    """The family converting the `transformers` model class `name`."""
+    for family in FAMILIES.values():
+        if name in family.classes:
+            return family
+    raise ConfigError(
+        f"from_huggingface: the model class {name} is not supported; supported "
+        f"classes: {_class_names()} (register others with "
+        "blocklab.interop.register_family)."
+    )
+
+
+# Expressibility ----------------------------------------------------------------
+
+#: Fields of a `DecoderConfig` subclass that choose an implementation, not the
+#: numbers (`MoEDecoderConfig.dispatch`: dense and sorted give the same logits).
+IMPLEMENTATION_FIELDS = frozenset({"dispatch"})
+_BASE_FIELDS = frozenset(f.name for f in dataclasses.fields(DecoderConfig))
+
+
+def forward_settings(cfg: DecoderConfig) -> dict[str, Any]:
+    """The settings of `cfg` that determine its forward pass, defaults resolved.
+
+    Two configs with equal settings build models of the same structure that
+    compute the same function of the same weights: `num_kv_heads=None` and
+    `num_kv_heads=num_heads` are one setting, as are `attn_scale=None` and
+    $p^{-1/2}$; windows and RoPE bases are compared per layer. A subclass's
+    own fields (e.g. `num_experts`) count, under the class name.
+    """
+    out: dict[str, Any] = {"config class": type(cfg).__name__}
+    for name in ("vocab_size", "num_hiddens", "num_heads", "num_blks"):
+        out[name] = getattr(cfg, name)
+    out["num_kv_heads"] = cfg.kv_heads_
+    out["head_dim"] = cfg.head_dim_
+    out["ffn_width"] = (
+        ffn_width(cfg.num_hiddens, cfg.act) if cfg.ffn_width is None else cfg.ffn_width
+    )
+    for name in ("act", "norm", "norm_eps", "placement", "attn_bias", "ffn_bias"):
+        out[name] = getattr(cfg, name)
+    out["qk_norm"] = "head" if cfg.qk_norm is True else cfg.qk_norm
+    out["positions"] = cfg.positions
+    out["max_len"] = cfg.max_len
+    out["rope_theta/local_rope_theta (per layer)"] = cfg.layer_thetas()
+    out["window/global_layers (per-layer window, 0 = global)"] = cfg.layer_windows()
+    out["attn_scale"] = (
+        cfg.head_dim_**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+    )
+    out["embed_scale"] = 1.0 if cfg.embed_scale is None else cfg.embed_scale
+    out["tie_embeddings"] = cfg.tie_embeddings
+    for f in dataclasses.fields(cfg):
+        if f.name not in _BASE_FIELDS and f.name not in IMPLEMENTATION_FIELDS:
+            out[f.name] = getattr(cfg, f.name)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats to 1e-9 relative (a field written and read back)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if (
+        isinstance(a, numbers.Real)
+        and isinstance(b, numbers.Real)
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return type(a) is type(b) and a == b
+
+
+_ABSENT = "(absent)"
+
+
+def unsupported_settings(cfg: DecoderConfig, family: HFFamily) -> list[str]:
+    """The settings of `cfg` that `family` cannot express (empty: it can).
+
+    Each entry names the setting, the model's value and the value the family's
+    config mapping gives (`to_config(hf_fields(cfg))`), e.g.
+    `"norm='gemma_rms' (llama: 'rms')"`, or quotes the mapping's refusal.
+    """
+    try:
+        theirs = family.to_config(types.SimpleNamespace(**family.hf_fields(cfg)))
+    except ConfigError as err:
+        return [f"its {family.name} config is refused: {err}"]
+    ours_s, theirs_s = forward_settings(cfg), forward_settings(theirs)
+    names = list(ours_s) + [k for k in theirs_s if k not in ours_s]
+    return [
+        f"{k}={ours_s.get(k, _ABSENT)!r} ({family.name}: {theirs_s.get(k, _ABSENT)!r})"
+        for k in names
+        if not _same(ours_s.get(k, _ABSENT), theirs_s.get(k, _ABSENT))
+    ]
+
+
+def resolve_family(
+    owner: str, cfg: DecoderConfig, family: str | None, *, check: bool
+) -> HFFamily:
+    """The family named by `family` (a short name or a class name), or the one
+    family that can express `cfg` when `family` is None.
+
+    Args:
+        owner: the public function, for the error messages.
+        cfg: the model's config.
+        family: a registered short name, a class name, or None (inferred).
+        check: with an explicit `family`, refuse a `cfg` it cannot express.
+
+    Raises:
+        ConfigError: an unknown `family`; a `cfg` the named family cannot
+            express (with `check`), naming each setting; or, inferred, no
+            family (or several) that can express `cfg`.
+    """
+    if family is not None:
+        fam = FAMILIES.get(family)
+        if fam is None:
+            fam = next((f for f in FAMILIES.values() if family in f.classes), None)
+        if fam is None:
+            raise ConfigError(
+                f"{owner}: family must be one of {sorted(FAMILIES)} or the class "
+                f"names {_class_names()}, got family={family!r}."
+            )
+        problems = unsupported_settings(cfg, fam) if check else []
+        if problems:
+            able = [
+                f.name for f in FAMILIES.values() if not unsupported_settings(cfg, f)
+            ]
+            hint = f" Families that can: {able}." if able else ""
+            raise ConfigError(
+                f"{owner}: family={fam.name!r} cannot express this model (the "
+                "transformers model would compute other logits): "
+                f"{'; '.join(problems)}.{hint}"
+            )
+        return fam
+    reasons = {f.name: unsupported_settings(cfg, f) for f in FAMILIES.values()}
+    found = [name for name, why in reasons.items() if not why]
+    if len(found) == 1:
+        return FAMILIES[found[0]]
+    if found:
+        raise ConfigError(
+            f"{owner}: several Hugging Face families express this DecoderConfig "
+            f"({found}); pass family= one of them."
+        )
+    why = "; ".join(f"{name}: {', '.join(r[:3])}" for name, r in reasons.items())
+    raise ConfigError(
+        f"{owner}: no registered Hugging Face family expresses this DecoderConfig "
+        f"({why}); change those settings or register a family for it."
+    )
+
+
+# Config helpers ------------------------------------------------------------------
+
+
+def refuse(cls: str, field: str, value: Any, why: str) -> ConfigError:
+    """The error for an unsupported `transformers` config field of class `cls`."""
+    return ConfigError(
+        f"from_huggingface: {cls} config field {field}={value!r} is not supported "
+        f"({why}); converting it would give a different model."
+    )
+
+
+def get_field(hf_config: Any, field: str, default: Any = None) -> Any:
+    """A `transformers` config field, `default` when the config has none."""
+    return getattr(hf_config, field, default)
+
+
+def require(cls: str, hf_config: Any, field: str, allowed: Sequence[Any], why: str):
+    """The field's value if it is one of `allowed`, else `refuse`."""
+    value = get_field(hf_config, field)
+    if value not in allowed:
+        raise refuse(cls, field, value, why)
+    return value
+
+
+def rope_theta(cls: str, params: Any, field: str) -> float:
+    """The base of a default-type rope parameter dict; refuse any other type."""
+    if params is None:
+        return 10000.0
+    if not isinstance(params, Mapping):
+        raise refuse(cls, field, params, "expected a dict of rope parameters")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise refuse(
+            cls,
+            f"{field}['rope_type']",
+            rope_type,
+            "blocklab implements the default (unscaled) RoPE only",
+        )
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise refuse(
+            cls,
+            f"{field}['partial_rotary_factor']",
+            factor,
+            "blocklab rotates every feature of each head",
+        )
+    extra = sorted(
+        set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    )
+    if extra:
+        raise refuse(
+            cls, f"{field}['{extra[0]}']", params[extra[0]], "a rope scaling setting"
+        )
+    return float(params.get("rope_theta", 10000.0))
+
+
+def rope_fields(theta: float | None) -> dict[str, Any]:
+    """Default-type rope parameters of base `theta` (the inverse of `rope_theta`)."""
+    return {"rope_type": "default", "rope_theta": 10000.0 if theta is None else theta}
+
+
+#: `transformers` activation -> blocklab's gated FFN activation.
+GATED_ACTS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu_pytorch_tanh": "geglu",
+    "gelu_new": "geglu",
+    "relu": "reglu",
+}
+_HF_GATED = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "reglu": "relu"}
+
+
+def gated_act(cls: str, hf_config: Any, field: str) -> str:
+    """blocklab's gated activation for the config's `field`, or `refuse`."""
+    act = get_field(hf_config, field)
+    if act not in GATED_ACTS:
+        raise refuse(
+            cls, field, act, f"supported activations: {sorted(GATED_ACTS)} (gated FFN)"
+        )
+    return GATED_ACTS[act]
+
+
+def hf_gated_act(act: str) -> str:
+    """The `transformers` name of a gated activation; an ungated `act` has none
+    and maps to SwiGLU's, so that `unsupported_settings` names `act`."""
+    return _HF_GATED.get(act, "silu")
+
+
+def no_softcapping(cls: str, hf_config: Any) -> None:
+    """Refuse attention or final logit softcapping."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = get_field(hf_config, field)
+        if value is not None:
+            raise refuse(cls, field, value, "blocklab has no logit softcapping")
+
+
+def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConfig:
+    """The config of a Llama-shaped model (Llama, OLMo 2, Mixtral) built by
+    `preset` (e.g. `DecoderConfig.llama`), with the family's `extra` fields."""
+    theta = rope_theta(cls, get_field(hf, "rope_parameters"), "rope_parameters")
+    legacy = get_field(hf, "rope_scaling")  # 5.x: an alias of rope_parameters
+    if legacy is not None and legacy != get_field(hf, "rope_parameters"):
+        theta = rope_theta(cls, legacy, "rope_scaling")
+    act = gated_act(cls, hf, "hidden_act")
+    return preset(
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_hidden_layers,
+        num_kv_heads=get_field(hf, "num_key_value_heads") or hf.num_attention_heads,
+        max_len=hf.max_position_embeddings,
+        act=act,
+        norm_eps=float(hf.rms_norm_eps),
+        ffn_width=hf.intermediate_size,
+        rope_theta=theta,
+        attn_bias=bool(get_field(hf, "attention_bias", False)),
+        tie_embeddings=bool(get_field(hf, "tie_word_embeddings", False)),
+        **extra,
+    )
+
+
+def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The `transformers` fields `llama_like` reads, for `cfg` (without
+    `attention_bias`, which not every Llama-shaped config has)."""
+    width = forward_settings(cfg)["ffn_width"]
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.num_hiddens,
+        num_attention_heads=cfg.num_heads,
+        num_hidden_layers=cfg.num_blks,
+        num_key_value_heads=cfg.kv_heads_,
+        max_position_embeddings=cfg.max_len,
+        hidden_act=hf_gated_act(cfg.act),
+        rms_norm_eps=cfg.norm_eps,
+        intermediate_size=width,
+        rope_parameters=rope_fields(cfg.rope_theta),
+        tie_word_embeddings=cfg.tie_embeddings,
+    )

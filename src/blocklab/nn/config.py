@@ -1,0 +1,284 @@
+r"""`BlockConfig`: every option of a transformer block, frozen and validated once.
+
+A block option lives here as one field, one check in `BlockConfig.__post_init__`
+and one use where the block is built. The modules built from a config
+(`TransformerBlock`, `MultiHeadAttention`, `FeedForward`) trust it and check
+nothing again; built standalone from plain arguments, they check those with
+the same helpers below, so each rule is written once.
+
+The option tables (`PLACEMENTS`, `QK_NORMS`, `ACTS`, `GATED_ACTS`) and the
+FFN width rule (`ffn_width`) sit here, below the modules that use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
+from .normalization import NORMS
+
+__all__ = [
+    "BlockConfig",
+    "PLACEMENTS",
+    "QK_NORMS",
+    "ACTS",
+    "GATED_ACTS",
+    "ffn_width",
+    "check_sizes",
+    "check_dropout",
+    "check_qk_norm",
+    "check_rope",
+    "check_act",
+]
+
+#: The valid values of the `placement` option.
+PLACEMENTS = ("post", "pre", "output", "sandwich")
+#: The valid values of the `qk_norm` option (`True` means `"head"`).
+QK_NORMS = (False, True, "head", "full")
+#: The valid values of the `act` option, in the chapter's order.
+ACTS = ("relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu", "bilinear")
+#: The gated settings (three matrices).
+GATED_ACTS = ("swiglu", "geglu", "reglu", "bilinear")
+
+
+def check_sizes(
+    owner: str,
+    num_hiddens: Any,
+    num_heads: Any,
+    *,
+    num_kv_heads: Any = None,
+    head_dim: Any = None,
+) -> tuple[int, int, int, int]:
+    r"""Validate the attention sizes; return $(d, H, K, p)$ resolved.
+
+    $d$ and $H$ are positive ints; $K$ (default $H$) divides $H$; $p$ is
+    `head_dim`, or $d / H$, which then must be an integer.
+    """
+    head_dim = check_int(owner, "head_dim", head_dim, min=1, optional=True)
+    sizes = []
+    for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
+        value = check_int(owner, name, value)
+        if value < 1:
+            raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}.")
+        sizes.append(value)
+    d, H = sizes
+    if head_dim is None and d % H:
+        raise ConfigError(
+            f"{owner}: num_hiddens must be divisible by num_heads, got "
+            f"num_hiddens={d}, num_heads={H}; choose num_heads among the divisors "
+            f"of {d}, or give head_dim explicitly."
+        )
+    K = check_int(owner, "num_kv_heads", num_kv_heads, min=1, optional=True)
+    K = H if K is None else K
+    if H % K:
+        raise ConfigError(
+            f"{owner}: num_kv_heads must divide num_heads, got num_kv_heads={K}, "
+            f"num_heads={H}; choose num_kv_heads among the divisors of {H}."
+        )
+    return d, H, K, d // H if head_dim is None else head_dim
+
+
+def check_dropout(owner: str, dropout: Any) -> float:
+    """Return `dropout` as a Python float in [0, 1)."""
+    dropout = check_float(owner, "dropout", dropout)
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(
+            f"{owner}: dropout must be in [0, 1), got dropout={dropout!r}."
+        )
+    return dropout
+
+
+def check_qk_norm(owner: str, qk_norm: Any) -> bool | str:
+    """`False` -> `False`, `True` / `"head"` -> `"head"`, `"full"` -> `"full"`."""
+    if isinstance(qk_norm, (bool, np.bool_)):
+        return "head" if qk_norm else False
+    if isinstance(qk_norm, str) and qk_norm in ("head", "full"):
+        return qk_norm
+    raise ConfigError(
+        f"{owner}: qk_norm must be one of {list(QK_NORMS)}, got qk_norm={qk_norm!r}."
+    )
+
+
+def check_rope(owner: str, rope_theta: Any, head_dim: int) -> float | None:
+    """Return the RoPE base as a float > 0 (or `None`); it needs an even `head_dim`."""
+    rope_theta = check_float(
+        owner, "rope_theta", rope_theta, min=0.0, min_open=True, optional=True
+    )
+    if rope_theta is not None and head_dim % 2:
+        raise ConfigError(
+            f"{owner}: RoPE needs an even head_dim, got head_dim={head_dim} "
+            f"(rope_theta={rope_theta})."
+        )
+    return rope_theta
+
+
+def check_act(owner: str, act: Any) -> str:
+    """Return `act` if it is one of `ACTS` (case-sensitive)."""
+    return check_choice(owner, "act", act, ACTS)
+
+
+def ffn_width(num_hiddens: int, act: str, multiple_of: int | None = None) -> int:
+    r"""Hidden width of the FFN for `act`.
+
+    Ungated: $4d$. Gated (three matrices): $\mathrm{round}(8d/3)$, which
+    matches the $8d^2$ budget of the ungated MLP. With `multiple_of=m` the
+    Llama rule applies: the smallest multiple of $m$ not below $\lfloor 8d/3
+    \rfloor$ (gated) or $4d$ (ungated); $d = 4096, m = 256$ gives 11008.
+    """
+    check_act("ffn_width", act)
+    num_hiddens = check_int("ffn_width", "num_hiddens", num_hiddens, min=1)
+    gated = act in GATED_ACTS
+    if multiple_of is None:
+        return round(8 * num_hiddens / 3) if gated else 4 * num_hiddens
+    multiple_of = check_int("ffn_width", "multiple_of", multiple_of)
+    if multiple_of < 1:
+        raise ConfigError(
+            f"ffn_width: multiple_of must be a positive int, got {multiple_of!r}."
+        )
+    base = (8 * num_hiddens) // 3 if gated else 4 * num_hiddens
+    return -(-base // multiple_of) * multiple_of
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    r"""Every option of a `TransformerBlock`, validated once, when built.
+
+    Frozen and hashable (a static field of the block). The constructor checks
+    each field (a `ConfigError` names the field, the value and the valid
+    choices) and stores the derived ones resolved, so two configs that build
+    the same block compare equal: `num_kv_heads` ($K$, default $H$),
+    `head_dim` ($p$, default $d/H$), `ffn_width` (default
+    `ffn_width(d, act)`), `attn_bias` and `ffn_bias` (default `bias`) and
+    `qk_norm` (`False`, `"head"` or `"full"`; `True` becomes `"head"`).
+    `dataclasses.replace(cfg, ...)` validates again and keeps the resolved
+    values; pass `head_dim=None` (say) to derive one anew.
+
+    `rope_theta` and `window` are data, not structure: the attention stores
+    them as integer leaves, so the layers of one `Stack` (Gemma 3's local and
+    global layers) can differ in them. They are left out of `==` and `hash`,
+    so that such layers share one static config; whether RoPE or a window is
+    present at all still shows in the module's structure. (Do not rely on a
+    config as a `jit` static argument to carry their values.)
+
+    Attributes:
+        num_hiddens: model width $d$.
+        num_heads: query heads $H$; must divide $d$ unless `head_dim` is given.
+        dropout: rate on the attention weights and both branch outputs, in [0, 1).
+        norm: `"rms"`, `"layer"` or `"gemma_rms"` (RMSNorm with gain $1 + w$).
+        act: the FFN activation, one of `ACTS`.
+        placement: norm placement, one of `PLACEMENTS`.
+        bias: the default of `attn_bias` and `ffn_bias`.
+        qk_norm: `False`, `True` / `"head"` (per-head RMSNorm of queries and
+            keys) or `"full"` (over the whole projected width, OLMo 2).
+        norm_eps: the $\epsilon$ of every norm of the block (QK-norms too).
+        num_kv_heads: key/value heads $K$, dividing $H$ (grouped-query).
+        head_dim: per-head width $p$.
+        ffn_width: the FFN's hidden width.
+        attn_scale: the attention logit multiplier, > 0 (`None`: $1/\sqrt p$).
+        rope_theta: RoPE base $\theta$ > 0 (`None`: no RoPE); needs an even $p$.
+        window: local attention over the last `window` positions (0 or `None`:
+            global).
+        attn_bias, ffn_bias: biases of the attention / FFN projections.
+    """
+
+    num_hiddens: int
+    num_heads: int
+    dropout: float = 0.0
+    norm: str = "rms"
+    act: str = "swiglu"
+    placement: str = "pre"
+    bias: bool = False
+    qk_norm: bool | str = False
+    norm_eps: float = 1e-6
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_width: int | None = None
+    attn_scale: float | None = None
+    # Data, not structure: left out of == and hash (see the class docstring).
+    rope_theta: float | None = dataclasses.field(default=None, compare=False)
+    window: int | None = dataclasses.field(default=None, compare=False)
+    attn_bias: bool | None = None
+    ffn_bias: bool | None = None
+
+    def __post_init__(self):
+        owner = "BlockConfig"
+
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        d, H, K, p = check_sizes(
+            owner,
+            self.num_hiddens,
+            self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+        for name, value in (
+            ("num_hiddens", d), ("num_heads", H), ("num_kv_heads", K), ("head_dim", p)
+        ):  # fmt: skip
+            put(name, value)
+        put("dropout", check_dropout(owner, self.dropout))
+        put("norm", check_choice(owner, "norm", self.norm, sorted(NORMS)))
+        put("act", check_act(owner, self.act))
+        put("placement", check_choice(owner, "placement", self.placement, PLACEMENTS))
+        put("bias", check_bool(owner, "bias", self.bias))
+        for name in ("attn_bias", "ffn_bias"):
+            value = getattr(self, name)
+            put(name, self.bias if value is None else check_bool(owner, name, value))
+        put("qk_norm", check_qk_norm(owner, self.qk_norm))
+        put("norm_eps", check_float(owner, "norm_eps", self.norm_eps, min=0.0))
+        width = check_int(owner, "ffn_width", self.ffn_width, min=1, optional=True)
+        put("ffn_width", ffn_width(d, self.act) if width is None else width)
+        scale = self.attn_scale
+        put(
+            "attn_scale",
+            check_float(
+                owner, "attn_scale", scale, min=0.0, min_open=True, optional=True
+            ),
+        )
+        put("rope_theta", check_rope(owner, self.rope_theta, p))
+        put("window", check_int(owner, "window", self.window, min=0, optional=True))
+
+    @property
+    def gated(self) -> bool:
+        """Whether the FFN is gated (three matrices)."""
+        return self.act in GATED_ACTS
+
+    @property
+    def scale(self) -> float:
+        r"""The attention logit multiplier: `attn_scale`, or $1/\sqrt p$."""
+        return (
+            1.0 / math.sqrt(self.head_dim)
+            if self.attn_scale is None
+            else self.attn_scale
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields (resolved), as `BlockConfig(**d)` takes them back."""
+        return dataclasses.asdict(self)
+
+
+def reject_options_beside_config(
+    owner: str, fn: Callable[..., Any], given: Mapping[str, Any]
+) -> None:
+    """Refuse an option passed together with a `BlockConfig`.
+
+    `given` maps `fn`'s parameter names to the values received; each must be
+    the parameter's default (the config carries the options), else
+    `ConfigError` names it and the fix.
+    """
+    params = inspect.signature(fn).parameters
+    for name, value in given.items():
+        default = params[name].default
+        if not (type(value) is type(default) and value == default):
+            raise ConfigError(
+                f"{owner}: the BlockConfig carries every option, got {name}="
+                f"{value!r} beside it; set it in the config instead "
+                "(dataclasses.replace(cfg, ...))."
+            )
