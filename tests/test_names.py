@@ -27,7 +27,7 @@ def test_collapse_spread_takes_num_blks_and_the_old_num_blocks():
     assert theory.collapse_spread(num_blks=8, alpha=1.0, num_tokens=64) == (
         pytest.approx(expected, rel=1e-12)
     )
-    with pytest.warns(DeprecationWarning, match="num_blocks= is deprecated; use num_blks"):
+    with pytest.warns(DeprecationWarning, match="num_blocks= is deprecated"):
         old = theory.collapse_spread(num_blocks=8, alpha=1.0, num_tokens=64)
     assert old == pytest.approx(expected, rel=1e-12)
     with pytest.raises(ConfigError, match="give num_blks= only"):
@@ -61,3 +61,22 @@ def test_no_public_keyword_is_named_num_blocks_any_more():
             if "num_blocks" in params:
                 assert params["num_blocks"].kind is inspect.Parameter.KEYWORD_ONLY
                 assert params["num_blocks"].default is None, name
+
+
+def test_a_trailing_underscore_means_in_place_only():
+    """`DecoderConfig.kv_heads_` / `.head_dim_` (resolved sizes) are deprecated
+    for `cfg.block.num_kv_heads` / `.head_dim`; `rms_norm_` stays in place."""
+    from blocklab import DecoderConfig
+
+    cfg = DecoderConfig.llama(
+        vocab_size=32, num_hiddens=48, num_heads=6, num_kv_heads=None, num_blks=1,
+        max_len=16,
+    )  # fmt: skip
+    # hand-worked: no kv heads given -> K = H = 6; p = d / H = 48 / 6 = 8
+    assert (cfg.block.num_kv_heads, cfg.block.head_dim) == (6, 8)
+    with pytest.warns(
+        DeprecationWarning, match=r"use DecoderConfig.block.num_kv_heads"
+    ):
+        assert cfg.kv_heads_ == 6
+    with pytest.warns(DeprecationWarning, match=r"use DecoderConfig.block.head_dim"):
+        assert cfg.head_dim_ == 8

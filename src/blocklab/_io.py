@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ._validate import ConfigError
+
 __all__ = ["atomic_path", "atomic_write", "check_writable"]
 
 
@@ -30,7 +32,7 @@ def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
     """
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{owner}: {path} is a directory, expected a file path.")
+        raise ConfigError(f"{owner}: {path} is a directory, expected a file path.")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(
         prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
@@ -64,16 +66,16 @@ def check_writable(path: str | Path, *, owner: str, name: str) -> Path:
 
     Checks that `path` is not a directory and that its nearest existing
     ancestor is a writable directory (folders that do not exist yet will be
-    created). Raises `ValueError` naming the argument.
+    created). Raises `ConfigError` naming the argument.
     """
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{owner}: {name}={str(path)!r} is a directory, not a file.")
+        raise ConfigError(f"{owner}: {name}={str(path)!r} is a directory, not a file.")
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: {name}={str(path)!r} cannot be written ({parent} is not a "
             "writable folder)."
         )

@@ -483,7 +483,11 @@ def exercise_5(
     for alpha in alphas:
         for ffn in (True, False):
             stats = signal_sweep(
-                "post", num_seeds=num_seeds, num_blks=num_blks, alpha=alpha, ffn=ffn,
+                "post",
+                num_seeds=num_seeds,
+                num_blks=num_blks,
+                alpha=alpha,
+                ffn=ffn,
                 **options,
             )
             rows[f"alpha={alpha:g}, {'full block' if ffn else 'no FFN'}"] = np.asarray(

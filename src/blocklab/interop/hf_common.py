@@ -273,8 +273,8 @@ def forward_settings(cfg: DecoderConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"config class": type(cfg).__name__}
     for name in ("vocab_size", "num_hiddens", "num_heads", "num_blks"):
         out[name] = getattr(cfg, name)
-    out["num_kv_heads"] = cfg.kv_heads_
-    out["head_dim"] = cfg.head_dim_
+    out["num_kv_heads"] = cfg.block.num_kv_heads
+    out["head_dim"] = cfg.block.head_dim
     out["ffn_width"] = (
         ffn_width(cfg.num_hiddens, cfg.act) if cfg.ffn_width is None else cfg.ffn_width
     )
@@ -286,7 +286,7 @@ def forward_settings(cfg: DecoderConfig) -> dict[str, Any]:
     out["rope_theta/local_rope_theta (per layer)"] = cfg.layer_thetas()
     out["window/global_layers (per-layer window, 0 = global)"] = cfg.layer_windows()
     out["attn_scale"] = (
-        cfg.head_dim_**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+        cfg.block.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     )
     out["embed_scale"] = 1.0 if cfg.embed_scale is None else cfg.embed_scale
     out["tie_embeddings"] = cfg.tie_embeddings
@@ -517,7 +517,7 @@ def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
         hidden_size=cfg.num_hiddens,
         num_attention_heads=cfg.num_heads,
         num_hidden_layers=cfg.num_blks,
-        num_key_value_heads=cfg.kv_heads_,
+        num_key_value_heads=cfg.block.num_kv_heads,
         max_position_embeddings=cfg.max_len,
         hidden_act=hf_gated_act(cfg.act),
         rms_norm_eps=cfg.norm_eps,

@@ -39,7 +39,7 @@ def llama_fields(cfg: DecoderConfig) -> dict[str, Any]:
     """The `LlamaConfig` fields of `cfg` (the inverse of `llama_config`)."""
     return dict(
         llama_like_fields(cfg),
-        head_dim=cfg.head_dim_,
+        head_dim=cfg.block.head_dim,
         attention_bias=cfg.attn_bias,
         mlp_bias=cfg.ffn_bias,
     )

@@ -156,7 +156,7 @@ def mixtral_fields(cfg: DecoderConfig) -> dict[str, Any]:
     Mixtral has no attention or expert biases, and one window for every layer)."""
     return dict(
         llama_like_fields(cfg),
-        head_dim=cfg.head_dim_,
+        head_dim=cfg.block.head_dim,
         sliding_window=cfg.window,
         # A dense config: one expert, so that the difference is named.
         num_local_experts=getattr(cfg, "num_experts", 1),

@@ -16,6 +16,7 @@ families into a `DecoderLM`; the presets `DecoderConfig.gpt2`, `.llama`,
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -240,17 +241,15 @@ class DecoderConfig:
 
     @property
     def kv_heads_(self) -> int:
-        """The number of kv heads $K$ (resolved default)."""
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        """Deprecated: `cfg.block.num_kv_heads` (the resolved kv head count)."""
+        _warn_resolved("kv_heads_", "num_kv_heads")
+        return self.block.num_kv_heads
 
     @property
     def head_dim_(self) -> int:
-        """The per-head width $p$ (resolved default)."""
-        return (
-            self.num_hiddens // self.num_heads
-            if self.head_dim is None
-            else self.head_dim
-        )
+        """Deprecated: `cfg.block.head_dim` (the resolved per-head width)."""
+        _warn_resolved("head_dim_", "head_dim")
+        return self.block.head_dim
 
     def is_global(self, layer: int) -> bool:
         """Whether layer `layer` attends to every earlier position."""
@@ -633,3 +632,14 @@ class DecoderLM(eqx.Module):
 
 
 CONFIG_CLASSES["DecoderConfig"] = DecoderConfig
+
+
+def _warn_resolved(old: str, new: str) -> None:
+    # A trailing underscore means "in place" in blocklab (`rms_norm_`), as in
+    # PyTorch; resolved sizes live on the BlockConfig instead.
+    warnings.warn(
+        f"DecoderConfig.{old} is deprecated; use DecoderConfig.block.{new} "
+        "(a trailing underscore means in-place in blocklab).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
