@@ -133,7 +133,7 @@ def test_num_steps_is_the_deprecated_name_of_seq_len(build):
         assert a.shape[-1] == 5
     with pytest.warns(DeprecationWarning, match="use .seq_len"):
         assert new.num_steps == 5
-    with pytest.raises(ConfigError, match="give the sequence length once"):
+    with pytest.raises(ConfigError, match="give seq_len= only"):
         build(seq_len=5, num_steps=5)
 
 

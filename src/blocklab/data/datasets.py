@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_int
+from .._validate import ConfigError, check_int, renamed_keyword
 
 __all__ = [
     "TimeMachine",
@@ -88,26 +88,12 @@ def _read_corpus(path: Path) -> str:
 
 
 def _seq_len(owner: str, seq_len: int | None, num_steps: int | None) -> int | None:
-    """`seq_len`, or the old keyword `num_steps` with a `DeprecationWarning`.
-
-    `num_steps` meant the sequence length here but the optimizer steps in
-    `train_lm`; the dataset's name for it is now `seq_len`.
-    """
-    if num_steps is None:
-        return seq_len
-    if seq_len is not None:
-        raise ConfigError(
-            f"{owner}: give the sequence length once, as seq_len= (num_steps= is "
-            f"its deprecated name), got seq_len={seq_len!r} and "
-            f"num_steps={num_steps!r}."
-        )
-    warnings.warn(
-        f"{owner}: num_steps= is deprecated for the sequence length; use "
-        "seq_len= (num_steps means optimizer steps in train_lm).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return num_steps
+    """`seq_len`, or its deprecated name `num_steps` (which means optimizer
+    steps in `train_lm`)."""
+    return renamed_keyword(
+        owner, "seq_len", seq_len, "num_steps", num_steps,
+        " (num_steps means optimizer steps in train_lm)",
+    )  # fmt: skip
 
 
 class _Windowed(eqx.Module):
