@@ -25,7 +25,14 @@ from .config import (
 from .functional import _check_int_array, _lengths, dropout, linear, rope, softmax_where
 from .normalization import RMSNorm, check_float_input
 
-__all__ = ["MultiHeadAttention", "AttentionTrace", "check_config", "dense", "QK_NORMS"]
+__all__ = [
+    "MultiHeadAttention",
+    "AttentionCache",
+    "AttentionTrace",
+    "check_config",
+    "dense",
+    "QK_NORMS",
+]
 
 
 class AttentionTrace(NamedTuple):
@@ -70,6 +77,24 @@ def check_config(
 
 def _encode_theta(theta: float) -> Int[Array, ""]:
     return jax.lax.bitcast_convert_type(jnp.float32(theta), jnp.int32)
+
+
+class AttentionCache(NamedTuple):
+    """The keys and values of one attention layer for cached decoding (a pytree).
+
+    Attributes:
+        k: `(*batch, num_kv_heads, max_len, head_dim)` keys after QK-norm and
+            RoPE at their absolute positions.
+        v: the values, same shape.
+
+    Index $j$ on the `max_len` axis is the token at position $j$. Build one with
+    `MultiHeadAttention.init_cache`; `MultiHeadAttention.step` writes into it.
+    Stacked caches (one per layer, leading layer axis) go through a scanned
+    `Stack` as data.
+    """
+
+    k: Array
+    v: Array
 
 
 class MultiHeadAttention(eqx.Module):
@@ -200,6 +225,7 @@ class MultiHeadAttention(eqx.Module):
             d, H, KV, p = cfg.num_hiddens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             scale, rope_theta, window = cfg.attn_scale, cfg.rope_theta, cfg.window
             bias, qk_norm, qk_norm_eps = cfg.attn_bias, cfg.qk_norm, cfg.norm_eps
+            out_bias = cfg.attn_out_bias
             unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
         else:
             d, H, KV, p = check_sizes(
@@ -210,7 +236,7 @@ class MultiHeadAttention(eqx.Module):
             scale = check_float(
                 owner, "scale", scale, min=0.0, min_open=True, optional=True
             )
-            bias = check_bool(owner, "bias", bias)
+            bias = out_bias = check_bool(owner, "bias", bias)
             qk_norm = check_qk_norm(owner, qk_norm)
             qk_norm_eps = check_float(owner, "qk_norm_eps", qk_norm_eps, min=0.0)
             unit = check_bool(owner, "qk_norm_unit_offset", qk_norm_unit_offset)
@@ -226,7 +252,7 @@ class MultiHeadAttention(eqx.Module):
         self.W_q = init.linear(d, H * p, bias=bias, key=kq)
         self.W_k = init.linear(d, KV * p, bias=bias, key=kk)
         self.W_v = init.linear(d, KV * p, bias=bias, key=kv)
-        self.W_o = init.linear(H * p, d, bias=bias, key=ko)
+        self.W_o = init.linear(H * p, d, bias=out_bias, key=ko)
         if self.qk_norm is None:
             self.q_norm = self.k_norm = None
         else:
@@ -248,6 +274,161 @@ class MultiHeadAttention(eqx.Module):
             local = ((k <= q) & (k > q - w)) | (w <= 0)
             visible = local if visible is None else visible & local
         return visible
+
+    def _project(self, x, positions):
+        """Queries, keys and values of `x` (..., T, d), after QK-norm and RoPE.
+
+        Heads-major layouts (~10% faster on CPU): k and v (..., KV, T, p);
+        q (..., KV, G, T, p), query head i = (i // G, i % G), or without
+        groups (G = 1) q (..., H, T, p) like k: the plain multi-head
+        products, ~10-15% faster on CPU than a group axis of size 1.
+        """
+        *lead, T, _ = x.shape
+        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // KV
+        q, k, v = dense(self.W_q, x), dense(self.W_k, x), dense(self.W_v, x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        grouped = G > 1
+        if grouped:
+            q = jnp.moveaxis(q.reshape(*lead, T, KV, G, p), -4, -2)
+        else:
+            q = jnp.swapaxes(q.reshape(*lead, T, H, p), -3, -2)
+        k = jnp.swapaxes(k.reshape(*lead, T, KV, p), -3, -2)
+        v = jnp.swapaxes(v.reshape(*lead, T, KV, p), -3, -2)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            theta = jax.lax.bitcast_convert_type(self.rope_theta, jnp.float32)
+            pos = jnp.arange(T) if positions is None else positions
+            pos = _positions(pos, (*lead, T))
+            q_pos = pos[..., None, None, :] if grouped else pos[..., None, :]
+            q = rope(q, q_pos, theta=theta)
+            k = rope(k, pos[..., None, :], theta=theta)
+        return q, k, v
+
+    def _scaled(self, raw: Array) -> Array:
+        """The logits $s\\, q^\\top k$ from the raw products."""
+        p = self.head_dim
+        if self.scale == 1.0 / math.sqrt(p):
+            return raw / math.sqrt(p)  # bit-identical to the chapter's numbers
+        return raw * self.scale
+
+    def init_cache(
+        self, batch_shape: tuple[int, ...] = (), max_len: int = 0, dtype=jnp.float32
+    ) -> AttentionCache:
+        """An empty (zero) key/value cache for `step`.
+
+        Args:
+            batch_shape: the leading axes of the `x` that `step` will see
+                (`()` for one sequence, `(B,)` for a batch).
+            max_len: the number of positions it holds (>= 1). Local (window)
+                layers keep the full length too, so that every layer of a
+                scanned `Stack` has one cache shape; their mask hides what
+                lies outside the window.
+            dtype: the dtype of the stored keys and values.
+
+        Returns:
+            An `AttentionCache` with `k` and `v` of shape
+            `(*batch_shape, num_kv_heads, max_len, head_dim)` (heads-major,
+            the layout of the reference path's products).
+        """
+        owner = "MultiHeadAttention.init_cache"
+        if not isinstance(batch_shape, (tuple, list)):
+            raise ConfigError(
+                f"{owner}: batch_shape must be a tuple of ints (e.g. () or (B,)), "
+                f"got {batch_shape!r}."
+            )
+        batch_shape = tuple(
+            check_int(owner, "batch_shape", b, min=1) for b in batch_shape
+        )
+        max_len = check_int(owner, "max_len", max_len, min=1)
+        shape = (*batch_shape, self.num_kv_heads, max_len, self.head_dim)
+        return AttentionCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def step(
+        self,
+        x: Float[Array, "*batch Tq d"],
+        cache: AttentionCache,
+        start: Int[ArrayLike, ""] | Int[ArrayLike, "*batch"],
+        *,
+        impl: str | None = None,
+    ) -> tuple[Float[Array, "*batch Tq d"], AttentionCache]:
+        r"""Attend from new tokens to a key/value cache, and write theirs into it.
+
+        `x` holds $T_q$ new tokens per sequence; the first sits at cache index
+        $s$ = `start` (one int, or one per sequence: shape `x.shape[:-2]`,
+        traced values allowed). Their keys and values (after QK-norm and RoPE
+        at positions $s + i$, $i = 0..T_q-1$) are written into
+        `cache[s : s + T_q]`, then new token $i$ attends to the cache indices
+        $j$ with
+        $$j \le s + i \quad	ext{and, with a window } w \ge 1,\quad j > s + i - w,$$
+        exactly the causal (windowed) attention of `__call__` with
+        `valid_lens = arange(1, T + 1)`. Prefill is `step(x, cache, 0)` with
+        the whole prompt; decoding is `step(x_t[..., None, :], cache, t)`.
+
+        Ragged right-padded prompts: prefill them all with `start=0`, then
+        decode row $b$ from `start[b] = lengths[b]`. A row only sees indices up
+        to its own position, and the padding written beyond its length is
+        overwritten by its later tokens before it becomes visible.
+
+        Needs $s + T_q \le$ `max_len` (checked when `start` is concrete; a
+        traced `start` past the end is clamped by `dynamic_update_slice`).
+        Local layers keep the full-length cache (one shape for all layers of a
+        scanned stack); only the mask limits them to the window. There is no
+        non-finite guard here (tokens come from an embedding), and no dropout.
+
+        Args:
+            x: `(*batch, Tq, num_hiddens)` new tokens.
+            cache: from `init_cache(batch, max_len)` or a previous `step`.
+            start: the cache index of the first new token, scalar or `(*batch,)`.
+            impl: the attention implementation (`None`: the layer's own).
+
+        Returns:
+            `(out, new_cache)`: `out` of the shape and dtype of `x`, and the
+            cache with the new keys and values written.
+        """
+        owner = "MultiHeadAttention.step"
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"{owner}: x must have shape (..., Tq, num_hiddens="
+                f"{self.num_hiddens}), got x.shape={tuple(x.shape)}."
+            )
+        check_float_input(x, owner)
+        *lead, Tq, _ = x.shape
+        lead = tuple(lead)
+        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // KV
+        if cache.k.shape[:-3] != lead or cache.k.shape[-3] != KV:
+            raise ConfigError(
+                f"{owner}: cache.k has shape {tuple(cache.k.shape)}, expected "
+                f"(*batch={lead}, num_kv_heads={KV}, max_len, head_dim={p}); build "
+                f"it with init_cache(batch_shape={lead}, max_len)."
+            )
+        L = cache.k.shape[-2]
+        start = _start(owner, start, lead, Tq, L)
+        pos = start[..., None] + jnp.arange(Tq)  # (*lead, Tq) absolute positions
+        q, k, v = self._project(x, pos)
+        if G == 1:  # one layout below: q (*lead, KV, G, Tq, p)
+            q = q[..., None, :, :]
+        new = AttentionCache(
+            _write(cache.k, k.astype(cache.k.dtype), start),
+            _write(cache.v, v.astype(cache.v.dtype), start),
+        )
+        j = jnp.arange(L)
+        qpos = pos[..., :, None]  # (*lead, Tq, 1)
+        visible = j <= qpos
+        if self.window is not None:
+            w = self.window
+            visible = visible & ((j > qpos - w) | (w <= 0))
+        stat = jnp.promote_types(q.dtype, jnp.float32)
+        raw = jnp.einsum("...gqp,...kp->...gqk", q, new.k, preferred_element_type=stat)
+        logits = self._scaled(raw)
+        weights = softmax_where(logits, visible[..., None, None, :, :])
+        mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
+        mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
+        out = dense(self.W_o, mixed.reshape(*lead, Tq, H * p).astype(x.dtype))
+        return out.astype(x.dtype), new
 
     def trace(
         self,
@@ -281,29 +462,8 @@ class MultiHeadAttention(eqx.Module):
         # position, or sit at one, are set to NaN at the end instead.
         row_ok = jnp.all(jnp.isfinite(x), axis=-1)  # (..., T)
         x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
-        q, k, v = dense(self.W_q, x), dense(self.W_k, x), dense(self.W_v, x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Heads-major layouts (~10% faster on CPU): k and v (..., KV, T, p);
-        # q (..., KV, G, T, p), query head i = (i // G, i % G), or without
-        # groups (G = 1) q (..., H, T, p) like k: the plain multi-head
-        # products, ~10-15% faster on CPU than a group axis of size 1.
         grouped = G > 1
-        if grouped:
-            q = jnp.moveaxis(q.reshape(*lead, T, KV, G, p), -4, -2)
-        else:
-            q = jnp.swapaxes(q.reshape(*lead, T, H, p), -3, -2)
-        k = jnp.swapaxes(k.reshape(*lead, T, KV, p), -3, -2)
-        v = jnp.swapaxes(v.reshape(*lead, T, KV, p), -3, -2)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            theta = jax.lax.bitcast_convert_type(self.rope_theta, jnp.float32)
-            pos = jnp.arange(T) if positions is None else positions
-            pos = _positions(pos, (*lead, T))
-            q_pos = pos[..., None, None, :] if grouped else pos[..., None, :]
-            q = rope(q, q_pos, theta=theta)
-            k = rope(k, pos[..., None, :], theta=theta)
+        q, k, v = self._project(x, positions)
 
         # float32 logits for low-precision input; float64 input stays float64.
         stat = jnp.promote_types(q.dtype, jnp.float32)
@@ -313,10 +473,7 @@ class MultiHeadAttention(eqx.Module):
             else ("...hqp,...hkp->...hqk", "...hqk,...hkp->...hqp")
         )
         raw = jnp.einsum(spec_s, q, k, preferred_element_type=stat)
-        if self.scale == 1.0 / math.sqrt(p):
-            logits = raw / math.sqrt(p)  # bit-identical to the chapter's numbers
-        else:
-            logits = raw * self.scale
+        logits = self._scaled(raw)
         head_axes = (-3, -4) if grouped else (-3,)
         mask = None if visible is None else jnp.expand_dims(visible, head_axes)
         weights = softmax_where(logits, mask)
@@ -366,6 +523,38 @@ class MultiHeadAttention(eqx.Module):
             The shape and dtype of `x`.
         """
         return self.trace(x, valid_lens, positions=positions, key=key).output
+
+
+def _start(owner, start, lead, Tq, max_len) -> Array:
+    """`start` checked and broadcast to the batch shape `lead` (int32)."""
+    arr = _check_int_array(owner, "start", start)
+    try:
+        ok = np.broadcast_shapes(arr.shape, lead) == lead
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{owner}: start must be a scalar or have the batch shape "
+            f"x.shape[:-2] = {lead}, got shape {tuple(arr.shape)}."
+        )
+    if not isinstance(start, jax.core.Tracer):
+        top = int(np.max(np.asarray(start))) if np.size(start) else 0
+        if top + Tq > max_len:
+            raise ConfigError(
+                f"{owner}: start + Tq must be <= the cache's max_len={max_len}, got "
+                f"start={np.asarray(start).tolist()}, Tq={Tq}."
+            )
+    return jnp.broadcast_to(arr.astype(jnp.int32), lead)
+
+
+def _write(buf: Array, new: Array, start: Array) -> Array:
+    """`buf[..., s_b : s_b + Tq, :] = new` per sequence b (axis -2 is time)."""
+    *lead, KV, L, p = buf.shape
+    n = int(np.prod(lead)) if lead else 1
+    rows = jax.vmap(
+        lambda b, u, s: jax.lax.dynamic_update_slice(b, u, (0, s, 0))
+    )(buf.reshape(n, KV, L, p), new.reshape(n, KV, -1, p), start.reshape(n))
+    return rows.reshape(buf.shape)
 
 
 def _positions(positions, shape) -> Array:
