@@ -4,6 +4,8 @@ checkpoints, joining and launching multi-process jobs."""
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
+from .optimizer import optimizer, schedule_factor
+from .sources import HostSource, host_source
 from .sharding import check_seeds, member_mesh, pad_members, sharded_map
 from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
 from .train import (
@@ -25,6 +27,7 @@ from .train import (
 __all__ = [
     "PRECISIONS",
     "CheckpointError",
+    "HostSource",
     "LMBatches",
     "LaunchError",
     "LaunchResult",
@@ -33,6 +36,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "check_seeds",
+    "host_source",
     "init_state",
     "launch_local",
     "lm_loss",
@@ -40,8 +44,10 @@ __all__ = [
     "make_train_step",
     "member_mesh",
     "next_token_loss",
+    "optimizer",
     "pad_members",
     "save",
+    "schedule_factor",
     "sharded_map",
     "step_keys",
     "sweep_grid",

@@ -15,6 +15,8 @@ it is `run_chunks`:
   freezes the member), 0 when it never diverged; with
   `stop_on_divergence=True` the loop stops after the chunk in which every
   member has diverged;
+- `advance` may return fewer than $n_c$ losses when its batch source ran out
+  (a host iterator); the loop stops after them (`steps_run` says how many);
 - `after_chunk(state, steps_done)` runs after each chunk (a sweep's probes);
 - `validate(model)`, if given, is the final model's validation loss.
 """
@@ -61,6 +63,8 @@ class LoopOutput:
 def _first_nonfinite(losses: np.ndarray, offset: int) -> np.ndarray:
     """1-based step (counting from `offset`) of the first non-finite loss, else 0."""
     bad = ~np.isfinite(losses)
+    if bad.shape[-1] == 0:
+        return np.zeros(bad.shape[:-1], np.int64)
     return np.where(bad.any(-1), np.argmax(bad, -1) + 1 + offset, 0)
 
 
@@ -107,8 +111,11 @@ def run_chunks(
             n = min(steps_per_call, num_steps - done)
             state, chunk, aux = advance(state, done, n)
             chunk = np.asarray(chunk, np.float32)
+            # Fewer than n losses: the source ran out after them; stop there.
+            ran_out = chunk.shape[-1] < n
+            n = chunk.shape[-1]
             losses[..., done : done + n] = chunk
-            if has_aux:
+            if has_aux and n:
                 auxes.append(aux)
             first = _first_nonfinite(chunk, done)
             diverged = np.where((diverged == 0) & (first > 0), first, diverged)
@@ -120,6 +127,8 @@ def run_chunks(
                 bar.update(n - done + int(np.min(diverged)) - 1)
                 break
             bar.update(n)
+            if ran_out:
+                break
             last = chunk[..., -1]
             if members == ():
                 bar.set_postfix(loss=f"{float(last):.3f}")

@@ -60,6 +60,7 @@ from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_int
 from .loop import run_chunks
+from .sources import HostSource
 from .sharding import (
     AXIS,
     MemberKeys,
@@ -372,6 +373,7 @@ def train_sweep(
     validate: bool = True,
     mesh: Mesh | None = None,
     progress: bool = True,
+    rules: Any = None,
 ) -> SweepResult:
     """Train K members as one compiled program, vmapped over K and sharded over devices.
 
@@ -410,7 +412,11 @@ def train_sweep(
             a fixed batch).
         validate: compute each final model's validation loss (token datasets
             with the next-token loss).
-        mesh: a 1-D mesh with axis `"members"` (default: all devices of all
+        rules: with a mesh that has axes besides `"members"` (e.g.
+            `members=2,data=4`), how each member is split over them: a preset
+            of `blocklab.training.partition` (default `"fsdp"`) or a mapping.
+            K members, each over several devices, run as one program.
+        mesh: a mesh with axis `"members"` (default: all devices of all
             processes).
         progress: show a tqdm bar over the chunks.
 
@@ -459,6 +465,14 @@ def train_sweep(
     step = make_train_step(
         optimizer, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
     )
+    if isinstance(step.source, HostSource):
+        raise ConfigError(
+            f"{owner}: data is a host source (an iterator or host callable); the "
+            "members of a sweep draw their batches from their own data keys inside "
+            "one compiled program, so the source must be a pure function of the "
+            "key (source(key), source.batch(key)) or a token dataset. Train host "
+            "sources with train_model."
+        )
     shape_state = eqx.filter_eval_shape(
         lambda k: init_state(make_model(k), optimizer), jax.random.key(0)
     )
@@ -479,11 +493,16 @@ def train_sweep(
     has_aux = step.check(shape_state, owner=owner)
     mesh = member_mesh() if mesh is None else mesh
     sharding = member_sharding(mesh)
-    size = pad_members(K, mesh.devices.size)
+    state_shard = _state_sharding(owner, mesh, rules, shape_state, optimizer, K)
+    if state_shard is not sharding:
+        from .mesh import shard_step
+
+        step = shard_step(step, mesh, rules or "fsdp")
+    size = pad_members(K, mesh.shape[AXIS])
     mk, dk = (global_rows(pad_rows(a, size), mesh) for a in (model_data, data_data))
     hv = {n: global_rows(pad_rows(v, size), mesh) for n, v in values.items()}
 
-    states = _init_states(make_model, optimizer, sharding, mk, hv)
+    states = _init_states(make_model, optimizer, state_shard, mk, hv)
 
     def record(models):
         probed = _probe_members(probe, models, sharding)
@@ -494,7 +513,7 @@ def train_sweep(
 
     def advance(states, done, n):
         fixed = (step, dk, jnp.asarray(done, jnp.int32))
-        states, out = _run_chunk(fixed, states, n, sharding)
+        states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
         loss, aux = out if has_aux else (out, None)
         aux = jax.tree_util.tree_map(lambda a: to_host(a)[:K], aux)
         return states, to_host(loss)[:K], aux
@@ -546,6 +565,36 @@ def _final_states(states: TrainState, K: int) -> TrainState:
     )
 
 
+def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
+    """The members' state layout: split over `members` only (a 1-D mesh), or
+    also each member over the other mesh axes by `rules`."""
+    if AXIS not in mesh.axis_names:
+        raise ConfigError(
+            f"{owner}: the mesh must have an axis {AXIS!r} for the members, got "
+            f"mesh {dict(mesh.shape)}."
+        )
+    others = [a for a in mesh.axis_names if a != AXIS]
+    if not others:
+        if rules is not None:
+            raise ConfigError(
+                f"{owner}: rules={rules!r} split each member over mesh axes "
+                f"besides {AXIS!r}, but mesh {dict(mesh.shape)} has none."
+            )
+        return member_sharding(mesh)
+    from .mesh import state_shardings
+
+    size = pad_members(K, mesh.shape[AXIS])
+    stacked = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((size, *a.shape), a.dtype)
+        if isinstance(a, jax.ShapeDtypeStruct)
+        else a,
+        shape_state,
+    )
+    return state_shardings(
+        stacked, optimizer, mesh, rules or "fsdp", prefix=(AXIS,)
+    )
+
+
 @eqx.filter_jit
 def _init_states(make_model, optimizer, sharding, model_keys, values):
     def one(k, vals):
@@ -568,7 +617,8 @@ def _run_chunk(fixed, states, n, sharding):
     step, data_keys, start = fixed
     keys = jax.vmap(lambda k: step_keys(wrap_key(k), start, n))(data_keys)
     states, losses = eqx.filter_vmap(step.scan)(states, keys)
-    return eqx.filter_shard((states, losses), sharding)
+    state_shard, member_shard = sharding
+    return eqx.filter_shard(states, state_shard), eqx.filter_shard(losses, member_shard)
 
 
 @eqx.filter_jit

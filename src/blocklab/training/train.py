@@ -15,6 +15,13 @@ The pieces, from the inside out:
   (`TimeMachine`, `TokenDataset`: anything with `train_batch(key,
   batch_size)`) is turned into one by `LMBatches(data, batch_size)`, which
   `make_train_step(optimizer, data, batch_size=...)` does for you.
+  Such a *pure* source is traced once into the compiled step. A *host*
+  source (an iterator, generator or iterable of batches, or
+  `host_source(fn)` for a host callable) is drawn on the host once per step
+  and prefetched to the device a chunk ahead; when it runs out, training ends
+  with a message and keeps the finished steps. A callable with side effects
+  (`lambda key: next(it)`) is refused rather than frozen
+  (`blocklab.training.sources`).
 - `TrainState`: a pytree of the model, the optax state, the step count and a
   `finite` flag. Every leaf is an array, so a stack of states (one per seed or
   hyperparameter) is just a `TrainState` with a leading axis.
@@ -72,9 +79,10 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-from .._validate import ConfigError, check_choice, check_int, check_key
+from .._validate import ConfigError, check_choice, check_float, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
 from .loop import run_chunks
+from .sources import FORMS, HostSource, check_pure, is_host_source
 
 __all__ = [
     "LMBatches",
@@ -96,10 +104,18 @@ __all__ = [
 PRECISIONS = ("float32", "bf16")
 
 
-def lm_loss(model: Any, X: Int[Array, "B T"], Y: Int[Array, "B T"]) -> Float[Array, ""]:
-    r"""Mean next-token cross-entropy of a batch.
+def lm_loss(
+    model: Any, X: Int[Array, "B T"], Y: Int[Array, "B T"], *, z_loss: float = 0.0
+) -> Float[Array, ""]:
+    r"""Mean next-token cross-entropy of a batch, plus an optional z-loss.
 
-    $$-\frac{1}{BT}\sum_{b,t}\log p(Y_{bt} \mid X_{b,\le t})$$
+    $$-\frac{1}{BT}\sum_{b,t}\log p(Y_{bt} \mid X_{b,\le t})
+    \;+\; \frac{\alpha}{BT}\sum_{b,t} \log^2 Z_{bt},\qquad
+    Z_{bt} = \sum_v e^{z_{btv}},$$
+    with $\alpha$ = `z_loss` (default 0; PaLM and Wortsman et al. 2023 use
+    $10^{-4}$): it pulls the softmax normalizer $\log Z$ towards 0, which
+    keeps the output logits from drifting (Wortsman et al.'s output-logit
+    divergence). `z_loss` is a finite number >= 0.
 
     `model` maps the `(B, T)` batch of token ids to `(B, T, vocab)` logits in
     one call, as `CharLM` does (its batched call is faster than `jax.vmap` over
@@ -119,7 +135,12 @@ def lm_loss(model: Any, X: Int[Array, "B T"], Y: Int[Array, "B T"]) -> Float[Arr
         (Y < 0) | (Y >= vocab),
         f"lm_loss: target ids must lie in [0, vocab={vocab}).",
     )
-    return optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
+    z_loss = check_float("lm_loss", "z_loss", z_loss, min=0.0)
+    if z_loss:
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        loss = loss + z_loss * jnp.mean(jnp.square(log_z))
+    return loss
 
 
 def next_token_loss(
@@ -165,6 +186,11 @@ def _is_token_data(data: Any) -> bool:
 
 
 def _draw(source: Any, key: PRNGKeyArray) -> Any:
+    if isinstance(source, HostSource):
+        raise ConfigError(
+            "TrainStep: a host source is drawn on the host; pass its batch as "
+            "step(state, key, batch) (train_model does so every step)."
+        )
     batch = getattr(source, "batch", None)
     return batch(key) if callable(batch) else source(key)
 
@@ -273,8 +299,11 @@ class TrainStep(eqx.Module):
         model = _to_compute(eqx.combine(params, static), self.precision)
         return _split_loss(self.loss_fn(model, _to_compute(batch, self.precision), key))
 
-    def __call__(self, state: TrainState, key: PRNGKeyArray) -> tuple[TrainState, Any]:
-        batch = _draw(self.source, key)
+    def __call__(
+        self, state: TrainState, key: PRNGKeyArray, batch: Any = None
+    ) -> tuple[TrainState, Any]:
+        # A host source's batch is drawn on the host and passed in.
+        batch = _draw(self.source, key) if batch is None else batch
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
         def loss_of(p):
@@ -307,25 +336,34 @@ class TrainStep(eqx.Module):
         )
         return new, (loss, aux)
 
-    def scan(self, state: TrainState, keys: Key[Array, " n"]) -> tuple[TrainState, Any]:
+    def scan(
+        self, state: TrainState, keys: Key[Array, " n"], batches: Any = None
+    ) -> tuple[TrainState, Any]:
         """`len(keys)` steps fused in one `lax.scan`: `(final state, (n,) losses)`.
 
         With an aux, the second output is `((n,) losses, aux stacked over n)`.
+        `batches` (a host source's batches stacked over n) replaces the draws.
         """
         # Only the arrays are carried: a model may hold functions (activations).
         dynamic, static = eqx.partition(state, eqx.is_array)
 
-        def body(dyn, k):
-            new, out = self(eqx.combine(dyn, static), k)
+        def body(dyn, xs):
+            k, batch = xs
+            new, out = self(eqx.combine(dyn, static), k, batch)
             return eqx.filter(new, eqx.is_array), out
 
-        dynamic, outs = jax.lax.scan(body, dynamic, keys)
+        dynamic, outs = jax.lax.scan(body, dynamic, (keys, batches))
         return eqx.combine(dynamic, static), outs
 
-    def check(self, state: TrainState, *, owner: str = "TrainStep") -> bool:
+    def check(
+        self, state: TrainState, *, owner: str = "TrainStep", first_key: Any = None
+    ) -> bool:
         """Trace the source and the loss once (`jax.eval_shape`; nothing runs).
 
-        Returns whether `loss_fn` returns an aux pytree.
+        A callable source is traced twice more (`sources.check_pure`) and
+        refused if it has side effects; a host source's first batch is drawn
+        (with `first_key`) and kept for the first step. Returns whether
+        `loss_fn` returns an aux pytree.
 
         Raises:
             ConfigError: the source fails or returns something other than a
@@ -334,8 +372,20 @@ class TrainStep(eqx.Module):
                 real scalar.
         """
         key = jax.random.key(0)
+        if isinstance(self.source, HostSource):
+            # A host source's first batch is kept for the first step (a host
+            # callable gets that step's key, `first_key`).
+            first = self.source.peek(
+                key if first_key is None else first_key, owner=owner
+            )
+            batch = jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)), first
+            )
+        else:
+            check_pure(owner, lambda k: _draw(self.source, k))
         try:
-            batch = jax.eval_shape(lambda k: _draw(self.source, k), key)
+            if not isinstance(self.source, HostSource):
+                batch = jax.eval_shape(lambda k: _draw(self.source, k), key)
         except Exception as err:  # noqa: BLE001 - re-raised with context
             raise ConfigError(
                 f"{owner}: the batch source failed to draw a batch from a key "
@@ -413,6 +463,13 @@ def make_train_step(
     precision = check_choice(owner, "precision", precision, PRECISIONS)
     if _is_token_data(source):
         source = LMBatches(source, 64 if batch_size is None else batch_size)
+    elif is_host_source(source):
+        if batch_size is not None:
+            raise ConfigError(
+                f"{owner}: batch_size applies to token datasets; a host source "
+                "yields whole batches."
+            )
+        source = HostSource(source, owner=owner)
     elif batch_size is not None:
         raise ConfigError(
             f"{owner}: batch_size applies to token datasets (TimeMachine, "
@@ -422,7 +479,7 @@ def make_train_step(
         raise ConfigError(
             f"{owner}: source must be a batch source (source(key) or "
             f"source.batch(key) -> pytree of arrays) or a token dataset, got "
-            f"{type(source).__name__}."
+            f"{type(source).__name__}. Supported: {FORMS}."
         )
     loss_fn = next_token_loss if loss_fn is None else loss_fn
     if not callable(loss_fn):
@@ -475,6 +532,18 @@ def validation_loss(
 @eqx.filter_jit(donate="all-except-first")
 def _run_chunk(step: TrainStep, state: TrainState, keys: Key[Array, " n"]):
     return step.scan(state, keys)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _run_host_chunk(step: TrainStep, state: TrainState, keys, batches):
+    return step.scan(state, keys, batches)
+
+
+def _stacked(batches: list[Any]) -> Any:
+    """A host source's batches stacked over the steps, put on the device."""
+    return jax.device_put(
+        jax.tree_util.tree_map(lambda *b: np.stack([np.asarray(x) for x in b]), *batches)
+    )
 
 
 _validation_loss = eqx.filter_jit(validation_loss)
@@ -564,6 +633,8 @@ def train_model(
     state: TrainState | None = None,
     progress: bool = True,
     owner: str = "train_model",
+    mesh: Any = None,
+    rules: Any = None,
 ) -> TrainResult:
     """Train `model` for `num_steps` steps of `loss_fn` on batches of `source`.
 
@@ -583,6 +654,12 @@ def train_model(
         steps_per_call: steps fused per compiled call.
         state: resume from this `TrainState` (then `model` is ignored).
         progress: show a tqdm bar.
+        mesh: a `jax.sharding.Mesh` over every device: the model, its
+            optimizer state and each batch are split over it
+            (`blocklab.training.mesh`); `None`: one device.
+        rules: how (with `mesh`): a preset of
+            `blocklab.training.partition` (`"fsdp"` by default, `"tp"`,
+            `"ep"`, `"fsdp+tp"`, ...) or a mapping logical axis -> mesh axis.
 
     Returns:
         A `TrainResult` (validation loss: that of a token dataset's
@@ -597,8 +674,30 @@ def train_model(
         optimizer, source, loss_fn=loss_fn, batch_size=batch_size, precision=precision
     )
     fresh = state is None
-    state = init_state(model, optimizer) if fresh else state
-    has_aux = step.check(state, owner=owner)
+    on_mesh = None  # the state's shardings when training on a mesh
+    if mesh is None and rules is not None:
+        raise ConfigError(f"{owner}: rules={rules!r} needs a mesh= to lay out on.")
+    if mesh is None:
+        state = init_state(model, optimizer) if fresh else state
+    else:
+        from . import mesh as meshes  # above this module (it imports train)
+
+        rules = "fsdp" if rules is None else rules
+        if isinstance(step.source, HostSource):
+            raise ConfigError(
+                f"{owner}: a host batch source cannot train on a mesh yet; draw "
+                "the batches on the device (source(key) or source.batch(key))."
+            )
+        step = meshes.shard_step(step, mesh, rules)
+        state, on_mesh = (
+            meshes.sharded_state(model, optimizer, mesh, rules)
+            if fresh
+            else meshes.reshard_state(state, mesh, rules, optimizer)
+        )
+        meshes.check_batch(owner, step, mesh)
+    has_aux = step.check(
+        state, owner=owner, first_key=step_keys(key, int(state.step), 1)[0]
+    )
     if fresh:
         _check_descends(owner, optimizer, state)
     # The state is donated chunk by chunk: work on a copy so the caller's
@@ -608,8 +707,31 @@ def train_model(
     )
     start = int(state.step)
 
+    host = step.source if isinstance(step.source, HostSource) else None
+    prefetched: dict[int, Any] = {}
+
+    def draw(done, n):
+        # A host source's batches for steps done .. done + n - 1 (fewer at its end).
+        keys = step_keys(key, start + done, n)
+        batches = host.take(keys, owner=owner)
+        return keys[: len(batches)], (_stacked(batches) if batches else None)
+
     def advance(state, done, n):
-        state, out = _run_chunk(step, state, step_keys(key, start + done, n))
+        if on_mesh is not None:
+            keys = step_keys(key, start + done, n)
+            state, out = meshes.run_chunk((step, on_mesh), state, keys)
+        elif host is None:
+            state, out = _run_chunk(step, state, step_keys(key, start + done, n))
+        else:
+            keys, batches = prefetched.pop(done, None) or draw(done, n)
+            if batches is None:
+                return state, np.zeros(0, np.float32), None
+            state, out = _run_host_chunk(step, state, keys, batches)
+            after = done + len(keys)
+            if len(keys) == n and after < num_steps:
+                # Draw the next chunk on the host while this one runs.
+                nxt = min(steps_per_call, num_steps - after)
+                prefetched[after] = draw(after, nxt)
         loss, aux = out if has_aux else (out, None)
         return state, np.asarray(loss), jax.tree_util.tree_map(np.asarray, aux)
 
@@ -625,7 +747,7 @@ def train_model(
         progress=progress,
     )
     d = int(run.diverged_at)
-    kept = num_steps if d == 0 else d - 1
+    kept = run.steps_run if d == 0 else d - 1
     stopped = None
     if d:
         stopped = (
@@ -633,6 +755,12 @@ def train_model(
             f"and kept the model after step {start + d - 1}."
         )
         warnings.warn(f"{owner}: {stopped}", RuntimeWarning, stacklevel=3)
+    elif run.steps_run < num_steps:
+        stopped = (
+            f"the host source ran out after {run.steps_run} of {num_steps} steps; "
+            f"stopped and kept the model after step {start + run.steps_run}."
+        )
+        warnings.warn(f"{owner}: {stopped}", UserWarning, stacklevel=3)
     aux = (
         None if run.aux is None else jax.tree_util.tree_map(lambda a: a[:kept], run.aux)
     )
