@@ -149,3 +149,80 @@ def test_a_pure_source_with_a_fixed_batch_is_still_accepted():
         warnings.simplefilter("error")
         res = _train(lambda key: (jnp.asarray(x), jnp.asarray(y)), 3)
     np.testing.assert_allclose(res.losses, ref, rtol=2e-5)
+
+
+# -- item 4: one range rule per optax hyperparameter, sweeps and train_model --
+
+
+def _reg_source(key):
+    x = jax.random.normal(key, (4, 3))
+    return x, x @ jnp.array([1.0, -2.0, 0.5])
+
+
+def _sweep(hyperparams, optimizer, steps=2):
+    return train_sweep(
+        lambda k: Lin(jnp.zeros(3)),
+        _reg_source,
+        steps,
+        model_keys=[0, 1],
+        data_keys=[0, 1],
+        hyperparams=hyperparams,
+        optimizer=optimizer,
+        loss_fn=mse,
+        progress=False,
+    )
+
+
+BAD_HPARAMS = [
+    (optax.adamw, "weight_decay", -0.1, r"\[0, inf\)"),
+    (optax.adam, "b1", 1.5, r"\[0, 1\)"),
+    (optax.adam, "b2", 1.0, r"\[0, 1\)"),
+    (optax.adam, "eps", -1e-3, r"\[0, inf\)"),
+    (optax.sgd, "momentum", 1.2, r"\[0, 1\)"),
+    (optax.rmsprop, "decay", -0.5, r"\[0, 1\)"),
+    (optax.sgd, "learning_rate", -0.5, r"\(0, inf\)"),
+]
+
+
+@pytest.mark.parametrize(("opt", "name", "bad", "valid"), BAD_HPARAMS)
+def test_sweeps_and_train_model_share_one_range_rule(opt, name, bad, valid):
+    from blocklab.training.sweep import sweep_optimizer
+
+    good = {"learning_rate": 0.1}
+    # swept: the message names the member
+    with pytest.raises(ConfigError, match=rf"{name} of member 1 must be in {valid}"):
+        _sweep({**good, name: [0.0, bad]} if name != "learning_rate"
+               else {name: [0.1, bad]}, sweep_optimizer(opt))  # fmt: skip
+    # fixed in the injected optimizer, not swept: still refused
+    fixed = optax.inject_hyperparams(opt)(**{**good, name: bad})
+    with pytest.raises(ConfigError, match=rf"{name} .*must be in {valid}.*, got"):
+        _sweep({}, fixed)
+    with pytest.raises(ConfigError, match=rf"train_model: hyperparameter {name} must"):
+        _train_opt(fixed)
+
+
+def _train_opt(opt, steps=2):
+    return train_model(
+        Lin(jnp.zeros(3)), _reg_source, opt, steps, key=jax.random.key(0),
+        loss_fn=mse, progress=False,
+    )  # fmt: skip
+
+
+def test_a_negative_rate_fixed_inside_an_injected_optimizer_is_refused():
+    opt = optax.inject_hyperparams(lambda momentum: optax.sgd(-0.5, momentum))(
+        momentum=0.9
+    )
+    with pytest.raises(ConfigError, match="member 0 climbs the gradient"):
+        _sweep({"momentum": [0.5, 0.9]}, opt)
+    with pytest.raises(ConfigError, match="climbs the gradient"):
+        _train_opt(optax.sgd(-0.5, 0.9))
+
+
+def test_edge_values_inside_the_ranges_are_accepted():
+    from blocklab.training.sweep import sweep_optimizer
+
+    res = _sweep(
+        {"learning_rate": [0.05, 0.1], "b1": [0.0, 0.9], "weight_decay": [0.0, 0.1]},
+        sweep_optimizer(optax.adamw),
+    )
+    assert np.all(np.isfinite(res.losses))

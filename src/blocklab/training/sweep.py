@@ -59,6 +59,7 @@ from jax.sharding import Mesh
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_int
+from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .sources import HostSource
 from .sharding import (
@@ -347,10 +348,7 @@ def _member_values(
             raise ConfigError(
                 f"{owner}: hyperparameter {name} must be finite, got {arr.tolist()}."
             )
-        if name == "learning_rate" and np.any(arr <= 0):
-            raise ConfigError(
-                f"{owner}: learning rates must be > 0, got {arr.tolist()}."
-            )
+        check_values(owner, {name: arr})
         out[name] = arr.astype(np.float32)
     return out
 
@@ -494,7 +492,9 @@ def train_sweep(
     mesh = member_mesh() if mesh is None else mesh
     sharding = member_sharding(mesh)
     state_shard = _state_sharding(owner, mesh, rules, shape_state, optimizer, K)
-    if state_shard is not sharding:
+    if state_shard is None:
+        state_shard = sharding
+    else:
         from .mesh import shard_step
 
         step = shard_step(step, mesh, rules or "fsdp")
@@ -503,6 +503,7 @@ def train_sweep(
     hv = {n: global_rows(pad_rows(v, size), mesh) for n, v in values.items()}
 
     states = _init_states(make_model, optimizer, state_shard, mk, hv)
+    _check_members_descend(owner, optimizer, states, injected, K)
 
     def record(models):
         probed = _probe_members(probe, models, sharding)
@@ -566,8 +567,8 @@ def _final_states(states: TrainState, K: int) -> TrainState:
 
 
 def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
-    """The members' state layout: split over `members` only (a 1-D mesh), or
-    also each member over the other mesh axes by `rules`."""
+    """The members' state layout by `rules` when the mesh has axes besides
+    `members` (each member split over them); `None` for a 1-D member mesh."""
     if AXIS not in mesh.axis_names:
         raise ConfigError(
             f"{owner}: the mesh must have an axis {AXIS!r} for the members, got "
@@ -580,7 +581,7 @@ def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
                 f"{owner}: rules={rules!r} split each member over mesh axes "
                 f"besides {AXIS!r}, but mesh {dict(mesh.shape)} has none."
             )
-        return member_sharding(mesh)
+        return None
     from .mesh import state_shardings
 
     size = pad_members(K, mesh.shape[AXIS])
@@ -619,6 +620,37 @@ def _run_chunk(fixed, states, n, sharding):
     states, losses = eqx.filter_vmap(step.scan)(states, keys)
     state_shard, member_shard = sharding
     return eqx.filter_shard(states, state_shard), eqx.filter_shard(losses, member_shard)
+
+
+def _check_members_descend(owner, optimizer, states, injected, K) -> None:
+    """Refuse members whose injected hyperparameters (swept or fixed) are out
+    of range, or whose first update climbs (a negative learning rate fixed
+    inside the optimizer)."""
+    hyper = getattr(states.opt_state, "hyperparams", None)
+    if isinstance(hyper, dict):
+        check_values(
+            owner,
+            {n: to_host(v)[:K] for n, v in hyper.items() if eqx.is_array(v)},
+        )
+    if isinstance(injected, dict) and "learning_rate" in injected:
+        return
+    try:
+        climb = to_host(_member_climbs(optimizer, states))[:K]
+    except Exception:  # noqa: BLE001 - the real step will report it
+        return
+    bad = np.flatnonzero(climb > 0)
+    if bad.size:
+        raise ConfigError(
+            f"{owner}: the first update of member {int(bad[0])} climbs the "
+            f"gradient (sum of the update for a gradient of ones is "
+            f"{float(climb[bad[0]]):.3g} > 0): is a learning rate fixed inside the "
+            "optimizer negative? Pass a positive learning rate."
+        )
+
+
+@eqx.filter_jit
+def _member_climbs(optimizer, states):
+    return eqx.filter_vmap(lambda s: climbs(optimizer, s.opt_state, s.model))(states)
 
 
 @eqx.filter_jit

@@ -81,6 +81,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_choice, check_float, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
+from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .sources import FORMS, HostSource, check_pure, is_host_source
 
@@ -589,28 +590,24 @@ def _injected(opt_state: Any) -> list[dict]:
 
 
 def _check_descends(owner: str, optimizer: Any, state: TrainState) -> None:
-    """Refuse a fresh optimizer whose learning rate is not positive.
+    """Refuse a fresh optimizer whose hyperparameters make it climb or blow up.
 
-    An injected `learning_rate` is read directly. Otherwise the first update
-    for the gradient $g = 1$ is probed: a learning rate below zero makes it
-    climb ($\\sum_i u_i g_i > 0$).
+    Injected hyperparameters are checked against their valid intervals
+    (`blocklab.training.hyperparams.RANGES`, the rule sweeps use too).
+    Without an injected learning rate, the first update for the gradient
+    $g = 1$ is probed: a learning rate below zero makes it climb
+    ($\\sum_i u_i g_i > 0$).
     """
+    has_lr = False
     for hyper in _injected(state.opt_state):
-        if "learning_rate" in hyper and not callable(hyper["learning_rate"]):
-            lr = np.asarray(hyper["learning_rate"], np.float64)
-            if np.any(lr <= 0) or not np.all(np.isfinite(lr)):
-                raise ConfigError(
-                    f"{owner}: the learning rate must be > 0 and finite, got "
-                    f"{lr.tolist()}."
-                )
-            return
-    params = eqx.filter(state.model, eqx.is_inexact_array)
-    ones = jax.tree_util.tree_map(jnp.ones_like, params)
+        check_values(owner, hyper, members=False)
+        has_lr |= "learning_rate" in hyper and not callable(hyper["learning_rate"])
+    if has_lr:
+        return
     try:
-        updates, _ = optimizer.update(ones, state.opt_state, params)
+        climb = float(climbs(optimizer, state.opt_state, state.model))
     except Exception:  # noqa: BLE001 - the real step will report it
         return
-    climb = sum(float(jnp.sum(u)) for u in jax.tree_util.tree_leaves(updates))
     if climb > 0:
         raise ConfigError(
             f"{owner}: the optimizer's first update climbs the gradient "
