@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,10 @@ class Stack(eqx.Module):
     num_blks: int = eqx.field(static=True)
     remat: bool = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
+    #: `constrain(h)` applied to the hidden state at every block boundary
+    #: (before each block and after the last), e.g. a sharding constraint
+    #: (`blocklab.training.partition`); `None`: nothing is applied (no cost).
+    constrain: Callable[[Array], Array] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -95,6 +100,17 @@ class Stack(eqx.Module):
     def __getitem__(self, i: int):
         return self.block(i)
 
+    def with_constraint(self, constrain: Callable[[Array], Array] | None) -> Stack:
+        """This stack with `constrain(h)` applied at every block boundary.
+
+        $h_k = B_k(c(h_{k-1}))$ and the output is $c(h_N)$: `constrain` must
+        be the identity on values (a `jax.lax.with_sharding_constraint`), and
+        hashable (it is part of the compiled program). `None` removes it.
+        """
+        new = copy.copy(self)
+        object.__setattr__(new, "constrain", constrain)
+        return new
+
     def __len__(self) -> int:
         return self.num_blks
 
@@ -104,13 +120,14 @@ class Stack(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
     ) -> tuple[Float[Array, "*batch T d"], Any]:
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, key: as for `__call__`.
+            x, valid_lens, positions, segment_ids, key: as for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing.
@@ -121,17 +138,24 @@ class Stack(eqx.Module):
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         keys = None if key is None else jax.random.split(key, self.num_blks)
         extra = {} if positions is None else {"positions": positions}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
+
+        constrain = self.constrain
 
         def step(h, xs):
             blk_params, k = xs
             blk = eqx.combine(blk_params, static)
+            if constrain is not None:
+                h = constrain(h)
             if collect is None:
                 return blk(h, valid_lens, key=k, **extra), None
             return collect(blk, h, k)
 
         if self.remat:
             step = jax.checkpoint(step)
-        return jax.lax.scan(step, x, (dynamic, keys), unroll=self.unroll)
+        h, stats = jax.lax.scan(step, x, (dynamic, keys), unroll=self.unroll)
+        return (h if constrain is None else constrain(h)), stats
 
     def __call__(
         self,
@@ -139,11 +163,43 @@ class Stack(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
 
-        `valid_lens` is passed to every block, and `positions` (RoPE) too when
-        given; `key` (dropout) is split into one subkey per block.
+        `valid_lens` is passed to every block, and `positions` (RoPE) and
+        `segment_ids` (packed sequences) too when given; `key` (dropout) is
+        split into one subkey per block.
         """
-        return self.scan(x, valid_lens, positions=positions, key=key)[0]
+        return self.scan(
+            x, valid_lens, positions=positions, segment_ids=segment_ids, key=key
+        )[0]
+
+    def step(
+        self, x: Float[Array, "*batch Tq d"], caches: Any, start: Int[ArrayLike, "*#batch"]
+    ) -> tuple[Float[Array, "*batch Tq d"], Any]:
+        """Apply the N blocks to new tokens against their key/value caches.
+
+        $h_k, c_k' = B_k.\\mathrm{step}(h_{k-1}, c_k, \\text{start})$: the
+        caches of the N blocks are one pytree whose leaves have a leading axis
+        of size N (what `blocks.attention.init_cache` gives, stacked), scanned
+        together with the block parameters as data, so the compiled step, like
+        `__call__`, does not grow with depth.
+
+        Args:
+            x: `(Tq, d)` new tokens (or a batch `(..., Tq, d)`), the first at
+                cache index `start`.
+            caches: the stacked per-block caches.
+            start: int, or one per sequence (shape `x.shape[:-2]`).
+
+        Returns:
+            `(h_N, new_caches)`, the caches stacked as they came in.
+        """
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(h, xs):
+            blk_params, cache = xs
+            return eqx.combine(blk_params, static).step(h, cache, start)
+
+        return jax.lax.scan(body, x, (dynamic, caches), unroll=self.unroll)
