@@ -226,3 +226,70 @@ def test_edge_values_inside_the_ranges_are_accepted():
         sweep_optimizer(optax.adamw),
     )
     assert np.all(np.isfinite(res.losses))
+
+
+# -- item 5: targets and ids are checked by every loss and model -----------
+
+
+def _moe_lm():
+    from blocklab.interop.mixtral import MoEDecoderConfig
+
+    cfg = MoEDecoderConfig.mixtral(32, 16, 2, 1, max_len=8, num_experts=4, top_k=2)
+    return bl.DecoderLM(cfg, key=jax.random.key(0))
+
+
+_LOSSES = {}
+
+
+def _loss(name):
+    """The loss `fn(X, Y)` and its vocabulary (models built once per module)."""
+    if name not in _LOSSES:
+        from blocklab.nn.moe import moe_loss
+
+        if name == "lm_loss":
+            # the model is compiled; the targets reach lm_loss concrete
+            char = eqx.filter_jit(bl.CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0)))
+            _LOSSES[name] = (lambda X, Y: bl.lm_loss(char, X, Y), 28)
+        else:
+            fn, m = moe_loss(), _moe_lm()
+            _LOSSES[name] = (lambda X, Y: fn(m, (X, Y))[0], 32)
+    return _LOSSES[name]
+
+
+@pytest.mark.parametrize("loss", ["lm_loss", "moe_loss"])
+def test_every_loss_refuses_targets_outside_the_vocabulary(loss):
+    fn, vocab = _loss(loss)
+    X = jnp.zeros((2, 8), jnp.int32)
+    jitted = eqx.filter_jit(fn)
+    assert np.isfinite(float(jitted(X, jnp.full((2, 8), vocab - 1))))
+    # (the MoE forward runs op by op when called eagerly: one value there)
+    for bad in (vocab, -1) if loss == "lm_loss" else (-1,):
+        Y = jnp.zeros((2, 8), jnp.int32).at[1, 3].set(bad)
+        # concrete: checked in NumPy, the message names the id and its index
+        with pytest.raises(ConfigError, match=rf"\[0, vocab={vocab}\), got {bad} "
+                           r"at index \[1, 3\]"):  # fmt: skip
+            fn(X, Y)
+    for bad in (vocab, -1):
+        Y = jnp.zeros((2, 8), jnp.int32).at[1, 3].set(bad)
+        with pytest.raises(eqx.EquinoxRuntimeError, match=rf"vocab={vocab}\)"):
+            jitted(X, Y)
+
+
+def test_decoder_ids_and_empty_batches():
+    m = bl.DecoderLM(
+        bl.DecoderConfig.llama(32, 16, 2, 1, max_len=8), key=jax.random.key(0)
+    )
+    with pytest.raises(ConfigError, match=r"vocab_size=32\), got 40 at index \[1\]"):
+        m(jnp.array([0, 40]))
+    char = bl.CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
+    tm = bl.TokenDataset(np.arange(40) % 28, 8)
+    with pytest.raises(ConfigError, match="batch_size must lie in"):
+        tm.train_batch(jax.random.key(0), 0)
+    empty = jnp.zeros((0, 8), jnp.int32)
+    with pytest.raises(ConfigError, match="the batch is empty"):
+        bl.lm_loss(char, empty, empty)
+
+
+def test_token_dataset_refuses_duplicate_symbols():
+    with pytest.raises(ConfigError, match=r"distinct symbols, got 'a' at ids 0 and 1"):
+        bl.TokenDataset(np.array([0, 1, 2] * 4), 4, vocab=("a", "a", "b"))

@@ -32,6 +32,7 @@ __all__ = [
     "check_int",
     "check_float",
     "check_choice",
+    "check_ids",
     "check_key",
     "renamed_keyword",
 ]
@@ -178,3 +179,44 @@ def renamed_keyword(
         stacklevel=3,
     )
     return old_value
+
+
+def check_ids(owner: str, name: str, ids: Any, size: int, *, what: str = "vocab") -> Any:
+    """Refuse integer ids outside `[0, size)`; returns `ids` (to thread through jit).
+
+    Concrete ids (NumPy, or JAX arrays outside a trace) are checked in NumPy
+    and raise `ConfigError` naming the first bad position, its value and
+    `size`. Traced ids get `eqx.error_if` with a message naming the argument
+    and `size` (under `jax.jit` it arrives inside JAX's callback error; under
+    `eqx.filter_jit` as an `EquinoxRuntimeError`). Non-integer ids are refused.
+    """
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None:
+        ids = np.asarray(ids)
+        dtype = ids.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ConfigError(
+            f"{owner}: {name} must be integer ids, got dtype {dtype}; cast with "
+            ".astype(jnp.int32)."
+        )
+    valid = f"[0, {what}={size})"
+    if isinstance(ids, jax.core.Tracer):
+        return eqx.error_if(
+            ids,
+            (ids < 0) | (ids >= size),
+            f"{owner}: {name} must lie in {valid}; an id outside it was given (a "
+            "negative id, or one past the vocabulary; check the ids' encoding).",
+        )
+    arr = np.asarray(ids)
+    bad = (arr < 0) | (arr >= size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ConfigError(
+            f"{owner}: {name} must lie in {valid}, got {int(arr[where])} at index "
+            f"{list(where)}."
+        )
+    return ids

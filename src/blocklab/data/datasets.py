@@ -128,6 +128,9 @@ class _Windowed(eqx.Module):
         self, key: PRNGKeyArray, batch_size: int
     ) -> tuple[Int[Array, "B seq_len"], Int[Array, "B seq_len"]]:
         """`batch_size` training windows, uniform with replacement, from `key`."""
+        batch_size = check_int(
+            f"{type(self).__name__}.train_batch", "batch_size", batch_size, min=1
+        )
         starts = jax.random.randint(key, (batch_size,), 0, self.num_train)
         return self.windows(starts)
 
@@ -286,6 +289,14 @@ class TokenDataset(_Windowed):
         num_val = check_int(owner, "num_val", num_val, min=0)
         if vocab is not None:
             vocab = tuple(str(v) for v in vocab)
+            seen: dict[str, int] = {}
+            for i, v in enumerate(vocab):
+                if v in seen:
+                    raise ConfigError(
+                        f"{owner}: vocab must hold distinct symbols, got {v!r} at "
+                        f"ids {seen[v]} and {i} (encode could not tell them apart)."
+                    )
+                seen[v] = i
         default_vocab = len(vocab) if vocab is not None else None
         if vocab_size is None:
             vocab_size = default_vocab or (int(ids.max()) + 1 if ids.size else 1)

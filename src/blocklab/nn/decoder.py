@@ -31,6 +31,7 @@ from .._validate import (
     check_bool,
     check_choice,
     check_float,
+    check_ids,
     check_int,
     check_key,
 )
@@ -573,11 +574,7 @@ class DecoderLM(eqx.Module):
             raise ConfigError(
                 f"DecoderLM: ids must be integers, got dtype {ids.dtype}."
             )
-        ids = eqx.error_if(
-            ids,
-            (ids < 0) | (ids >= cfg.vocab_size),
-            f"DecoderLM: token ids must lie in [0, vocab_size={cfg.vocab_size}).",
-        )
+        ids = check_ids("DecoderLM", "token ids", ids, cfg.vocab_size, what="vocab_size")
         T = ids.shape[-1]
         if positions is None:
             pos = jnp.arange(T)

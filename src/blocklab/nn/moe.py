@@ -36,9 +36,17 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_choice, check_int, check_key
+from .._validate import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_ids,
+    check_int,
+    check_key,
+)
 from . import init
 from .ffn import _PHI, ACTS, GATED_ACTS, FeedForward
 from .functional import ACTIVATIONS, linear
@@ -481,6 +489,12 @@ def load_balancing_loss(
 
 
 def _token_cross_entropy(logits: Array, Y: Array) -> Array:
+    if np.size(Y) == 0:
+        raise ConfigError(
+            "moe_loss: the batch is empty (targets of shape "
+            f"{tuple(np.shape(Y))}); the mean loss over no tokens is NaN."
+        )
+    Y = check_ids("moe_loss", "target ids", Y, logits.shape[-1])
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, Y[..., None], axis=-1))

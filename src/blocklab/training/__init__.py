@@ -4,7 +4,6 @@ checkpoints, joining and launching multi-process jobs."""
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
-from .optimizer import optimizer, schedule_factor
 from .sources import HostSource, host_source
 from .sharding import check_seeds, member_mesh, pad_members, sharded_map
 from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
@@ -44,10 +43,8 @@ __all__ = [
     "make_train_step",
     "member_mesh",
     "next_token_loss",
-    "optimizer",
     "pad_members",
     "save",
-    "schedule_factor",
     "sharded_map",
     "step_keys",
     "sweep_grid",

@@ -79,7 +79,14 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-from .._validate import ConfigError, check_choice, check_float, check_int, check_key
+from .._validate import (
+    ConfigError,
+    check_choice,
+    check_float,
+    check_ids,
+    check_int,
+    check_key,
+)
 from ..data.datasets import TimeMachine, TokenDataset
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
@@ -124,18 +131,22 @@ def lm_loss(
     `eqx.filter_vmap(model)`. Log-softmax in float32 (or wider).
 
     Raises:
-        EquinoxRuntimeError (also under `jit`): a target id outside
-            `[0, vocab)` (a negative one would silently give a finite, wrong
-            loss; one past the vocabulary a NaN).
+        ConfigError: an empty batch (its mean is NaN), or concrete targets
+            with an id outside `[0, vocab)` (a negative one would silently
+            give a finite, wrong loss; one past the vocabulary a NaN): the
+            message names the id and its index.
+        EquinoxRuntimeError (under `jit`): a traced target id outside
+            `[0, vocab)` (`blocklab._validate.check_ids`).
     """
+    if np.size(Y) == 0:
+        raise ConfigError(
+            f"lm_loss: the batch is empty (targets of shape {tuple(np.shape(Y))}); "
+            "the mean loss over no tokens is NaN. Draw at least one sequence."
+        )
     logits = model(X)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     vocab = logits.shape[-1]
-    Y = eqx.error_if(
-        Y,
-        (Y < 0) | (Y >= vocab),
-        f"lm_loss: target ids must lie in [0, vocab={vocab}).",
-    )
+    Y = check_ids("lm_loss", "target ids", Y, vocab)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
     z_loss = check_float("lm_loss", "z_loss", z_loss, min=0.0)
     if z_loss:
