@@ -15,6 +15,8 @@ from .block import TransformerBlock
 from .config import BlockConfig
 from .functional import linear
 from .normalization import RMSNorm
+from .parametrization import apply_init, attention_scale, check_base_width
+from .parametrization import readout_multiplier as _readout_multiplier
 from .stack import Stack
 
 __all__ = ["CharLM", "generate"]
@@ -67,6 +69,12 @@ class CharLM(eqx.Module):
     tying, Press & Wolf, 2017). The blocks are `TransformerBlock(self.block)`,
     `self.block = BlockConfig(num_hiddens, num_heads, act=act,
     **block_options)`, with their default (Flax NNX-matching) initialization.
+
+    `parametrization="mup"` (with `base_width` $d_0$) applies the μP table of
+    `blocklab.nn.parametrization`: $W_q$ starts at zero, the logits are
+    multiplied by $d_0/d$ (the tied head) and the attention scale is
+    $\sqrt{p_0}/p$ (unless `attn_scale` is given); `blocklab.optimizer`
+    applies the per-leaf rates.
     """
 
     token_emb: eqx.nn.Embedding
@@ -81,6 +89,8 @@ class CharLM(eqx.Module):
     max_len: int = eqx.field(static=True)
     block_options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
     block: BlockConfig = eqx.field(static=True)
+    parametrization: str = eqx.field(static=True)
+    base_width: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -93,6 +103,8 @@ class CharLM(eqx.Module):
         *,
         remat: bool = False,
         unroll: int | bool | None = None,
+        parametrization: str = "standard",
+        base_width: int | None = None,
         key: PRNGKeyArray,
         **block_options: Any,
     ):
@@ -104,6 +116,8 @@ class CharLM(eqx.Module):
         remat: rematerialize each block in the backward pass (see `Stack`).
         unroll: blocks per scan iteration (see `Stack`); default
             `min(num_blks, 4)`, so the chapter's two blocks run unrolled.
+        parametrization: `"standard"` or `"mup"` (see the class docstring).
+        base_width: the width $d_0$ at which μP equals standard (`"mup"`).
         key: PRNG key for every weight.
         **block_options: further `BlockConfig` fields (`norm`, `placement`,
             `bias`, `qk_norm`, `dropout`, ...), checked there once, and the
@@ -140,6 +154,21 @@ class CharLM(eqx.Module):
             for name in ("attn_factory", "ffn_factory")
             if name in options
         )
+        head_dim = options.get("head_dim") or (
+            num_hiddens // num_heads if num_hiddens % num_heads == 0 else None
+        )
+        self.parametrization, self.base_width = check_base_width(
+            "CharLM", parametrization, base_width, num_hiddens,
+            {} if head_dim is None else {"head_dim": head_dim},
+        )  # fmt: skip
+        if (
+            self.parametrization != "standard"
+            and options.get("attn_scale") is None
+            and head_dim is not None
+        ):
+            options["attn_scale"] = attention_scale(
+                self.parametrization, head_dim, num_hiddens, self.base_width
+            )
         self.block = BlockConfig(num_hiddens, num_heads, act=self.act, **options)
         self.token_emb, self.pos_emb, self.stack = _build_charlm(
             key,
@@ -153,10 +182,20 @@ class CharLM(eqx.Module):
             min(num_blks, 4) if unroll is None else unroll,
         )
         self.norm = RMSNorm(num_hiddens)
+        if self.parametrization != "standard":
+            parts = apply_init({"stack": self.stack}, self.parametrization)
+            self.stack = parts["stack"]
+
+    @property
+    def readout_multiplier(self) -> float:
+        """The factor on the logits: 1, or $d_0/d$ under μP."""
+        return _readout_multiplier(
+            self.parametrization, self.num_hiddens, self.base_width
+        )
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (without `key`) that rebuild this structure."""
-        return dict(
+        out = dict(
             vocab_size=self.vocab_size,
             num_hiddens=self.num_hiddens,
             num_heads=self.num_heads,
@@ -167,6 +206,9 @@ class CharLM(eqx.Module):
             unroll=self.stack.unroll,
             **dict(self.block_options),
         )
+        if self.parametrization != "standard":
+            out.update(parametrization=self.parametrization, base_width=self.base_width)
+        return out
 
     def __call__(
         self, tokens: Int[ArrayLike, "*batch T"], *, key: PRNGKeyArray | None = None
@@ -235,7 +277,9 @@ class CharLM(eqx.Module):
         h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
         h = self.stack(h, jnp.arange(1, T + 1), key=key)
         # float32 accumulation and output: logits of a bf16 model are not rounded
-        return linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
+        logits = linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
+        c = self.readout_multiplier  # 1, or d0/d under muP
+        return logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
 
 
 def generate(

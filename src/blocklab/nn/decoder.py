@@ -35,7 +35,7 @@ from .._validate import (
     check_int,
     check_key,
 )
-from . import init
+from . import init, parametrization
 from .block import TransformerBlock
 from .config import QK_NORMS, BlockConfig
 from .functional import linear
@@ -109,6 +109,13 @@ class DecoderConfig:
             dtype (Gemma 3: $\sqrt d$); `None`: no scaling.
         tie_embeddings: the head reuses the token embedding ($E^\top$);
             `False` gives the model its own `head` matrix.
+        parametrization: `"standard"` or `"mup"` (see
+            `blocklab.nn.parametrization`: under μP the query projection and
+            an untied head start at zero, the logits are multiplied by
+            $d_0/d$ and the attention scale is $\sqrt{p_0}/p$ unless
+            `attn_scale` is given; `blocklab.optimizer` applies the rates).
+        base_width: the width $d_0$ at which μP equals standard (required by
+            `"mup"`; every width must scale to an integer at $d_0$).
     """
 
     vocab_size: int
@@ -134,6 +141,8 @@ class DecoderConfig:
     attn_scale: float | None = None
     embed_scale: float | None = None
     tie_embeddings: bool = True
+    parametrization: str = "standard"
+    base_width: int | None = None
 
     def __post_init__(self):
         """Check the model's own fields here and the block's in `BlockConfig`
@@ -198,6 +207,7 @@ class DecoderConfig:
                 f"{_OWNER}: local_rope_theta={self.local_rope_theta!r} needs local "
                 "layers; set window (and global_layers)."
             )
+        self._check_parametrization(put)
         thetas, windows = self.layer_thetas(), self.layer_windows()
         block = BlockConfig(
             self.num_hiddens,
@@ -228,6 +238,33 @@ class DecoderConfig:
         for name in ("num_kv_heads", "head_dim", "ffn_width"):
             if getattr(self, name) is not None:
                 put(name, getattr(block, name))
+
+    def _check_parametrization(self, put) -> None:
+        """`parametrization` / `base_width`, and μP's attention scale."""
+        d, H = self.num_hiddens, self.num_heads
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            for v in (d, H)
+        ) or (self.head_dim is None and d % H):
+            return  # BlockConfig names the bad size
+        p = d // H if self.head_dim is None else self.head_dim
+        sizes = {"head_dim": p}
+        if isinstance(self.ffn_width, int):
+            sizes["ffn_width"] = self.ffn_width
+        name, base = parametrization.check_base_width(
+            _OWNER, self.parametrization, self.base_width, d, sizes
+        )
+        put("parametrization", name)
+        put("base_width", base)
+        if name == "mup" and self.attn_scale is None and isinstance(p, int) and p > 0:
+            put("attn_scale", parametrization.attention_scale(name, p, d, base))
+
+    @property
+    def readout_multiplier(self) -> float:
+        """The factor on the logits: 1, or $d_0/d$ under μP."""
+        return parametrization.readout_multiplier(
+            self.parametrization, self.num_hiddens, self.base_width
+        )
 
     @property
     def block(self) -> BlockConfig:
@@ -542,6 +579,11 @@ class DecoderLM(eqx.Module):
         self.cfg = config
         self.token_emb, self.pos_emb, self.stack, self.head = _build(config, key)
         self.norm = _final_norm(config)
+        if config.parametrization != "standard":
+            # the table's zero-initialised leaves (query, untied readout)
+            parts = {"stack": self.stack, "head": self.head}
+            parts = parametrization.apply_init(parts, config.parametrization)
+            self.stack, self.head = parts["stack"], parts["head"]
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (without `key`) that rebuild this structure."""
@@ -625,7 +667,9 @@ class DecoderLM(eqx.Module):
         """
         h = self.hidden(ids, positions=positions, key=key)
         # float32 accumulation: the logits of a bf16 model are not rounded
-        return linear(h, self.head_weight, out_dtype=jnp.float32).astype(jnp.float32)
+        z = linear(h, self.head_weight, out_dtype=jnp.float32).astype(jnp.float32)
+        c = self.cfg.readout_multiplier  # 1, or d0/d under muP
+        return z if c == 1.0 else z * c
 
 
 CONFIG_CLASSES["DecoderConfig"] = DecoderConfig
