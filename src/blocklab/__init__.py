@@ -25,7 +25,9 @@ from .diagnostics import (
 from .interop import (
     from_huggingface,
     load_huggingface_state_dict,
+    load_pretrained,
     load_state_dict,
+    save_pretrained,
     state_dict,
     to_huggingface_state_dict,
 )
@@ -115,7 +117,9 @@ __all__ = [
     # interop (blocklab.interop)
     "from_huggingface",
     "load_huggingface_state_dict",
+    "load_pretrained",
     "load_state_dict",
+    "save_pretrained",
     "state_dict",
     "to_huggingface_state_dict",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ._validate import ConfigError
 
-__all__ = ["atomic_path", "atomic_write", "check_writable"]
+__all__ = ["atomic_dir", "atomic_path", "atomic_write", "check_writable"]
 
 
 @contextlib.contextmanager
@@ -49,6 +49,61 @@ def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(
+    path: str | Path, *, owner: str = "write", overwrite: bool = False
+) -> Iterator[Path]:
+    """Yield a temporary folder beside `path`; on success it becomes `path`.
+
+    The folder's files are `fsync`ed, then the folder is renamed to `path`.
+    An existing `path` must be an empty folder unless `overwrite`; it is
+    renamed aside first and removed only after the new folder is in place
+    (put back if the rename fails). On any failure the temporary folder is
+    removed and `path` is left as it was.
+    """
+    import shutil
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{owner}: {path} exists and is not a folder.")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{owner}: the folder {path} exists and is not empty; pass "
+            "overwrite=True to replace it."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    )
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o777 & ~_umask())
+        _fsync_dir(tmp)
+        old = None
+        if path.exists():
+            old = Path(
+                tempfile.mkdtemp(
+                    prefix=f".{path.name}.", suffix=".old", dir=path.parent
+                )
+            )
+            os.replace(path, old / "x")
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:
+                os.replace(old / "x", path)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(path.parent)
 

@@ -2,8 +2,10 @@
 
 `huggingface` is the conversion machinery; each family is a module (`gpt2`,
 `llama`, `olmo2`, `gemma3`, `mixtral`) built on the public helpers of
-`hf_common`; `porting` maps the chapter's PyTorch state dicts. torch and
-transformers are imported lazily, only when a torch model is passed.
+`hf_common`; `porting` maps the chapter's PyTorch state dicts; `pretrained`
+reads and writes checkpoint folders (config.json + safetensors, through
+`safetensors_io`) without torch. torch and transformers are imported lazily,
+only when a torch model is passed.
 """
 
 from .huggingface import (
@@ -16,19 +18,25 @@ from .huggingface import (
     register_family,
     to_huggingface_state_dict,
 )
+from .hf_common import StoredAs
 from .mixtral import MoEDecoderConfig
 from .porting import load_state_dict, state_dict
+from .pretrained import load_pretrained, pretrained_config, save_pretrained
 
 __all__ = [
     "FAMILIES",
     "HFFamily",
     "MoEDecoderConfig",
     "Rule",
+    "StoredAs",
     "from_huggingface",
     "hf_config_to_decoder",
     "load_huggingface_state_dict",
+    "load_pretrained",
     "load_state_dict",
+    "pretrained_config",
     "register_family",
+    "save_pretrained",
     "state_dict",
     "to_huggingface_state_dict",
 ]

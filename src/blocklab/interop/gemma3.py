@@ -168,5 +168,6 @@ GEMMA3 = register_family(
         layer_prefix="model.layers.{i}.",
         layer_rules=gemma3_layer,
         global_rules=model_global_rules,
+        model_type="gemma3_text",
     )
 )

@@ -37,6 +37,7 @@ __all__ = [
     "HFFamily",
     "RULE_KINDS",
     "Rule",
+    "StoredAs",
     "attn_rules",
     "biased",
     "family_for_class",
@@ -177,6 +178,23 @@ def qk_norm_rules(cfg: DecoderConfig) -> list[Rule]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredAs:
+    """How a checkpoint file stores one state-dict tensor as several tensors
+    (`transformers` keeps older on-disk layouts and converts on load: Mixtral's
+    fused experts are stored one `w1`/`w2`/`w3` per expert).
+
+    Attributes:
+        keys: the stored keys, in the order `join` takes them.
+        join: the stored arrays (in `keys` order) -> the state-dict array.
+        split: the state-dict array -> the stored arrays (in `keys` order).
+    """
+
+    keys: tuple[str, ...]
+    join: Callable[[list[np.ndarray]], np.ndarray]
+    split: Callable[[np.ndarray], list[np.ndarray]]
+
+
 def model_global_rules(cfg: DecoderConfig) -> list[Rule]:
     """`model.embed_tokens`, `model.norm` and, when untied, `lm_head`."""
     rules = [
@@ -211,6 +229,12 @@ class HFFamily:
             (embeddings, final norm, untied head), with absolute names.
         dropout_fields: config fields holding dropout rates, refused while
             the PyTorch model is in training mode.
+        model_type: the `model_type` of its `config.json` (what
+            `save_pretrained` writes and `load_pretrained` recognizes when
+            `architectures` is absent); `None`: `name`.
+        stored_as: `stored_as(cfg)` -> `{state-dict key: StoredAs}` for the
+            tensors a checkpoint file stores in another layout than the
+            state dict (`None`: every tensor as in the state dict).
     """
 
     name: str
@@ -221,6 +245,8 @@ class HFFamily:
     layer_rules: Callable[[DecoderConfig], list[Rule]]
     global_rules: Callable[[DecoderConfig], list[Rule]]
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
+    model_type: str | None = None
+    stored_as: Callable[[DecoderConfig], Mapping[str, StoredAs]] | None = None
 
 
 #: Registered families by short name (`register_family` adds one).

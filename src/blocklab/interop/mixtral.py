@@ -22,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from .._validate import check_choice, check_int
 from ..nn.decoder import DecoderConfig
 from ..nn.moe import DISPATCHES, ROUTINGS, MoEFeedForward
 from .hf_common import (
     HFFamily,
     Rule,
+    StoredAs,
     attn_rules,
     get_field,
     llama_like,
@@ -181,6 +184,43 @@ def mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
     ]
 
 
+def mixtral_stored(cfg: DecoderConfig) -> dict[str, StoredAs]:
+    """How Mixtral checkpoint files store the experts (`transformers` writes
+    this layout and fuses it on load): per layer, the router as
+    `block_sparse_moe.gate.weight` and per expert e `experts.e.w1.weight`
+    (gate, $W_g$), `w3` (up, $W_1$) and `w2` (down, $W_2$)."""
+    E = getattr(cfg, "num_experts", 1)
+
+    def gate_up(i: int) -> StoredAs:
+        old = f"model.layers.{i}.block_sparse_moe.experts."
+        w1 = tuple(f"{old}{e}.w1.weight" for e in range(E))
+        w3 = tuple(f"{old}{e}.w3.weight" for e in range(E))
+
+        def split(x):
+            half = x.shape[1] // 2
+            return [*x[:, :half], *x[:, half:]]
+
+        return StoredAs(
+            w1 + w3,
+            lambda a: np.concatenate([np.stack(a[:E]), np.stack(a[E:])], axis=1),
+            split,
+        )
+
+    out = {}
+    for i in range(cfg.num_blks):
+        new, old = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+        out[new + "gate.weight"] = StoredAs(
+            (old + "gate.weight",), lambda a: a[0], lambda x: [x]
+        )
+        out[new + "experts.gate_up_proj"] = gate_up(i)
+        out[new + "experts.down_proj"] = StoredAs(
+            tuple(f"{old}experts.{e}.w2.weight" for e in range(E)),
+            np.stack,
+            list,
+        )
+    return out
+
+
 MIXTRAL = register_family(
     HFFamily(
         name="mixtral",
@@ -191,5 +231,6 @@ MIXTRAL = register_family(
         layer_rules=mixtral_layer,
         global_rules=model_global_rules,
         dropout_fields=("attention_dropout", "router_jitter_noise"),
+        stored_as=mixtral_stored,
     )
 )

@@ -1,0 +1,749 @@
+r"""Checkpoint folders as `transformers` ships them, in and out, without torch.
+
+`load_pretrained(path)` reads a folder written by `save_pretrained` of
+`transformers` (`config.json` + `model.safetensors`, or shards with
+`model.safetensors.index.json`) into a `DecoderLM`; `save_pretrained(model,
+path)` writes one that `transformers.AutoModelForCausalLM.from_pretrained`
+loads. Both go through the family registry (`interop.hf_common.FAMILIES`):
+
+- `config.json` names the family (`architectures[0]`, else `model_type`), whose
+  `to_config` maps it to a `DecoderConfig` and refuses, by name, any field
+  blocklab does not implement; `hf_fields` is the way back;
+- the family's `Rule`s name every stored tensor and its layout (transposed,
+  fused), exactly as for `from_huggingface` / `to_huggingface_state_dict`.
+
+A new family registered with `register_family` is loaded and saved with no
+change here.
+
+Loading streams. Every header is read and checked first (keys, shapes,
+dtypes: nothing is loaded from a folder that does not fit its config). Then
+each stored tensor is read alone ($x$, one NumPy array, no memory map),
+converted by its rule and placed: a per-layer tensor goes into its slot of
+the stacked (scanned) parameter, allocated once on its devices and updated in
+place (a donated `dynamic_update_slice`), so the host holds the parameters
+placed so far plus one tensor. With `sharding=`, each tensor is put straight
+onto the devices of its parameter's sharding.
+
+Dtypes: each parameter keeps the dtype it is stored in (bf16 in, bf16 out)
+unless `dtype=` is given, which converts every tensor as it is read.
+
+What `transformers` does, done here too: a tied head (`tie_word_embeddings`)
+is not stored, and a stored `lm_head.weight` equal to the embedding is
+dropped; a stored head that differs from the embedding unties the model (with
+a warning), each keeping its stored value (`transformers` 5 behaves so);
+non-persistent buffers left in older files (`rotary_emb.inv_freq`, GPT-2's
+`attn.bias` / `attn.masked_bias` masks) are skipped; a base-model file
+without the `model.` / `transformer.` prefix is read with it. Unlike
+`transformers`, an untied config whose `lm_head.weight` is missing is refused
+(`transformers` would draw a random head).
+
+Errors name the file, key or field: a bad argument is a `ConfigError`; a
+folder that is not a readable checkpoint of its own config (no
+`config.json`, a missing shard, a truncated file, a missing or left-over
+key, a wrong shape, a stored dtype that is not floating point) is a
+`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._io import atomic_dir, check_writable
+from .._validate import ConfigError, check_bool
+from ..nn.decoder import DecoderConfig, DecoderLM, set_layer_data
+from ..training.checkpoint import CheckpointError
+from .hf_common import FAMILIES, HFFamily, StoredAs, family_for_class, resolve_family
+from .huggingface import _all_rules, _skeleton
+from .porting import _walk
+from .safetensors_io import (
+    CONFIG_NAME,
+    Catalog,
+    open_catalog,
+    parse_size,
+    shard_plan,
+    write_shards,
+)
+
+__all__ = [
+    "load_pretrained",
+    "pretrained_config",
+    "read_config",
+    "save_pretrained",
+]
+
+#: Stored tensors `transformers` itself skips when they are left over:
+#: buffers older versions saved (RoPE frequencies, GPT-2's causal masks).
+IGNORED_KEYS = re.compile(r"(^|\.)(rotary_emb\.inv_freq|attn\.masked_bias|attn\.bias)$")
+
+#: Dtypes a parameter may be stored in and kept in (others need `dtype=`).
+KEEP_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+# config.json -----------------------------------------------------------------
+
+
+def _folder(owner: str, path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ConfigError(
+            f"{owner}: path must be a folder name (a non-empty str or os.PathLike), "
+            f"got {path!r}."
+        )
+    return Path(path)
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` of a checkpoint folder as a dict, legacy layouts
+    normalized as `transformers` does on load: a top-level `rope_theta` /
+    `rope_scaling` (`type` or `rope_type`) / Gemma 3's `rope_local_base_freq`
+    become `rope_parameters` (one dict, or one per layer type), Gemma 3's
+    `sliding_window_pattern` becomes `layer_types`, and `torch_dtype` is read
+    as `dtype`.
+
+    Raises:
+        ConfigError: `path` is not an existing folder.
+        CheckpointError: the folder has no `config.json`, or it is not a JSON
+            object.
+    """
+    owner = "load_pretrained"
+    folder = _folder(owner, path)
+    if not folder.is_dir():
+        raise ConfigError(f"{owner}: {folder} is not a folder.")
+    file = folder / CONFIG_NAME
+    if not file.is_file():
+        raise CheckpointError(
+            f"{owner}: {folder} has no {CONFIG_NAME}; a checkpoint folder (as "
+            "transformers' save_pretrained writes it) holds config.json and "
+            "model.safetensors (or shards with model.safetensors.index.json)."
+        )
+    try:
+        raw = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{owner}: {file} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{owner}: {file} is not a JSON object.")
+    return _standardize(raw)
+
+
+def _standardize(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    if "torch_dtype" in out:
+        dtype = out.pop("torch_dtype")
+        out.setdefault("dtype", dtype)
+    legacy = [
+        k for k in ("rope_theta", "rope_scaling", "rope_local_base_freq") if k in out
+    ]
+    if out.get("rope_parameters") is None and legacy:
+        theta = out.pop("rope_theta", None)
+        scaling = out.pop("rope_scaling", None)
+        local = out.pop("rope_local_base_freq", None)
+        flat = dict(scaling or {})
+        if "type" in flat:
+            flat.setdefault("rope_type", flat.pop("type"))
+        flat.setdefault("rope_type", "default")
+        flat.setdefault("rope_theta", 10000.0 if theta is None else theta)
+        if local is not None:
+            out["rope_parameters"] = {
+                "full_attention": flat,
+                "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            }
+        else:
+            out["rope_parameters"] = flat
+    elif isinstance(out.get("rope_parameters"), Mapping) and "rope_theta" in out:
+        params = dict(out["rope_parameters"])
+        if "rope_type" in params or "type" in params:  # flat: the base goes inside
+            params.setdefault("rope_theta", out.pop("rope_theta"))
+            out["rope_parameters"] = params
+    pattern = out.get("sliding_window_pattern")
+    if out.get("layer_types") is None and isinstance(pattern, int) and pattern > 0:
+        n = out.get("num_hidden_layers")
+        if isinstance(n, int):
+            out["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(n)
+            ]
+            out.pop("sliding_window_pattern")
+    return out
+
+
+def _family_of(raw: Mapping[str, Any], where: Path) -> HFFamily:
+    archs = raw.get("architectures")
+    if archs:
+        if isinstance(archs, str) or not isinstance(archs, list):
+            raise CheckpointError(
+                f"load_pretrained: {where}: architectures must be a list of class "
+                f"names, got {archs!r}."
+            )
+        for name in archs:
+            if any(name in f.classes for f in FAMILIES.values()):
+                return family_for_class(name)
+        supported = sorted(c for f in FAMILIES.values() for c in f.classes)
+        raise ConfigError(
+            f"load_pretrained: {where}: architectures={archs!r} names no supported "
+            f"model class; supported: {supported} (register others with "
+            "blocklab.interop.register_family)."
+        )
+    model_type = raw.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type is not None and model_type == (fam.model_type or fam.name):
+            return fam
+    types_ = sorted(f.model_type or f.name for f in FAMILIES.values())
+    raise ConfigError(
+        f"load_pretrained: {where}: no architectures entry, and model_type="
+        f"{model_type!r} is not one of {types_}."
+    )
+
+
+def pretrained_config(path: str | os.PathLike) -> DecoderConfig:
+    """The `DecoderConfig` of a checkpoint folder's `config.json` (no weight
+    is read): what `load_pretrained` builds, e.g. for diagnostics of the
+    architecture at initialization (`blocklab signal --pretrained PATH`).
+
+    Raises:
+        ConfigError: an unknown `architectures` class, or a config field
+            blocklab does not implement (named with its value).
+        CheckpointError: no `config.json`, or a missing field (named).
+    """
+    folder = _folder("load_pretrained", path)
+    return _config(read_config(folder), folder / CONFIG_NAME)[1]
+
+
+def _config(raw: dict[str, Any], where: Path) -> tuple[HFFamily, DecoderConfig]:
+    fam = _family_of(raw, where)
+    try:
+        cfg = fam.to_config(types.SimpleNamespace(**raw))
+    except AttributeError as err:
+        name = getattr(err, "name", None) or str(err)
+        raise CheckpointError(
+            f"load_pretrained: {where} has no field {name!r}, which the "
+            f"{fam.classes[0]} config needs."
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(f"load_pretrained: {where}: {err}") from None
+    return fam, cfg
+
+
+# load_pretrained -----------------------------------------------------------------
+
+
+def _check_dtype(dtype: Any) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        out = jnp.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None or not jnp.issubdtype(out, jnp.floating):
+        raise ConfigError(
+            f"load_pretrained: dtype must be a floating-point dtype (jnp.float32, "
+            f"jnp.bfloat16, jnp.float16, ...) or None to keep the stored dtypes, "
+            f"got {dtype!r}."
+        )
+    return out
+
+
+def _resolve_sharding(sharding: Any) -> Callable[[str], Any]:
+    if sharding is None:
+        return lambda path: None
+    if isinstance(sharding, jax.sharding.Sharding):
+        return lambda path: sharding
+    if callable(sharding):
+
+        def of(path: str):
+            out = sharding(path)
+            if out is not None and not isinstance(out, jax.sharding.Sharding):
+                raise ConfigError(
+                    f"load_pretrained: sharding({path!r}) must return a "
+                    f"jax.sharding.Sharding or None, got {type(out).__name__}."
+                )
+            return out
+
+        return of
+    raise ConfigError(
+        "load_pretrained: sharding must be None, a jax.sharding.Sharding or a "
+        "function of the parameter's path (e.g. 'stack.blocks.attention.W_q.weight')"
+        f" returning one, got {type(sharding).__name__}."
+    )
+
+
+def _slice_sharding(sharding: Any):
+    """The sharding of one layer of a stacked parameter sharded by `sharding`."""
+    if sharding is None:
+        return None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)[1:]
+        return jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec)
+        )
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None  # let the update place it
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(
+        stacked, layer.astype(stacked.dtype), i, 0
+    )
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One parameter of the model: its path, shape, dtype, sharding, value."""
+
+    path: str
+    shape: tuple[int, ...]
+    num_layers: int | None  # stacked: the layer count; else None
+    dtype: np.dtype | None = None
+    sharding: Any = None
+    value: Any = None
+    filled: int = 0
+
+
+def load_pretrained(
+    path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None
+) -> DecoderLM:
+    r"""The `DecoderLM` of a checkpoint folder written by `transformers`.
+
+    The folder holds `config.json` and `model.safetensors`, or shards listed
+    by `model.safetensors.index.json`. The result's logits are those of
+    `from_huggingface` of the `transformers` model the folder loads into (the
+    same weights, the same config mapping). torch is never imported.
+
+    Memory: each tensor is read, converted and placed alone, so the peak host
+    memory is about the parameters' bytes plus the largest stored tensor (see
+    `benchmarks/load_pretrained.py`).
+
+    Args:
+        path: the folder.
+        dtype: convert every parameter to this floating dtype as it is read;
+            `None` keeps the stored dtypes (bf16 in, bf16 parameters out).
+        sharding: where the parameters go: `None` (the default device), a
+            `jax.sharding.Sharding` for every parameter, or a function of a
+            parameter's path (its dotted name in the model, e.g.
+            `"token_emb.weight"`, `"stack.blocks.attention.W_q.weight"` for
+            the stacked per-layer array with the layer axis first) returning
+            a `Sharding` or `None`. Each tensor goes straight onto its devices.
+
+    Returns:
+        A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral).
+
+    Raises:
+        ConfigError: a bad argument, an unknown `architectures` class, or a
+            config field blocklab does not implement (named with its value).
+        CheckpointError: no `config.json`, a shard missing or truncated, a
+            key missing or left over, a tensor of the wrong shape or of a
+            dtype that is not floating point (each named with its file).
+    """
+    owner = "load_pretrained"
+    folder = _folder(owner, path)
+    target_dtype = _check_dtype(dtype)
+    sharding_of = _resolve_sharding(sharding)
+    raw = read_config(folder)
+    fam, cfg = _config(raw, folder / CONFIG_NAME)
+    with open_catalog(folder) as catalog:
+        cfg, stored_of = _match(cfg, fam, catalog, folder)
+        return _assemble(cfg, fam, catalog, stored_of, target_dtype, sharding_of)
+
+
+def _part_shapes(stored: StoredAs, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The stored shapes of a state-dict tensor of `shape` (no allocation)."""
+    ghost = np.broadcast_to(np.zeros((), np.float32), shape)
+    return [tuple(a.shape) for a in stored.split(ghost)]
+
+
+def _match(
+    cfg: DecoderConfig, fam: HFFamily, catalog: Catalog, folder: Path
+) -> tuple[DecoderConfig, dict[str, tuple[str, ...] | str]]:
+    """Check the stored keys and shapes against the config (before any data is
+    read); returns the config (untied when the file unties it) and, per
+    state-dict key, its stored key or (another layout) its stored keys."""
+    owner = "load_pretrained"
+    rules = _all_rules(cfg, fam)
+    stored = set(catalog.keys())
+    embed_key = rules[0][0]
+    prefix = embed_key.split(".", 1)[0] + "."
+    if cfg.tie_embeddings and "lm_head.weight" in stored:
+        emb_key = _stored(embed_key, stored, prefix)
+        head = catalog.read("lm_head.weight")
+        emb = catalog.read(emb_key) if emb_key is not None else None
+        if emb is not None and head.shape == emb.shape and np.array_equal(head, emb):
+            stored.discard("lm_head.weight")
+        else:
+            warnings.warn(
+                f"load_pretrained: {folder}: config.json ties the head to the "
+                "embedding (tie_word_embeddings=true) but lm_head.weight differs "
+                f"from {embed_key}; untying them, each keeps its stored value (as "
+                "transformers does).",
+                stacklevel=3,
+            )
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)
+            rules = _all_rules(cfg, fam)
+        del head, emb
+    layouts = dict(fam.stored_as(cfg)) if fam.stored_as is not None else {}
+    sources: dict[str, tuple[str, ...] | str] = {}
+    missing = []
+    for hf, _ in rules:
+        key = _stored(hf, stored, prefix)
+        if key is not None:
+            sources[hf] = key
+            continue
+        layout = layouts.get(hf)
+        if layout is None:
+            missing.append(hf)
+            continue
+        parts = [_stored(k, stored, prefix) for k in layout.keys]
+        if all(k is not None for k in parts):
+            sources[hf] = tuple(parts)
+        elif any(k is not None for k in parts):
+            missing.extend(
+                k for k, got in zip(layout.keys, parts, strict=True) if got is None
+            )
+        else:
+            missing.append(hf)
+    used = {k for v in sources.values() for k in ((v,) if isinstance(v, str) else v)}
+    leftover = sorted(k for k in stored - used if not IGNORED_KEYS.search(k))
+    if missing or leftover:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing}")
+            if "lm_head.weight" in missing:
+                problems.append(
+                    "(config.json unties the head, tie_word_embeddings=false, but no "
+                    "lm_head.weight is stored; transformers would draw a random head)"
+                )
+        if leftover:
+            problems.append(f"left-over keys {leftover}")
+        raise CheckpointError(
+            f"{owner}: {folder}: the stored tensors do not match the "
+            f"{fam.classes[0]} of its config.json: {'; '.join(problems)}."
+        )
+    skeleton = _skeleton(cfg)
+    shapes = _param_shapes(skeleton)
+    for hf, rule in rules:
+        want = tuple(rule.hf_shape([shapes[b] for b in rule.bl]))
+        source = sources[hf]
+        if isinstance(source, str):
+            checks = [(source, want)]
+        else:
+            checks = list(zip(source, _part_shapes(layouts[hf], want), strict=True))
+        for key, shape in checks:
+            info = catalog.infos[key]
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{owner}: {info.file}: tensor {key!r} has shape {info.shape}; "
+                    f"the config.json model expects {shape}."
+                )
+            if info.np_dtype is None or not jnp.issubdtype(info.np_dtype, jnp.floating):
+                raise CheckpointError(
+                    f"{owner}: {info.file}: tensor {key!r} is stored as "
+                    f"{info.dtype}, which cannot be converted to parameters (floating "
+                    "point: F32, BF16, F16, F64; F8 with dtype=)."
+                )
+    return cfg, sources
+
+
+def _stored(hf: str, stored: set[str], prefix: str) -> str | None:
+    """The stored key of the expected key `hf` (a base-model file lacks the
+    `model.` / `transformer.` prefix)."""
+    if hf in stored:
+        return hf
+    if hf.startswith(prefix) and hf[len(prefix) :] in stored:
+        return hf[len(prefix) :]
+    return None
+
+
+def _param_shapes(module) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+
+    def record(names, leaf):
+        if isinstance(names, str):
+            shapes[names] = tuple(leaf.shape)
+        else:
+            shapes.update((n, tuple(leaf.shape[1:])) for n in names)
+        return leaf
+
+    _walk(module, record)
+    return shapes
+
+
+def _leaf_path(names) -> str:
+    if isinstance(names, str):
+        return names
+    rest = names[0][len(names.head) :].split(".", 1)[1]
+    return names.head + rest
+
+
+def _assemble(
+    cfg: DecoderConfig,
+    fam: HFFamily,
+    catalog: Catalog,
+    stored_of: dict[str, str],
+    target_dtype: np.dtype | None,
+    sharding_of: Callable[[str], Any],
+) -> DecoderLM:
+    owner = "load_pretrained"
+    skeleton = _skeleton(cfg)
+    skeleton = eqx.tree_at(
+        lambda m: m.stack, skeleton, set_layer_data(skeleton.stack, cfg)
+    )
+    rules = _all_rules(cfg, fam)
+    # Every parameter name -> (its slot, layer index or None).
+    where: dict[str, tuple[_Slot, int | None]] = {}
+    slots: dict[str, _Slot] = {}
+
+    def register(names, leaf):
+        path = _leaf_path(names)
+        if isinstance(names, str):
+            slot = _Slot(path, tuple(leaf.shape), None)
+            where[names] = (slot, None)
+        else:
+            slot = _Slot(path, tuple(leaf.shape), len(names))
+            where.update((n, (slot, i)) for i, n in enumerate(names))
+        slots[path] = slot
+        return leaf
+
+    _walk(skeleton, register)
+    covered = {b for _, r in rules for b in r.bl}
+    uncovered = sorted(set(where) - covered)
+    if uncovered:  # a family whose rules miss a parameter: a bug, not the file
+        raise ConfigError(
+            f"{owner}: the {fam.name} family's rules do not cover the parameters "
+            f"{uncovered[:5]}."
+        )
+    # Each parameter's dtype: the requested one, else the (promoted) stored one.
+    layouts = dict(fam.stored_as(cfg)) if fam.stored_as is not None else {}
+    for hf, rule in rules:
+        source = stored_of[hf]
+        for key in (source,) if isinstance(source, str) else source:
+            info = catalog.infos[key]
+            for b in rule.bl:
+                slot, _ = where[b]
+                if target_dtype is not None:
+                    slot.dtype = target_dtype
+                elif info.dtype not in KEEP_DTYPES:
+                    raise CheckpointError(
+                        f"{owner}: {info.file}: tensor {key!r} is stored as "
+                        f"{info.dtype}; pass dtype= (e.g. jnp.bfloat16) to convert it."
+                    )
+                else:
+                    dt = np.dtype(info.np_dtype)
+                    slot.dtype = (
+                        dt
+                        if slot.dtype is None
+                        else np.dtype(jnp.promote_types(slot.dtype, dt))
+                    )
+    for slot in slots.values():
+        slot.sharding = sharding_of(slot.path)
+    for hf, rule in rules:
+        source = stored_of[hf]
+        if isinstance(source, str):
+            array = catalog.read(source)
+        else:
+            array = layouts[hf].join([catalog.read(k) for k in source])
+        for b, piece in zip(rule.bl, rule.from_hf(array), strict=True):
+            slot, layer = where[b]
+            _place(slot, layer, piece)
+        del array
+    values = {path: slot.value for path, slot in slots.items()}
+
+    def take(names, leaf):
+        return values[_leaf_path(names)]
+
+    return _walk(skeleton, take)
+
+
+def _place(slot: _Slot, layer: int | None, piece: np.ndarray) -> None:
+    """Put one converted tensor into its parameter (its layer's slot)."""
+    piece = np.asarray(piece)
+    if piece.dtype != slot.dtype:
+        with np.errstate(over="ignore", invalid="ignore"):
+            piece = piece.astype(slot.dtype)
+    if layer is None:
+        slot.value = (
+            jax.device_put(piece, slot.sharding)
+            if slot.sharding is not None
+            else jnp.asarray(piece)
+        )
+        return
+    if slot.value is None:
+        shape, dtype = (slot.num_layers, *slot.shape[1:]), slot.dtype
+        if slot.sharding is not None:
+            zeros = jax.jit(
+                lambda: jnp.zeros(shape, dtype), out_shardings=slot.sharding
+            )
+            slot.value = zeros()
+        else:
+            slot.value = jnp.zeros(shape, dtype)
+    part = _slice_sharding(slot.sharding)
+    dev_piece = jax.device_put(piece, part) if part is not None else jnp.asarray(piece)
+    del piece
+    slot.value = _put_layer(slot.value, dev_piece, np.int32(layer))
+    slot.filled += 1
+
+
+# save_pretrained -----------------------------------------------------------------
+
+
+def _json_value(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return [_json_value(v) for v in x]
+    if isinstance(x, Mapping):
+        return {str(k): _json_value(v) for k, v in x.items()}
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _dtype_name(model: DecoderLM) -> str:
+    """The dtype most parameter bytes are in (what `transformers` loads with)."""
+    bytes_by: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array)):
+        name = jnp.dtype(leaf.dtype).name
+        bytes_by[name] = bytes_by.get(name, 0) + leaf.size * leaf.dtype.itemsize
+    return max(bytes_by, key=bytes_by.get) if bytes_by else "float32"
+
+
+def hf_config_dict(model: DecoderLM, fam: HFFamily) -> dict[str, Any]:
+    """The `config.json` of `model` for `fam`: the family's fields plus
+    `architectures`, `model_type` and `dtype`."""
+    fields = dict(fam.hf_fields(model.cfg))
+    fields.setdefault("pad_token_id", None)  # a default id may not fit a small vocab
+    fields.update(
+        architectures=[fam.classes[0]],
+        model_type=fam.model_type or fam.name,
+        dtype=_dtype_name(model),
+    )
+    return {k: _json_value(v) for k, v in sorted(fields.items())}
+
+
+def save_pretrained(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: Any = "5GB",
+    overwrite: Any = False,
+    family: str | None = None,
+) -> Path:
+    r"""Write `model` as a checkpoint folder that `transformers` loads.
+
+    The folder holds `config.json` (the family's config fields with
+    `architectures`, `model_type` and `dtype`) and the weights in the
+    family's names and layouts (`model.safetensors`, metadata
+    `{"format": "pt"}`), split into `model-0000i-of-0000N.safetensors` with
+    `model.safetensors.index.json` when they pass `max_shard_size`.
+    `transformers.AutoModelForCausalLM.from_pretrained(path)` then computes
+    the model's logits, and `load_pretrained(path)` returns the model bit for
+    bit (each parameter in its dtype). A tied head is not stored.
+
+    The folder is written beside `path` and renamed into place when complete:
+    a failure leaves nothing half-written, and an earlier folder at `path` as
+    it was. One shard's tensors are in host memory at a time.
+
+    Args:
+        model: a `DecoderLM`.
+        path: the folder; it must not exist, or be empty, unless `overwrite`.
+        max_shard_size: bytes per shard, an int or a string (`"5GB"` is
+            5e9 bytes, `"500MiB"` 500 * 2**20).
+        overwrite: replace a non-empty folder at `path`.
+        family: a family's short name or class name; `None`: the family that
+            can express the model (`resolve_family`).
+
+    Returns:
+        The folder's path.
+
+    Raises:
+        ConfigError: `model` is not a `DecoderLM`, no (or an ambiguous)
+            family can express it (each setting named), a bad
+            `max_shard_size`, or `path` is a file or a non-empty folder
+            without `overwrite=True`.
+    """
+    owner = "save_pretrained"
+    if not isinstance(model, DecoderLM):
+        raise ConfigError(
+            f"{owner}: model must be a DecoderLM, got {type(model).__name__}."
+        )
+    folder = _folder(owner, path)
+    max_bytes = parse_size(owner, max_shard_size)
+    overwrite = check_bool(owner, "overwrite", overwrite)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{owner}: {folder} exists and is not a folder.")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{owner}: the folder {folder} exists and is not empty; pass "
+            "overwrite=True to replace it."
+        )
+    check_writable(folder / CONFIG_NAME, owner=owner, name="path")
+    fam = resolve_family(owner, model.cfg, family, check=True)
+    rules = dict(_all_rules(model.cfg, fam))
+    arrays: dict[str, Callable[[], np.ndarray]] = {}
+
+    def record(names, leaf):
+        if isinstance(names, str):
+            arrays[names] = lambda: np.asarray(leaf)
+        else:
+            for i, n in enumerate(names):
+                arrays[n] = functools.partial(lambda j: np.asarray(leaf[j]), i)
+        return leaf
+
+    _walk(model, record)
+    shapes = _param_shapes(model)
+    dtypes = {}
+
+    def dtype_of(names, leaf):
+        for n in [names] if isinstance(names, str) else names:
+            dtypes[n] = np.dtype(leaf.dtype)
+        return leaf
+
+    _walk(model, dtype_of)
+    layouts = dict(fam.stored_as(model.cfg)) if fam.stored_as is not None else {}
+    sizes, num_params, part_of = [], 0, {}
+    for hf, rule in rules.items():
+        shape = rule.hf_shape([shapes[b] for b in rule.bl])
+        num_params += math.prod(shape)
+        dt = np.dtype(functools.reduce(jnp.promote_types, [dtypes[b] for b in rule.bl]))
+        if hf in layouts:  # stored in the file's own layout (as transformers does)
+            parts = _part_shapes(layouts[hf], shape)
+            for j, (key, part) in enumerate(zip(layouts[hf].keys, parts, strict=True)):
+                sizes.append((key, math.prod(part) * dt.itemsize))
+                part_of[key] = (hf, j)
+        else:
+            sizes.append((hf, math.prod(shape) * dt.itemsize))
+    shards = shard_plan(sizes, max_bytes)
+    last: dict[str, list[np.ndarray]] = {}
+
+    def state_tensor(hf: str) -> np.ndarray:
+        rule = rules[hf]
+        return rule.to_hf([arrays[b]() for b in rule.bl])
+
+    def tensor(key: str) -> np.ndarray:
+        if key not in part_of:
+            return state_tensor(key)
+        hf, j = part_of[key]
+        if hf not in last:  # the parts of one tensor are consecutive: keep one
+            last.clear()
+            last[hf] = layouts[hf].split(state_tensor(hf))
+        return last[hf][j]
+
+    config = hf_config_dict(model, fam)
+    with atomic_dir(folder, owner=owner, overwrite=overwrite) as tmp:
+        for _ in write_shards(tmp, shards, tensor, num_params=num_params):
+            pass
+        (tmp / CONFIG_NAME).write_text(
+            json.dumps(config, indent=2, sort_keys=True) + "\n"
+        )
+    return folder
