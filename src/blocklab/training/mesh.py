@@ -26,6 +26,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -51,14 +52,14 @@ __all__ = [
 ]
 
 
-def _replicated(mesh: Mesh, prefix: Sequence[str] = ()) -> NamedSharding:
+def _replicated(mesh: Any, prefix: Sequence[str] = ()) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*prefix))
 
 
 def state_shardings(
-    state: TrainState,
+    state: Any,
     optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    mesh: Any,
     rules: Any,
     *,
     prefix: Sequence[str] = (),
@@ -88,7 +89,14 @@ def state_shardings(
         transform_non_params=lambda x: rest if _is_arrayish(x) else None,
         is_leaf=lambda x: x is None,
     )
-    return TrainState(model, opt, rest, rest)
+    return _state_like(model, opt, rest, rest)
+
+
+def _state_like(model: Any, opt_state: Any, step: Any, finite: Any) -> TrainState:
+    """A `TrainState` node holding anything (shardings, `None`), unchecked."""
+    probe = TrainState(None, None, jnp.zeros((), jnp.int32), jnp.ones((), bool))
+    treedef = jax.tree_util.tree_structure(probe, is_leaf=lambda x: x is not probe)
+    return jax.tree_util.tree_unflatten(treedef, [model, opt_state, step, finite])
 
 
 def _is_arrayish(x: Any) -> bool:
@@ -189,7 +197,7 @@ def sharded_state(
     model = _with_constraints(model, ActivationConstraint.of(resolved, mesh))
     shape = eqx.filter_eval_shape(init_state, model, optimizer)
     shardings = state_shardings(shape, optimizer, mesh, rules)
-    placed = place_state(TrainState(model, None, None, None), shardings).model
+    placed = place_state(_state_like(model, None, None, None), shardings).model
     dyn_shard = eqx.filter(shardings, lambda s: s is not None, is_leaf=lambda x: x is None)
 
     @eqx.filter_jit

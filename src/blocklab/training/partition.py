@@ -420,7 +420,11 @@ def _with_constraints(model: Any, constraint: Any) -> Any:
 def _place(x: Any, sharding: NamedSharding) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    if jax.process_count() == 1:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.process_count() == 1 or (
+        isinstance(x, jax.Array) and not x.is_fully_addressable
+    ):
         return jax.device_put(x, sharding)
     host = np.asarray(x)  # the same on every process (built from the same key)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

@@ -26,8 +26,8 @@ from ...experiments.protocol import STUDIES
 #: The sections of `blocklab report` (study names), in the order it presents them.
 REPORT_SECTIONS = tuple(s.name for s in STUDIES)
 
-#: Subcommand modules (`blocklab NAME`): one per study, then `launch`.
-COMMANDS = (*REPORT_SECTIONS, "launch")
+#: Subcommand modules (`blocklab NAME`): one per study, then `launch` and `plan`.
+COMMANDS = (*REPORT_SECTIONS, "launch", "plan")
 
 
 def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
