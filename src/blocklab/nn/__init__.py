@@ -10,10 +10,11 @@ checks below it.
 
 from .attention import AttentionTrace, MultiHeadAttention
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
-from .charlm import CharLM, generate
+from .charlm import CharLM
 from .config import BlockConfig
 from .decoder import DecoderConfig, DecoderLM
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
+from .generation import generate
 from .inplace import layer_norm_, rms_norm_
 from .moe import MoEFeedForward, MoEStats, MoETrace
 from .normalization import NORMS, LayerNorm, RMSNorm

@@ -321,3 +321,46 @@ class TransformerBlock(eqx.Module):
             The shape and dtype of `x`.
         """
         return self.trace(x, valid_lens, positions=positions, key=key).output
+
+    def step(
+        self,
+        x: Float[Array, "*batch Tq d"],
+        cache: Any,
+        start: Int[ArrayLike, "*#batch"],
+    ) -> tuple[Float[Array, "*batch Tq d"], Any]:
+        """Apply the block to new tokens against the attention's key/value cache.
+
+        The same sublayers as `__call__` (evaluation: no dropout), with the
+        attention replaced by `attention.step(y, cache, start)`: the new tokens,
+        whose first one sits at cache index (and position) `start`, see the
+        cached keys before them and each other causally. Prefill is `start = 0`
+        with the whole prompt, decoding one token at a time; row by row the
+        output equals `__call__` on the whole sequence with causal lengths.
+
+        Args:
+            x: `(Tq, d)` new tokens, or a batch `(..., Tq, d)`.
+            cache: the attention's cache (`attention.init_cache(...)`).
+            start: int, or one per sequence (shape `x.shape[:-2]`).
+
+        Returns:
+            `(output, new_cache)`: the shape and dtype of `x`, and the cache
+            with the new tokens' keys and values written.
+        """
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"TransformerBlock.step acts on new tokens x of shape (Tq, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., Tq, "
+                f"num_hiddens)), got x.shape={tuple(x.shape)}."
+            )
+        new_cache = []
+
+        def attend(y):
+            out, written = self.attention.step(y, cache, start)
+            new_cache.append(written)
+            return out
+
+        x, _ = self._sublayer(x, attend, self.norm1, self.out_norm1, None)
+        x, _ = self._sublayer(
+            x, lambda y: self.ffn(y, key=None), self.norm2, self.out_norm2, None
+        )
+        return x, new_cache[0]

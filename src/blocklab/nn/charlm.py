@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from . import cache as _cache
 from .block import TransformerBlock
 from .config import BlockConfig
 from .functional import linear
@@ -281,6 +282,44 @@ class CharLM(eqx.Module):
         c = self.readout_multiplier  # 1, or d0/d under muP
         return logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
 
+    # Cached decoding (as DecoderLM's; blocklab.generate) --------------------
+
+    def init_cache(
+        self,
+        batch_shape: tuple[int, ...] = (),
+        max_len: int | None = None,
+        dtype: Any = None,
+    ) -> _cache.DecoderCache:
+        """An empty `DecoderCache` for `batch_shape` sequences of at most
+        `max_len` (default and bound: `self.max_len`) tokens; see
+        `DecoderLM.init_cache`."""
+        return _cache.init_cache(
+            self, batch_shape, max_len, dtype, owner="CharLM.init_cache"
+        )
+
+    def prefill(
+        self,
+        tokens: Int[ArrayLike, "*batch T"],
+        cache: _cache.DecoderCache | None = None,
+        *,
+        lengths: Int[ArrayLike, "*batch"] | None = None,
+    ) -> tuple[Float[Array, "*batch T vocab"], _cache.DecoderCache]:
+        """Run a prompt through the model, writing its keys and values; the
+        logits equal `self(...)` at the same positions. See `DecoderLM.prefill`."""
+        return _cache.prefill(
+            self, tokens, cache, lengths, owner="CharLM.prefill",
+            vocab=self.vocab_size,
+        )  # fmt: skip
+
+    def decode_step(
+        self, tokens: Int[ArrayLike, "*batch"], cache: _cache.DecoderCache
+    ) -> tuple[Float[Array, "*batch vocab"], _cache.DecoderCache]:
+        """One new token per sequence; see `DecoderLM.decode_step`."""
+        return _cache.decode_step(
+            self, tokens, cache, owner="CharLM.decode_step", vocab=self.vocab_size
+        )
+
+
 
 def generate(
     model: CharLM,
@@ -295,8 +334,11 @@ def generate(
     Each character is drawn from $\mathrm{softmax}(\ell / \tau)$ of the logits
     $\ell$ at the last position, $\tau$ = `temperature`; the context is the
     last `max_len` characters. The prompt is preprocessed like the corpus
-    (non-letters to spaces, lower case). The whole loop is one compiled
-    `lax.scan`.
+    (non-letters to spaces, lower case). While the text fits in `max_len`
+    characters this is `blocklab.generate(model, ids, n, key=...,
+    temperature=...)` (cached, one compiled program); beyond, the learned
+    positions of the context shift at every character, so each further one
+    re-encodes the last `max_len` characters (one compiled `lax.scan`).
 
     Returns:
         The preprocessed prompt followed by the sampled characters.
@@ -332,9 +374,24 @@ def generate(
     text = preprocess(prompt)
     if not text:
         raise ConfigError("generate: prompt must contain at least one character.")
-    ids = encode(text)[-model.max_len :]
-    buf = jnp.zeros(model.max_len, jnp.int32).at[: len(ids)].set(ids)
-    new = _sample(model, buf, jnp.asarray(len(ids)), key, num_chars, temperature)
+    from .generation import generate as generate_ids
+
+    ids = jnp.asarray(encode(text)[-model.max_len :], jnp.int32)
+    # While the text fits the position table: cached generation.
+    cached = min(num_chars, model.max_len - len(ids))
+    cached_key, sliding_key = jax.random.split(key)
+    new = jnp.zeros((0,), jnp.int32)
+    if cached > 0:
+        out = generate_ids(model, ids, cached, key=cached_key, temperature=temperature)
+        new = out[len(ids) :]
+    if num_chars > cached:
+        # Past max_len every position would shift: each further character
+        # re-encodes the last max_len characters (no cache can be kept).
+        buf = jnp.concatenate([ids, new])[-model.max_len :]
+        n = jnp.asarray(buf.shape[0])
+        buf = jnp.zeros(model.max_len, jnp.int32).at[: buf.shape[0]].set(buf)
+        more = _sample(model, buf, n, sliding_key, num_chars - cached, temperature)
+        new = jnp.concatenate([new, more])
     return text + decode(new)
 
 

@@ -177,7 +177,10 @@ class Stack(eqx.Module):
         )[0]
 
     def step(
-        self, x: Float[Array, "*batch Tq d"], caches: Any, start: Int[ArrayLike, "*#batch"]
+        self,
+        x: Float[Array, "*batch Tq d"],
+        caches: Any,
+        start: Int[ArrayLike, "*#batch"],
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the N blocks to new tokens against their key/value caches.
 

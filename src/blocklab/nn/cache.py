@@ -1,0 +1,235 @@
+r"""The decoding cache of a whole language model, and the cached forward pass.
+
+A `DecoderCache` holds, for every layer of a model's `Stack`, the keys and
+values its attention has computed so far (`MultiHeadAttention.init_cache`),
+stacked with a leading layer axis, and for every sequence its length: the
+index where its next token goes, which is also that token's position (its RoPE
+angle, or its row of a learned position table). `extend` runs new tokens
+through a model with it; `DecoderLM` and `CharLM` expose it as `init_cache`,
+`prefill` and `decode_step`, and `blocklab.generate` loops on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .._validate import ConfigError, check_int
+from .functional import linear
+
+__all__ = ["DecoderCache", "init_cache", "extend", "prefill", "decode_step"]
+
+
+class DecoderCache(eqx.Module):
+    r"""Keys, values and lengths of a batch of sequences being decoded (a pytree).
+
+    Attributes:
+        layers: the attention caches of the $N$ layers as one pytree, each
+            leaf with a leading axis of size $N$ (what the blocks' attention
+            `init_cache` returns, stacked), so `Stack.step` scans it together
+            with the block parameters.
+        length: `batch_shape` int32, the tokens held per sequence: the cache
+            index and the position of each sequence's next token. RoPE
+            positions therefore continue from each sequence's own length.
+        max_len: the cache capacity (static): a sequence may hold at most
+            `max_len` tokens.
+
+    Every layer keeps all `max_len` positions, local (window) layers too: the
+    layers of a scanned stack share one cache shape, and a window layer masks
+    the keys older than its window instead of dropping them.
+    """
+
+    layers: Any
+    length: Int[Array, "*batch"]
+    max_len: int = eqx.field(static=True)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.length.shape)
+
+
+def init_cache(
+    model: Any,
+    batch_shape: tuple[int, ...] = (),
+    max_len: int | None = None,
+    dtype: Any = None,
+    *,
+    owner: str,
+) -> DecoderCache:
+    """An empty cache (length 0) for `model` (a `DecoderLM` or `CharLM`).
+
+    `max_len` defaults to the model's and may not exceed it; `dtype` defaults
+    to the token embedding's.
+    """
+    limit = _model_max_len(model)
+    max_len = check_int(
+        owner, "max_len", limit if max_len is None else max_len, min=1, max=limit
+    )
+    if isinstance(batch_shape, (int, np.integer)):
+        batch_shape = (int(batch_shape),)
+    if not isinstance(batch_shape, tuple) or not all(
+        isinstance(n, (int, np.integer)) and n >= 1 for n in batch_shape
+    ):
+        raise ConfigError(
+            f"{owner}: batch_shape must be a tuple of positive ints, e.g. () for "
+            f"one sequence or (B,) for a batch, got {batch_shape!r}."
+        )
+    batch_shape = tuple(int(n) for n in batch_shape)
+    dtype = model.token_emb.weight.dtype if dtype is None else jnp.dtype(dtype)
+    stack = model.stack
+    attn = stack.block(0).attention
+    one = attn.init_cache(batch_shape, max_len, dtype)
+    layers = jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a, (stack.num_blks, *a.shape)), one
+    )
+    return DecoderCache(layers, jnp.zeros(batch_shape, jnp.int32), max_len)
+
+
+def _model_max_len(model: Any) -> int:
+    cfg = getattr(model, "cfg", None)
+    return int(cfg.max_len if cfg is not None else model.max_len)
+
+
+def _embed(model: Any, ids: Array, positions: Array) -> Array:
+    """The model's input embedding of `ids` at `positions` (both `(..., Tq)`)."""
+    h = model.token_emb.weight[ids]
+    scale = getattr(getattr(model, "cfg", None), "embed_scale", None)
+    if scale is not None:
+        h = h * jnp.asarray(scale, h.dtype)
+    if model.pos_emb is not None:
+        h = h + model.pos_emb.weight[positions]
+    return h
+
+
+def _head(model: Any, h: Array) -> Array:
+    """Final norm and head, float32 logits (as the model's `__call__`)."""
+    if hasattr(model, "logits"):  # DecoderLM: head, readout multiplier, softcap
+        return model.logits(model.norm(h))
+    # a DecoderLM without `logits`, or CharLM (tied; readout 1, or d0/d: muP)
+    weight = getattr(model, "head_weight", model.token_emb.weight)
+    z = linear(model.norm(h), weight, out_dtype=jnp.float32)
+    c = getattr(model, "readout_multiplier", 1.0)
+    return z if c == 1.0 else z * jnp.asarray(c, z.dtype)
+
+
+def extend(
+    model: Any,
+    ids: Int[Array, "*batch Tq"],
+    cache: DecoderCache,
+    num_valid: Int[ArrayLike, "*#batch"] | None = None,
+) -> tuple[Float[Array, "*batch Tq vocab"], DecoderCache]:
+    r"""Run `Tq` new tokens per sequence through `model` with its cache (no checks).
+
+    Sequence $b$'s tokens go to cache indices and positions
+    $\ell_b, \ldots, \ell_b + T_q - 1$ ($\ell_b$ = `cache.length[b]`); token
+    $i$ sees the cached tokens and new tokens $\le \ell_b + i$, so its logits
+    are those of the uncached model at position $\ell_b + i$ of the sequence.
+    The new length is $\ell_b$ + `num_valid` (default $T_q$): tokens beyond
+    `num_valid` (right padding of a ragged batch) are written but will be
+    overwritten by that sequence's next tokens before anyone reads them.
+    """
+    start = cache.length
+    Tq = ids.shape[-1]
+    positions = start[..., None] + jnp.arange(Tq, dtype=start.dtype)
+    h = _embed(model, ids, positions)
+    h, layers = model.stack.step(h, cache.layers, start)
+    grow = Tq if num_valid is None else jnp.asarray(num_valid, start.dtype)
+    return _head(model, h), DecoderCache(layers, start + grow, cache.max_len)
+
+
+def _check_ids(owner: str, ids: Any, cache: DecoderCache, vocab: int, name: str):
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ConfigError(
+            f"{owner}: {name} must be integer token ids, got dtype {ids.dtype}."
+        )
+    return eqx.error_if(
+        ids,
+        (ids < 0) | (ids >= vocab),
+        f"{owner}: token ids must lie in [0, vocab_size={vocab}).",
+    )
+
+
+def prefill(
+    model: Any,
+    ids: Any,
+    cache: DecoderCache | None,
+    lengths: Any,
+    *,
+    owner: str,
+    vocab: int,
+) -> tuple[Array, DecoderCache]:
+    """Checked `extend` of a prompt (see `DecoderLM.prefill`)."""
+    ids = _check_ids(owner, ids, cache, vocab, "ids")
+    if ids.ndim < 1 or ids.shape[-1] < 1:
+        raise ConfigError(
+            f"{owner}: ids must be a prompt (T,) or a batch (..., T) with T >= 1, "
+            f"got shape {tuple(ids.shape)}."
+        )
+    if cache is None:
+        cache = init_cache(model, ids.shape[:-1], owner=owner)
+    if not isinstance(cache, DecoderCache):
+        raise ConfigError(
+            f"{owner}: cache must be a DecoderCache (from init_cache), got "
+            f"{type(cache).__name__}."
+        )
+    T = ids.shape[-1]
+    if ids.shape[:-1] != cache.batch_shape:
+        raise ConfigError(
+            f"{owner}: ids of shape {tuple(ids.shape)} do not fit a cache for "
+            f"batch_shape={cache.batch_shape}; ids must be (*batch_shape, T)."
+        )
+    if lengths is not None:
+        lengths = jnp.asarray(lengths)
+        if (
+            not jnp.issubdtype(lengths.dtype, jnp.integer)
+            or tuple(lengths.shape) != cache.batch_shape
+        ):
+            raise ConfigError(
+                f"{owner}: lengths must be integers of shape batch_shape="
+                f"{cache.batch_shape}, got dtype {lengths.dtype}, shape "
+                f"{tuple(lengths.shape)}."
+            )
+        lengths = eqx.error_if(
+            lengths,
+            (lengths < 1) | (lengths > T),
+            f"{owner}: lengths must lie in [1, T={T}].",
+        )
+    length = eqx.error_if(
+        cache.length,
+        cache.length + T > cache.max_len,
+        f"{owner}: the new tokens do not fit the cache (max_len={cache.max_len}).",
+    )
+    cache = DecoderCache(cache.layers, length, cache.max_len)
+    return extend(model, ids, cache, lengths)
+
+
+def decode_step(
+    model: Any, ids: Any, cache: DecoderCache, *, owner: str, vocab: int
+) -> tuple[Array, DecoderCache]:
+    """Checked `extend` of one token per sequence (see `DecoderLM.decode_step`)."""
+    if not isinstance(cache, DecoderCache):
+        raise ConfigError(
+            f"{owner}: cache must be a DecoderCache (from init_cache or prefill), "
+            f"got {type(cache).__name__}."
+        )
+    ids = _check_ids(owner, ids, cache, vocab, "ids")
+    if tuple(ids.shape) != cache.batch_shape:
+        raise ConfigError(
+            f"{owner} takes one token per sequence, ids of shape "
+            f"batch_shape={cache.batch_shape}, got {tuple(ids.shape)}."
+        )
+    length = eqx.error_if(
+        cache.length,
+        cache.length >= cache.max_len,
+        f"{owner}: the cache is full (max_len={cache.max_len}).",
+    )
+    logits, cache = extend(
+        model, ids[..., None], DecoderCache(cache.layers, length, cache.max_len)
+    )
+    return logits[..., 0, :], cache
