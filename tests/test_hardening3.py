@@ -293,3 +293,133 @@ def test_decoder_ids_and_empty_batches():
 def test_token_dataset_refuses_duplicate_symbols():
     with pytest.raises(ConfigError, match=r"distinct symbols, got 'a' at ids 0 and 1"):
         bl.TokenDataset(np.array([0, 1, 2] * 4), 4, vocab=("a", "a", "b"))
+
+
+# -- item 6 (and item 10's norm gain): numeric arguments of the nn functions --
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: bl.nn.functional.rope_frequencies(0), r"head_dim must lie in \[2"),
+        (lambda: bl.nn.functional.rope_frequencies(-4), r"head_dim must lie in \[2"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=0.0), r"theta must lie in \(0"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=-1e4), r"theta must lie in \(0"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=float("nan")), "theta must be finite"),
+        (lambda: bl.rope(jnp.ones(8)), r"\(\.\.\., T, p\).*x\[None\]"),
+        (lambda: bl.rope(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm_(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm_(jnp.ones((4, 8)), jnp.ones(5)),
+         r"weight must have shape \(d,\) = \(8,\)"),
+        (lambda: bl.layer_norm_(jnp.ones((4, 8)), jnp.ones(8), jnp.ones(3)),
+         r"bias must have shape \(d,\) = \(8,\)"),
+        (lambda: bl.layer_norm(jnp.ones((4, 8)), jnp.ones(5)), r"weight must have shape"),
+    ],
+)  # fmt: skip
+def test_numeric_arguments_are_refused_naming_them(call, match, monkeypatch):
+    import inspect
+
+    # The suite's jaxtyping hook refuses some of these by their annotations
+    # first; users have no hook, so check the functions' own refusals.
+    for mod in (bl, bl.nn.functional, bl.nn.inplace):
+        for name in ("rope", "rms_norm", "rms_norm_", "layer_norm", "layer_norm_"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, inspect.unwrap(getattr(mod, name)))
+    with pytest.raises(ConfigError, match=match):
+        call()
+
+
+def test_moe_refuses_integer_input_and_zero_tokens():
+    import inspect
+
+    moe = bl.MoEFeedForward(16, 4, top_k=2, key=jax.random.key(0))
+    trace = inspect.unwrap(bl.MoEFeedForward.trace)  # past the suite's type hook
+    with pytest.raises(ConfigError, match="must be floating point"):
+        trace(moe, jnp.ones((3, 16), jnp.int32))
+    with pytest.raises(ConfigError, match="no tokens"):
+        moe.trace(jnp.ones((0, 16)))
+
+
+def test_token_spread_of_collapsed_and_zero_states():
+    from blocklab.nn.functional import token_spread
+
+    assert float(token_spread(jnp.zeros((2, 4, 8)))) == 0.0  # was 0/0 = NaN
+    assert float(token_spread(jnp.ones((2, 4, 8)))) == 0.0
+    h = np.random.default_rng(0).normal(size=(2, 4, 8))
+    ref = np.linalg.norm(h - h.mean(-2, keepdims=True)) / np.linalg.norm(h)
+    np.testing.assert_allclose(float(token_spread(jnp.asarray(h))), ref, rtol=1e-5)
+
+
+# -- item 7: files (symlinks, modes, unwritable folders, key leaves) ---------
+
+
+@pytest.fixture(scope="module")
+def two_lms():
+    make = lambda s: bl.CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(s))  # noqa: E731
+    return make(0), make(1)
+
+
+def test_save_through_a_symlink_writes_the_target_and_keeps_its_mode(tmp_path, two_lms):
+    old, new = two_lms
+    real, link = tmp_path / "real.eqx", tmp_path / "link.eqx"
+    bl.save(real, old)
+    real.chmod(0o600)
+    link.symlink_to(real)
+    bl.save(link, new)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    got = bl.load(real)
+    np.testing.assert_array_equal(got.token_emb.weight, new.token_emb.weight)
+    assert oct(real.stat().st_mode & 0o777) == oct(0o600)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.eqx", "real.eqx"]
+
+
+def test_an_unwritable_folder_is_named_not_the_temporary_file(tmp_path, two_lms, monkeypatch):
+    import tempfile
+
+    def refuse(*a, dir=None, **k):
+        raise PermissionError(13, "Permission denied", f"{dir}/.m.eqx.abc.tmp.eqx")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(PermissionError, match=r"into the folder .*Permission denied") as err:
+        bl.save(tmp_path / "m.eqx", two_lms[0])
+    assert ".tmp" not in str(err.value)
+
+
+def test_save_refuses_a_prng_key_leaf(tmp_path, two_lms):
+    keyed = eqx.tree_at(
+        lambda m: m.token_emb.weight, two_lms[0], jax.random.split(jax.random.key(0), 28)
+    )
+    with pytest.raises(ConfigError, match=r"PRNG key at .*token_emb.*key_data"):
+        bl.save(tmp_path / "k.eqx", keyed)
+
+
+# -- item 9: the command line checks every output and value before the work --
+
+
+def _cli(argv, capsys):
+    import json
+
+    from blocklab.cli.app import main
+
+    status = main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err, (json.loads(out) if "--json" in argv or "--jsn" in argv else None)
+
+
+def test_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, _, err, _ = _cli(["train", "--png", "losses.txt", "--steps", "1"], capsys)
+    assert status == 2 and "--png='losses.txt' is not an image file name" in err
+    (tmp_path / "figs" / "lr_final_loss.png").mkdir(parents=True)
+    status, _, err, _ = _cli(["lr-sensitivity", "--quick", "--out", "figs"], capsys)
+    assert status == 2 and "lr_final_loss.png' is a directory" in err
+    status, _, err, _ = _cli(["lr-sensitivity", "--quick", "--seed", "4294967295"], capsys)
+    assert status == 2 and "--seed must lie in [0, 4294967294]" in err
+    # a negative number is a value (then refused by its range), not an option
+    status, _, err, _ = _cli(["lr-sensitivity", "--quick", "--lrs", "-1e-3", "0.1"], capsys)
+    assert status == 2 and "lrs[0] must lie in (0.0, inf], got -0.001" in err
+    # a misspelled --json still answers in JSON
+    status, out, _, obj = _cli(["census", "--jsn"], capsys)
+    assert status == 2 and obj["type"] == "UsageError" and "--jsn" in obj["error"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "figs"]  # nothing was written

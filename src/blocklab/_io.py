@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,23 +30,41 @@ def atomic_path(path: str | Path, *, owner: str = "write") -> Iterator[Path]:
     Use it for writers that want a file name (``fig.savefig(tmp)``,
     ``np.save(tmp, ...)``). The temporary file keeps `path`'s suffix, so
     format detection by extension still works. Parent folders are created.
+
+    As editors do: a symlink is written through (its resolved target is
+    replaced, the link stays a link); an existing file keeps its permission
+    bits (a new one gets those of a plain `open()`); a folder that cannot be
+    written raises an `OSError` naming that folder, not the temporary file.
     """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise ConfigError(f"{owner}: {path} is a directory, expected a file path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
-    )
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
+        )
+    except OSError as err:
+        raise _folder_error(owner, path, err) from err
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        # mkstemp creates 0600; give the file the mode a plain open() would.
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        # mkstemp creates 0600: give the file the old file's mode, or the
+        # mode a plain open() would.
+        os.chmod(tmp, mode)
+        try:
+            os.replace(tmp, path)
+        except OSError as err:
+            raise _folder_error(owner, path, err) from err
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -135,6 +154,16 @@ def check_writable(path: str | Path, *, owner: str, name: str) -> Path:
             "writable folder)."
         )
     return path
+
+
+def _folder_error(owner: str, path: Path, err: OSError) -> OSError:
+    """`err` (same type and errno) naming the destination and its folder."""
+    return type(err)(
+        err.errno,
+        f"{owner}: cannot write {path.name!r} into the folder {str(path.parent)!r} "
+        f"({err.strerror or err}); choose a writable folder",
+        str(path.parent),
+    )
 
 
 def _umask() -> int:

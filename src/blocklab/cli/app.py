@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .._io import check_writable
 from .._validate import ConfigError
@@ -40,6 +43,9 @@ from ..experiments._render import dumps, nonfinite_paths
 from .commands import COMMANDS
 
 __all__ = ["main", "build_parser", "UsageError"]
+
+#: Output flags that name a figure (their suffix must be an image format).
+FIGURE_FLAGS = ("png",)
 
 #: Exit statuses.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
@@ -59,10 +65,45 @@ class UsageError(ConfigError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An `ArgumentParser` that raises instead of printing and exiting."""
+    """An `ArgumentParser` that raises instead of printing and exiting, and
+    reads `-1e-3` (any negative number, exponent included) as a value, not
+    an option: `--lrs -1e-3 0.1` parses (and is then refused by its range)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """`--json`, or a misspelling of it (`--jso`, `--jsno`), before any `--`:
+    the error about the misspelled flag is then printed as JSON too."""
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    return any(
+        a == "--json"
+        or (a.startswith("--") and difflib.get_close_matches(a, ["--json"], cutoff=0.8))
+        for a in own
+    )
+
+
+def figure_suffix_error(path: Any) -> str | None:
+    """Why `path` cannot be a figure (its suffix is not an image format
+    matplotlib writes), or `None`."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix in formats:
+        return None
+    return (
+        f"{str(path)!r} is not an image file name (its suffix {suffix or 'is empty'}"
+        f"); use one of .{', .'.join(sorted(formats))}"
+    )
 
 
 def _command_modules():
@@ -147,6 +188,10 @@ def check_outputs(args: argparse.Namespace) -> None:
     for name in sorted(files):
         if getattr(args, name, None) is not None:
             _check_file(getattr(args, name), owner=owner, name=f"--{name}")
+            if name in FIGURE_FLAGS:
+                why = figure_suffix_error(getattr(args, name))
+                if why:
+                    raise ConfigError(f"{owner}: --{name}={why}.")
     for name in sorted(dirs):
         if getattr(args, name, None) is not None:
             _check_dir(getattr(args, name), owner=owner, name=f"--{name}")
@@ -197,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # A `--json` after `--` belongs to the command that `blocklab launch` runs.
-    as_json = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    as_json = _wants_json(argv)
     out = io.StringIO()
     try:
         parser = build_parser()

@@ -455,6 +455,17 @@ class LRSensitivityResult:
         return paths
 
 
+def figure_paths(out_dir: str | Path) -> list[Path]:
+    """The files `LRSensitivityResult.figures(out_dir)` writes (to check them
+    before a run)."""
+    out_dir = Path(out_dir)
+    return [out_dir / "lr_final_loss.png"] + [
+        out_dir / f"{stem}_{m}.png"
+        for stem in ("lr_attn_logits", "lr_output_logits")
+        for m in MODELS
+    ]
+
+
 def _check_lrs(owner: str, lrs) -> tuple[float, ...]:
     lrs = tuple(lrs)
     if not lrs:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError
+from .._validate import ConfigError, check_float, check_int
 
 __all__ = [
     "linear",
@@ -114,6 +114,25 @@ def linear(
     return y if bias is None else y + bias
 
 
+def check_norm_args(owner: str, x: Any, **gains: Any) -> None:
+    """Refuse a norm's non-floating `x` (it would be truncated) or a gain or
+    bias whose shape is not `(d,)`, `d = x.shape[-1]` (checked at trace time)."""
+    if np.ndim(x) < 1:
+        raise ConfigError(f"{owner}: x must have a feature axis, got a scalar.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ConfigError(
+            f"{owner}: x must be floating point, got dtype {x.dtype} (the result "
+            "would be truncated to integers); cast it with .astype(jnp.float32)."
+        )
+    d = x.shape[-1]
+    for name, g in gains.items():
+        if g is not None and tuple(np.shape(g)) != (d,):
+            raise ConfigError(
+                f"{owner}: {name} must have shape (d,) = ({d},) for x of shape "
+                f"{tuple(x.shape)}, got shape {tuple(np.shape(g))}."
+            )
+
+
 def rms_norm(
     x: Float[Array, "*batch d"],
     weight: Float[Array, " d"] | None = None,
@@ -135,6 +154,7 @@ def rms_norm(
         all-zero row (a zero padding token) maps to zero, not to NaN, and its
         gradient stays finite.
     """
+    check_norm_args("rms_norm", x, weight=weight)
     xf = x.astype(_stat_dtype(x.dtype))
     y = xf * _safe_rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True), eps)
     if weight is not None:
@@ -163,6 +183,7 @@ def layer_norm(
     Returns:
         An array of the shape and dtype of `x`; statistics in float32 or wider.
     """
+    check_norm_args("layer_norm", x, weight=weight, bias=bias)
     xf = x.astype(_stat_dtype(x.dtype))
     centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
@@ -338,12 +359,32 @@ def rope_frequencies(
 
     Computed as `transformers` does (`1 / theta ** (arange(0, p, 2) / p)`, all
     float32), so converted models rotate by the same angles. `theta` may be a
-    Python number or a (traced) scalar array.
+    Python number or a (traced) scalar array; it must be finite and > 0
+    (a concrete value is checked, raising `ConfigError`; a traced one was
+    checked where it was built), and `head_dim` an even int >= 2.
     """
+    head_dim = check_int("rope_frequencies", "head_dim", head_dim, min=2)
     if head_dim % 2:
         raise ConfigError(f"rope: the head dimension must be even, got {head_dim}.")
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / jnp.float32(head_dim)
-    return 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
+    return 1.0 / (_check_theta(theta) ** exponents)
+
+
+def _check_theta(theta: Any) -> Array:
+    """The RoPE base as a float32 scalar; refuse 0, negative, NaN and inf."""
+    if isinstance(theta, jax.core.Tracer):
+        # A traced base (a layer's stored theta) was checked where it was
+        # built (`check_rope`); no check in the hot path.
+        return jnp.asarray(theta, jnp.float32)
+    if np.ndim(theta) != 0:
+        raise ConfigError(
+            f"rope: theta must be a scalar, got shape {tuple(np.shape(theta))}."
+        )
+    value = np.asarray(theta)
+    if value.dtype == bool or not np.issubdtype(value.dtype, np.number):
+        raise ConfigError(f"rope: theta must be a real number, got {theta!r}.")
+    check_float("rope", "theta", float(value), min=0.0, min_open=True)
+    return jnp.asarray(theta, jnp.float32)
 
 
 def rotate_half(x: Float[Array, "*batch p"]) -> Float[Array, "*batch p"]:
@@ -381,6 +422,17 @@ def rope(
         `transformers`); the rotation is computed in float32, or float64 for
         float64 input.
     """
+    if np.ndim(x) < 2:
+        raise ConfigError(
+            f"rope: x must have shape (..., T, p) (positions on the second to last "
+            f"axis), got shape {tuple(np.shape(x))}; rotate one vector as x[None]."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ConfigError(
+            f"rope: x must be floating point, got dtype {x.dtype} (an integer "
+            "input would be truncated after the rotation); cast it with "
+            ".astype(jnp.float32)."
+        )
     T, p = x.shape[-2], x.shape[-1]
     inv_freq = rope_frequencies(p, theta)
     if positions is None:
@@ -420,8 +472,13 @@ def token_spread(h: Float[Array, "*batch T d"]) -> Float[Array, ""]:
     $\bar H$ copies the mean over the token axis (the second to last) to every
     position, and both norms are Frobenius norms over all axes (the whole
     batch, as in the chapter). It is 1 when the mean token is zero (unrelated
-    tokens give nearly 1) and 0 when all tokens have collapsed onto one vector.
+    tokens give nearly 1) and 0 when all tokens have collapsed onto one vector
+    (also an all-zero $H$, where the ratio would be 0/0).
     """
     hf = h.astype(_stat_dtype(h.dtype))
     centred = hf - jnp.mean(hf, axis=-2, keepdims=True)
-    return jnp.linalg.norm(centred.ravel()) / jnp.linalg.norm(hf.ravel())
+    # An all-zero H has collapsed (every token is the zero vector): 0, not 0/0.
+    total = jnp.linalg.norm(hf.ravel())
+    return jnp.where(
+        total > 0, jnp.linalg.norm(centred.ravel()) / jnp.where(total > 0, total, 1), 0.0
+    )

@@ -64,7 +64,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from .._validate import ConfigError
-from .functional import layer_norm, rms_norm
+from .functional import check_norm_args, layer_norm, rms_norm
 
 __all__ = ["rms_norm_", "layer_norm_", "default_block_rows"]
 
@@ -166,6 +166,7 @@ def rms_norm_(
         The normalized array, of the shape and dtype of `x`, living in the
         buffer that held `x`.
     """
+    check_norm_args("rms_norm_", x, weight=weight)
     return _rms_norm_jit(
         x, weight, eps=eps, block_rows=_check_block_rows(block_rows, x)
     )
@@ -201,6 +202,7 @@ def layer_norm_(
         The normalized array, of the shape and dtype of `x`, living in the
         buffer that held `x`.
     """
+    check_norm_args("layer_norm_", x, weight=weight, bias=bias)
     return _layer_norm_jit(
         x, weight, bias, eps=eps, block_rows=_check_block_rows(block_rows, x)
     )

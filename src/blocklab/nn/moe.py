@@ -263,6 +263,17 @@ class MoEFeedForward(eqx.Module):
                 f"MoEFeedForward was built with num_hiddens={self.num_hiddens}, "
                 f"but its input x has shape {tuple(x.shape)}."
             )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ConfigError(
+                f"MoEFeedForward: x must be floating point, got dtype {x.dtype} (an "
+                "integer input would be truncated); cast it with .astype(jnp.float32)."
+            )
+        if x.size == 0:
+            raise ConfigError(
+                f"MoEFeedForward: x has no tokens (shape {tuple(x.shape)}); the "
+                "expert load, the aux loss and the router entropy are means over "
+                "tokens and would be NaN."
+            )
         wide = jnp.promote_types(x.dtype, jnp.float32)
         rows = x.reshape(-1, self.num_hiddens)
         logits = linear(rows.astype(wide), self.router.weight.astype(wide))

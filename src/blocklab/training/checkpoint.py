@@ -106,6 +106,17 @@ def save(path: str | Path, model: Any) -> Path:
             f"save: cannot checkpoint a {name} (model=); supported models: "
             f"{sorted(_MODELS)}."
         )
+    keys = [
+        jax.tree_util.keystr(p)
+        for p, a in jax.tree_util.tree_leaves_with_path(model)
+        if eqx.is_array(a) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+    ]
+    if keys:
+        raise ConfigError(
+            f"save: the model (model=) holds a PRNG key at {keys[0]}; a checkpoint "
+            "stores weights, not keys. Store jax.random.key_data(key) (a uint32 "
+            "array) instead, or drop the key before saving."
+        )
     config = model.config()
     try:
         json.dumps(config, allow_nan=False)

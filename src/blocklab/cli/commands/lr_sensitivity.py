@@ -13,10 +13,11 @@ import sys
 import jax
 from tqdm.auto import tqdm
 
+from ..._io import check_writable
 from ..._validate import ConfigError
 from ...experiments import lr_sensitivity as study
 from ...experiments._render import dumps
-from ...experiments._seeds import check_seed
+from ...experiments._seeds import MAX_SEED, check_seed
 
 NAME = "lr_sensitivity"
 ALIASES = ("lr-sweep",)
@@ -75,6 +76,13 @@ def validate(args: argparse.Namespace) -> None:
     owner = "blocklab lr-sensitivity"
     protocol_of(args)
     check_seed(owner, "--seed", args.seed)
+    if args.seed >= MAX_SEED:  # the data key is seed + 1
+        raise ConfigError(
+            f"{owner}: --seed must lie in [0, {MAX_SEED - 1}] (the data order uses "
+            f"seed + 1), got {args.seed}."
+        )
+    for path in study.figure_paths(args.out):  # files inside --out
+        check_writable(path, owner=owner, name="--out figure")
     if args.lrs is not None:
         study._check_lrs(owner, args.lrs)
 
