@@ -46,6 +46,7 @@ from .nn import (
     generate,
     layer_norm_,
     rms_norm_,
+    with_attention_impl,
 )
 from .nn.functional import layer_norm, rms_norm, rope
 from .training import (
@@ -83,6 +84,7 @@ __all__ = [
     "Stack",
     "TransformerBlock",
     "generate",
+    "with_attention_impl",
     # functions (blocklab.nn.functional, blocklab.nn.inplace)
     "layer_norm",
     "layer_norm_",

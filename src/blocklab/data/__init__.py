@@ -11,6 +11,7 @@ from .datasets import (
     corpus_path,
     decode,
     encode,
+    pack_documents,
     preprocess,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "corpus_path",
     "decode",
     "encode",
+    "pack_documents",
     "preprocess",
 ]

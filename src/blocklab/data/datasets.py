@@ -40,6 +40,7 @@ __all__ = [
     "encode",
     "decode",
     "corpus_path",
+    "pack_documents",
 ]
 
 #: The 28 symbols, in the order of d2l's `Vocab` (sorted): space, `<unk>`, a..z.
@@ -215,6 +216,66 @@ class TimeMachine(_Windowed):
         return len(VOCAB)
 
 
+def pack_documents(
+    documents, seq_len: int, *, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""Pack token documents into fixed windows with their segment ids.
+
+    The documents are laid end to end (in order) into one stream
+    $c_0, c_1, \ldots$ with the document index of every token, and cut into
+    windows of $n + 1$ tokens ($n$ = `seq_len`) with stride $n$, as
+    `TokenDataset` cuts its windows: window $i$ is $c_{in}, \ldots,
+    c_{in+n}$, so every token but the first is a target exactly once. A
+    document longer than the room left continues in the next window (its
+    positions restart there). Segment ids are renumbered from 0 in each
+    window; the tail of the last window is `pad_id` with segment id -1.
+
+    Use: `X, Y = w[:, :-1], w[:, 1:]`, `lm_loss(model, X, Y, segment_ids=s)`
+    (the whole-window ids tell which targets lie in their input's document).
+
+    Args:
+        documents: a sequence of 1-D integer token arrays (each non-empty).
+        seq_len: input tokens per window $n \ge 1$.
+        pad_id: the padding token id.
+
+    Returns:
+        `(windows, segment_ids)`, int32 arrays of shape `(N, seq_len + 1)`.
+    """
+    owner = "pack_documents"
+    seq_len = check_int(owner, "seq_len", seq_len, min=1)
+    pad_id = check_int(owner, "pad_id", pad_id, min=0)
+    if isinstance(documents, np.ndarray) and documents.ndim != 1 or isinstance(
+        documents, (str, bytes)
+    ):
+        raise ConfigError(
+            f"{owner}: documents must be a list of 1-D token arrays, got "
+            f"{type(documents).__name__}."
+        )
+    docs = []
+    for i, doc in enumerate(documents):
+        d = np.asarray(doc)
+        if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
+            raise ConfigError(
+                f"{owner}: documents[{i}] must be a non-empty 1-D integer array, "
+                f"got dtype {d.dtype}, shape {d.shape}."
+            )
+        docs.append(d)
+    if not docs:
+        raise ConfigError(f"{owner}: documents is empty; pass at least one.")
+    stream = np.concatenate(docs).astype(np.int32)
+    seg = np.concatenate([np.full(len(d), i, np.int32) for i, d in enumerate(docs)])
+    n = seq_len
+    num = max(1, -(-(len(stream) - 1) // n))
+    total = num * n + 1
+    stream = np.concatenate([stream, np.full(total - len(stream), pad_id, np.int32)])
+    seg = np.concatenate([seg, np.full(total - len(seg), -1, np.int32)])
+    idx = np.arange(num)[:, None] * n + np.arange(n + 1)
+    windows, segments = stream[idx], seg[idx]
+    first = np.where(segments >= 0, segments, np.iinfo(np.int32).max).min(axis=1)
+    segments = np.where(segments >= 0, segments - first[:, None], -1)
+    return windows, segments.astype(np.int32)
+
+
 class TokenDataset(_Windowed):
     r"""Any token sequence, windowed for next-token prediction like `TimeMachine`.
 
@@ -327,6 +388,9 @@ class TokenDataset(_Windowed):
         self.corpus = jnp.asarray(ids, dtype=jnp.int32)
         self.seq_len, self.num_train, self.num_val = seq_len, num_train, num_val
         self.vocab_size, self.vocab = vocab_size, vocab
+
+    #: `pack_documents`: documents into fixed windows with segment ids.
+    pack_documents = staticmethod(pack_documents)
 
     @classmethod
     def from_text(

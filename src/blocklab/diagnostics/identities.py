@@ -38,7 +38,7 @@ import numpy as np
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
 from .._validate import ConfigError
-from ..nn.attention import MultiHeadAttention
+from ..nn.attention import MultiHeadAttention, with_attention_impl
 from ..nn.block import TransformerBlock
 from ..nn.functional import layer_norm, rms_norm
 from ..nn.stack import Stack
@@ -100,7 +100,9 @@ def _identity(claim: str, lhs, rhs) -> Identity:
 
 
 def _f64(tree):
-    """Every floating-point array (or array-like) of `tree` as float64."""
+    """Every floating-point array (or array-like) of `tree` as float64, and
+    every attention layer on its reference path (the identities are about the
+    reference maths, whatever `attention_impl` the model was given)."""
 
     def cast(a):
         if isinstance(a, (np.ndarray, jax.Array, float)) and jnp.issubdtype(
@@ -109,7 +111,7 @@ def _f64(tree):
             return jnp.asarray(a, jnp.float64)
         return a
 
-    return jax.tree_util.tree_map(cast, tree)
+    return jax.tree_util.tree_map(cast, with_attention_impl(tree, "reference"))
 
 
 def _check_positive(owner: str, name: str, value: float) -> None:

@@ -8,7 +8,7 @@ imports only `blocklab.data` (the character vocabulary) and the shared
 checks below it.
 """
 
-from .attention import AttentionTrace, MultiHeadAttention
+from .attention import AttentionTrace, MultiHeadAttention, with_attention_impl
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .charlm import CharLM
 from .config import BlockConfig
@@ -44,4 +44,5 @@ __all__ = [
     "generate",
     "layer_norm_",
     "rms_norm_",
+    "with_attention_impl",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,7 +14,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from . import attention_impls as impls
 from . import init
+from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
 from .config import (
     QK_NORMS,
     BlockConfig,
@@ -32,6 +36,8 @@ __all__ = [
     "check_config",
     "dense",
     "QK_NORMS",
+    "ATTENTION_IMPLS",
+    "with_attention_impl",
 ]
 
 
@@ -123,10 +129,27 @@ class MultiHeadAttention(eqx.Module):
     - RoPE (`rope_theta`; Su et al., 2021): queries and keys are rotated at
       their positions (`functional.rope`, half-split convention) after the
       QK-norm, as Llama, OLMo 2 and Gemma 3 do.
+    - Soft-capping (`softcap` $c$, Gemma 2): the scaled logits become
+      $c \tanh(s/c)$ before the mask.
     - Masks: key $k$ is visible from query $q$ iff $k < L_q$ (`valid_lens`)
       and, with a window $w \ge 1$, $q - w < k \le q$ (local, causal sliding
       window attention as Gemma 3's local layers: the last $w$ positions,
-      itself included). Positions here are indices in the sequence.
+      itself included), and, with `segment_ids` (packed sequences),
+      $\mathrm{seg}_q = \mathrm{seg}_k$. Positions here are indices in the
+      sequence. The mask is a rule (`attention_impls.MaskRule`), evaluated
+      per block by the chunked kernel.
+
+    Implementations (`attention_impl`, `attention_impls`): `"reference"`
+    (this docstring's maths with the full logits; `trace`, and so every
+    diagnostic, always uses it), `"fused"` (`jax.nn.dot_product_attention`),
+    `"chunked"` (online softmax over key blocks, linear memory, a
+    flash-attention backward) and `"auto"` (the default; the rule is
+    `attention_impls.resolve_impl`: reference for short sequences, chunked
+    from 1024 keys, fused on a GPU in bfloat16/float16). They agree to
+    float32 rounding; dropout exists only in the reference path (the others
+    refuse it by name, `"auto"` then picks the reference), soft-capping is
+    refused by `"fused"`, and `"fused"` computes its softmax in float32 even
+    for float64 input (jax's kernel).
 
     `rope_theta` and `window` are *data*, not structure: when given they are
     stored as int32 0-d array leaves (the theta as the bit pattern of its
@@ -167,6 +190,8 @@ class MultiHeadAttention(eqx.Module):
     scale: float = eqx.field(static=True)
     qk_norm: str | None = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True, default=None)
+    attention_impl: str = eqx.field(static=True, default="auto")
 
     def __init__(
         self,
@@ -183,6 +208,8 @@ class MultiHeadAttention(eqx.Module):
         qk_norm_eps: float = 1e-6,
         qk_norm_unit_offset: bool = False,
         dropout: float = 0.0,
+        softcap: float | None = None,
+        attention_impl: str = "auto",
         key: PRNGKeyArray,
     ):
         """Args:
@@ -206,6 +233,9 @@ class MultiHeadAttention(eqx.Module):
             exactly invariant to the scale of each head's query/key weights).
         qk_norm_unit_offset: Gemma-style QK norms (gain $1 + w$, $w$ = 0 at init).
         dropout: dropout rate on the attention weights, in [0, 1).
+        softcap: soft-cap $c > 0$ of the logits, $c \\tanh(s / c)$ (Gemma 2's
+            `attn_logit_softcapping`); `None` is none.
+        attention_impl: one of `ATTENTION_IMPLS` (default `"auto"`).
         key: PRNG key for the weights.
         """
         owner = "MultiHeadAttention"
@@ -219,6 +249,7 @@ class MultiHeadAttention(eqx.Module):
                     window=window, bias=bias, qk_norm=qk_norm,
                     qk_norm_eps=qk_norm_eps,
                     qk_norm_unit_offset=qk_norm_unit_offset, dropout=dropout,
+                    softcap=softcap, attention_impl=attention_impl,
                 ),
             )  # fmt: skip
             cfg = num_hiddens  # validated when it was built
@@ -227,6 +258,7 @@ class MultiHeadAttention(eqx.Module):
             bias, qk_norm, qk_norm_eps = cfg.attn_bias, cfg.qk_norm, cfg.norm_eps
             out_bias = cfg.attn_out_bias
             unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
+            softcap, attention_impl = cfg.attn_softcap, cfg.attention_impl
         else:
             d, H, KV, p = check_sizes(
                 owner, num_hiddens, num_heads, num_kv_heads=num_kv_heads,
@@ -242,10 +274,15 @@ class MultiHeadAttention(eqx.Module):
             unit = check_bool(owner, "qk_norm_unit_offset", qk_norm_unit_offset)
             rope_theta = check_rope(owner, rope_theta, p)
             window = check_int(owner, "window", window, min=0, optional=True)
+            softcap = check_float(
+                owner, "softcap", softcap, min=0.0, min_open=True, optional=True
+            )
+            attention_impl = check_impl(owner, attention_impl)
 
         key = check_key(owner, "key", key)
         self.num_hiddens, self.num_heads, self.num_kv_heads = d, H, KV
         self.head_dim, self.dropout = p, dropout
+        self.softcap, self.attention_impl = softcap, attention_impl
         self.scale = 1.0 / math.sqrt(p) if scale is None else scale
         self.qk_norm = qk_norm or None
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -262,7 +299,7 @@ class MultiHeadAttention(eqx.Module):
         self.rope_theta = None if rope_theta is None else _encode_theta(rope_theta)
         self.window = None if window is None else jnp.asarray(window, jnp.int32)
 
-    def _visible(self, valid_lens, lead, T):
+    def _visible(self, valid_lens, lead, T, segment_ids=None):
         """The `(..., Tq, Tk)` visibility mask, or None when every key is visible."""
         visible = None
         if valid_lens is not None:
@@ -273,7 +310,42 @@ class MultiHeadAttention(eqx.Module):
             w = self.window
             local = ((k <= q) & (k > q - w)) | (w <= 0)
             visible = local if visible is None else visible & local
+        if segment_ids is not None:
+            seg = check_segment_ids("MultiHeadAttention", segment_ids, (*lead, T))
+            same = seg[..., :, None] == seg[..., None, :]
+            visible = same if visible is None else visible & same
         return visible
+
+    def _capped(self, logits: Array) -> Array:
+        """$c \\tanh(s / c)$ with the soft-cap $c$ (identity without one)."""
+        if self.softcap is None:
+            return logits
+        return self.softcap * jnp.tanh(logits / self.softcap)
+
+    def _impl(self, impl, num_keys, dtype, dropout_on, owner):
+        """The implementation a call uses (`impl` overrides the layer's own)."""
+        impl = self.attention_impl if impl is None else check_impl(owner, impl)
+        if dropout_on and impl in ("fused", "chunked"):
+            impls.refuse(owner, impl, "dropout", "only the reference path has it")
+        if self.softcap is not None and impl == "fused":
+            impls.refuse(
+                owner, impl, "softcap",
+                "jax.nn.dot_product_attention has no soft-capping",
+            )  # fmt: skip
+        return impls.resolve_impl(
+            impl, num_keys=num_keys, dtype=dtype, softcap=self.softcap,
+            dropout_on=dropout_on,
+        )  # fmt: skip
+
+    def _kernel(self, impl, q, k, v, rule, k_bad):
+        """Run the fused or chunked kernel on flattened `(B, ...)` arrays."""
+        if impl == "fused":
+            return impls.fused_attention(q, k, v, rule, scale=self.scale, k_bad=k_bad)
+        return impls.chunked_attention(
+            q, k, v, rule, scale=self.scale,
+            divide=impls.sqrt_divisor(self.scale, self.head_dim),
+            softcap=self.softcap, k_bad=k_bad,
+        )  # fmt: skip
 
     def _project(self, x, positions):
         """Queries, keys and values of `x` (..., T, d), after QK-norm and RoPE.
@@ -377,12 +449,16 @@ class MultiHeadAttention(eqx.Module):
         Local layers keep the full-length cache (one shape for all layers of a
         scanned stack); only the mask limits them to the window. There is no
         non-finite guard here (tokens come from an embedding), and no dropout.
+        The soft-cap applies as in `__call__`.
 
         Args:
             x: `(*batch, Tq, num_hiddens)` new tokens.
             cache: from `init_cache(batch, max_len)` or a previous `step`.
             start: the cache index of the first new token, scalar or `(*batch,)`.
             impl: the attention implementation (`None`: the layer's own).
+                A single new token (`Tq = 1`, decoding) always takes the
+                reference maths (its logits are one row per head); a longer
+                `Tq` (prefill) the chosen one, `"auto"` resolved on `max_len`.
 
         Returns:
             `(out, new_cache)`: `out` of the shape and dtype of `x`, and the
@@ -422,8 +498,21 @@ class MultiHeadAttention(eqx.Module):
             w = self.window
             visible = visible & ((j > qpos - w) | (w <= 0))
         stat = jnp.promote_types(q.dtype, jnp.float32)
+        impl = self._impl(impl, L, x.dtype, False, owner)
+        if impl != "reference" and Tq > 1:
+            B = int(np.prod(lead)) if lead else 1
+            rule = MaskRule(
+                pos.reshape(B, Tq), (pos + 1).reshape(B, Tq), self.window
+            )
+            mixed, _ = self._kernel(
+                impl, q.reshape(B, KV, G, Tq, p), new.k.reshape(B, KV, L, p),
+                new.v.reshape(B, KV, L, p), rule, None,
+            )  # fmt: skip
+            mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H * p)
+            out = dense(self.W_o, mixed.astype(x.dtype))
+            return out.astype(x.dtype), new
         raw = jnp.einsum("...gqp,...kp->...gqk", q, new.k, preferred_element_type=stat)
-        logits = self._scaled(raw)
+        logits = self._capped(self._scaled(raw))
         weights = softmax_where(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
         mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
@@ -436,13 +525,16 @@ class MultiHeadAttention(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> AttentionTrace:
         """Attend, returning the output together with its weights and logits.
 
-        This is the one implementation; `__call__` returns its `.output`, so
-        under `jit` the unused diagnostics cost nothing. Arguments as for
-        `__call__`.
+        Always the reference implementation (whatever `attention_impl` is),
+        so that every diagnostic sees the same numbers; `__call__` with
+        `"reference"` returns its `.output`, so under `jit` the unused
+        diagnostics cost nothing. Arguments as for `__call__`; `logits` are
+        after the soft-cap.
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
@@ -454,7 +546,7 @@ class MultiHeadAttention(eqx.Module):
         *lead, T, _ = x.shape
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // KV
-        visible = self._visible(valid_lens, lead, T)
+        visible = self._visible(valid_lens, lead, T, segment_ids)
 
         # Non-finite input rows are zeroed before the projections, so that the
         # zero weights of masked keys multiply finite values (0 * NaN would
@@ -473,7 +565,7 @@ class MultiHeadAttention(eqx.Module):
             else ("...hqp,...hkp->...hqk", "...hqk,...hkp->...hqp")
         )
         raw = jnp.einsum(spec_s, q, k, preferred_element_type=stat)
-        logits = self._scaled(raw)
+        logits = self._capped(self._scaled(raw))
         head_axes = (-3, -4) if grouped else (-3,)
         mask = None if visible is None else jnp.expand_dims(visible, head_axes)
         weights = softmax_where(logits, mask)
@@ -502,7 +594,9 @@ class MultiHeadAttention(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        impl: str | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Self-attention over one sequence, or over each of a batch.
 
@@ -517,12 +611,133 @@ class MultiHeadAttention(eqx.Module):
                 Float, bool and negative lengths are refused.
             positions: integer positions for RoPE, broadcastable to
                 `(..., T)`; default `arange(T)` (ignored without RoPE).
+            segment_ids: packed sequences: integers of shape `(T,)` or
+                `x.shape[:-1]` (any shape broadcasting to it whose last axis
+                is `T`); query $q$ sees key $k$ only if
+                $\\mathrm{seg}_q = \\mathrm{seg}_k$ (and the other rules: pass
+                causal `valid_lens` for a language model). RoPE positions are
+                the caller's (`functional.segment_positions`).
             key: enables attention dropout; `None` is deterministic.
+            impl: overrides the layer's `attention_impl` for this call.
 
         Returns:
             The shape and dtype of `x`.
         """
-        return self.trace(x, valid_lens, positions=positions, key=key).output
+        owner = "MultiHeadAttention"
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"MultiHeadAttention acts on a sequence x of shape (T, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
+                f"num_hiddens)), got x.shape={tuple(x.shape)}."
+            )
+        check_float_input(x, owner)
+        dropout_on = key is not None and self.dropout > 0
+        impl = self._impl(impl, x.shape[-2], x.dtype, dropout_on, owner)
+        if impl == "reference":
+            return self.trace(
+                x, valid_lens, positions=positions, segment_ids=segment_ids, key=key
+            ).output
+        *lead, T, _ = x.shape
+        lead = tuple(lead)
+        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // KV
+
+        def rows(a):
+            return impls.as_rows(a, lead, T)
+
+        lens = None
+        if valid_lens is not None:
+            lens = rows(_lengths(valid_lens, (*lead, T), owner))
+        seg = None
+        if segment_ids is not None:
+            seg = rows(check_segment_ids(owner, segment_ids, (*lead, T)))
+        rule = MaskRule(rows(jnp.arange(T)), lens, self.window, seg, seg)
+        # the reference path's non-finite guard (see the class docstring)
+        row_ok = jnp.all(jnp.isfinite(x), axis=-1)
+        x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
+        q, k, v = self._project(x, positions)
+        B = rule.q_index.shape[0]
+        q = q.reshape(B, KV, G, T, p)
+        k, v = k.reshape(B, KV, T, p), v.reshape(B, KV, T, p)
+        mixed, sees_bad = self._kernel(impl, q, k, v, rule, ~rows(row_ok))
+        mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, T, H * p)
+        out = dense(self.W_o, mixed.astype(v.dtype))
+        bad = sees_bad.reshape(*lead, T) | ~row_ok
+        return jnp.where(bad[..., None], jnp.nan, out).astype(x.dtype)
+
+
+def with_attention_impl(model: Any, impl: str) -> Any:
+    """`model` with every `MultiHeadAttention` switched to `impl`.
+
+    The same weights (the arrays are shared, not copied), the same structure;
+    only the static `attention_impl` of each attention layer changes, and the
+    `attention_impl` of the configs that carry one (`BlockConfig` of each
+    block, `DecoderConfig` of a `DecoderLM`), so that a saved config rebuilds
+    the switched model. Works on any pytree of Equinox modules (a layer, a
+    block, a `Stack`, a `DecoderLM`, a `CharLM`, a list of them).
+
+    Args:
+        model: the model.
+        impl: one of `ATTENTION_IMPLS` (`ConfigError` lists them otherwise).
+    """
+    impl = check_impl("with_attention_impl", impl)
+
+    def is_module(node):
+        return isinstance(node, eqx.Module)
+
+    def walk(node):
+        if not is_module(node):
+            return node
+        new = copy.copy(node)
+        for f in dataclasses.fields(node):
+            if not hasattr(node, f.name):
+                continue
+            value = getattr(node, f.name)
+            if f.metadata.get("static", False):
+                if isinstance(node, MultiHeadAttention) and f.name == "attention_impl":
+                    value = impl
+                elif (
+                    dataclasses.is_dataclass(value)
+                    and not isinstance(value, type)
+                    and "attention_impl" in {g.name for g in dataclasses.fields(value)}
+                ):
+                    value = dataclasses.replace(value, attention_impl=impl)
+            else:
+                value = jax.tree_util.tree_map(walk, value, is_leaf=is_module)
+            object.__setattr__(new, f.name, value)
+        return new
+
+    return jax.tree_util.tree_map(walk, model, is_leaf=is_module)
+
+
+def check_segment_ids(owner: str, segment_ids, shape) -> Array:
+    """`segment_ids` checked (integers; shape `(T,)` or broadcasting to
+    `shape` = `(..., T)` with last axis `T`) and broadcast to `shape`."""
+    if isinstance(segment_ids, (bool, np.bool_)) or not hasattr(
+        segment_ids, "dtype"
+    ) and not isinstance(segment_ids, (list, tuple, int, np.integer)):
+        raise ConfigError(
+            f"{owner}: segment_ids must be an integer array of shape (T,) or "
+            f"x.shape[:-1] = {tuple(shape)}, got {type(segment_ids).__name__}."
+        )
+    seg = segment_ids if hasattr(segment_ids, "dtype") else np.asarray(segment_ids)
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ConfigError(
+            f"{owner}: segment_ids must have an integer dtype, got dtype "
+            f"{seg.dtype}; convert it with .astype(int)."
+        )
+    try:
+        ok = seg.ndim >= 1 and seg.shape[-1] == shape[-1] and (
+            np.broadcast_shapes(seg.shape, tuple(shape)) == tuple(shape)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{owner}: segment_ids must have shape (T,) = ({shape[-1]},) or "
+            f"x.shape[:-1] = {tuple(shape)}, got shape {tuple(seg.shape)}."
+        )
+    return jnp.broadcast_to(jnp.asarray(seg), tuple(shape))
 
 
 def _start(owner, start, lead, Tq, max_len) -> Array:

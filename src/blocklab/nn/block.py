@@ -105,6 +105,8 @@ class TransformerBlock(eqx.Module):
         window: int | None = None,
         attn_bias: bool | None = None,
         ffn_bias: bool | None = None,
+        attn_softcap: float | None = None,
+        attention_impl: str = "auto",
         attn_factory: Callable[..., Any] | None = None,
         ffn_factory: Callable[..., Any] | None = None,
         key: PRNGKeyArray,
@@ -141,6 +143,9 @@ class TransformerBlock(eqx.Module):
         attn_scale: the attention logit multiplier (default $1/\\sqrt p$).
         attn_bias, ffn_bias: biases of the attention / FFN projections
             (`None`: `bias`).
+        attn_softcap: soft-cap $c$ of the attention logits, $c \\tanh(s/c)$.
+        attention_impl: `"auto"`, `"reference"`, `"fused"` or `"chunked"`
+            (see `MultiHeadAttention`).
         attn_factory: `attn_factory(key=...)` returns the attention module,
             called as `attn(x, valid_lens, key=...)` (and `positions=` when
             the block is given positions); replaces the default.
@@ -154,7 +159,8 @@ class TransformerBlock(eqx.Module):
             qk_norm=qk_norm, norm_eps=norm_eps, num_kv_heads=num_kv_heads,
             head_dim=head_dim, ffn_width=ffn_width, attn_scale=attn_scale,
             rope_theta=rope_theta, window=window, attn_bias=attn_bias,
-            ffn_bias=ffn_bias,
+            ffn_bias=ffn_bias, attn_softcap=attn_softcap,
+            attention_impl=attention_impl,
         )  # fmt: skip
         if isinstance(num_hiddens, BlockConfig):
             owner = "TransformerBlock"
@@ -252,13 +258,19 @@ class TransformerBlock(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> BlockTrace:
         """Run the block, returning its output and the intermediate values.
 
         The one implementation of the forward pass (`__call__` returns its
-        `.output`); see `BlockTrace`. Arguments as for `__call__`.
+        `.output`); see `BlockTrace`. Arguments as for `__call__`. The
+        attention is traced, i.e. runs its reference path whatever its
+        `attention_impl` (`__call__` uses the chosen implementation).
         """
+        return self._run(x, valid_lens, positions, segment_ids, key, traced=True)
+
+    def _run(self, x, valid_lens, positions, segment_ids, key, traced):
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
                 f"TransformerBlock acts on a sequence x of shape (T, "
@@ -274,10 +286,12 @@ class TransformerBlock(eqx.Module):
             k_ffn = jax.random.fold_in(key, 3)
         attn_trace = ffn_trace = None
         extra = {} if positions is None else {"positions": positions}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
 
         def attend(y):
             nonlocal attn_trace
-            if hasattr(self.attention, "trace"):
+            if traced and hasattr(self.attention, "trace"):
                 attn_trace = self.attention.trace(y, valid_lens, key=k_attn, **extra)
                 return attn_trace.output
             return self.attention(y, valid_lens, key=k_attn, **extra)
@@ -299,6 +313,7 @@ class TransformerBlock(eqx.Module):
         valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Apply the block to one sequence, or to each of a batch.
@@ -315,12 +330,16 @@ class TransformerBlock(eqx.Module):
                 and non-finite values at masked positions never leak.
             positions: integer positions for RoPE (default `arange(T)`),
                 forwarded to the attention only when given.
+            segment_ids: packed sequences (`(T,)` or `x.shape[:-1]`
+                integers): a token attends only within its segment; forwarded
+                to the attention only when given.
             key: enables dropout; `None` is deterministic (evaluation).
 
         Returns:
             The shape and dtype of `x`.
         """
-        return self.trace(x, valid_lens, positions=positions, key=key).output
+        out = self._run(x, valid_lens, positions, segment_ids, key, traced=False)
+        return out.output
 
     def step(
         self,

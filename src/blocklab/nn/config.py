@@ -37,6 +37,8 @@ __all__ = [
     "check_act",
 ]
 
+#: The valid values of the `attention_impl` option (`attention_impls` implements them).
+ATTENTION_IMPLS = ("auto", "reference", "fused", "chunked")
 #: The valid values of the `placement` option.
 PLACEMENTS = ("post", "pre", "output", "sandwich")
 #: The valid values of the `qk_norm` option (`True` means `"head"`).
@@ -185,6 +187,12 @@ class BlockConfig:
         window: local attention over the last `window` positions (0 or `None`:
             global).
         attn_bias, ffn_bias: biases of the attention / FFN projections.
+        attn_softcap: soft-cap $c > 0$ of the attention logits, $c \tanh(s/c)$
+            (Gemma 2); `None`: none.
+        attention_impl: `"auto"`, `"reference"`, `"fused"` or `"chunked"`
+            (`MultiHeadAttention`; `trace` always uses the reference).
+        attn_out_bias: a bias on the attention's output projection $W_o$
+            (default `attn_bias`; Qwen 2 has biases on $W_q, W_k, W_v$ only).
     """
 
     num_hiddens: int
@@ -205,6 +213,9 @@ class BlockConfig:
     window: int | None = dataclasses.field(default=None, compare=False)
     attn_bias: bool | None = None
     ffn_bias: bool | None = None
+    attn_out_bias: bool | None = None
+    attn_softcap: float | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         owner = "BlockConfig"
@@ -231,6 +242,13 @@ class BlockConfig:
         for name in ("attn_bias", "ffn_bias"):
             value = getattr(self, name)
             put(name, self.bias if value is None else check_bool(owner, name, value))
+        value = self.attn_out_bias
+        put(
+            "attn_out_bias",
+            self.attn_bias
+            if value is None
+            else check_bool(owner, "attn_out_bias", value),
+        )
         put("qk_norm", check_qk_norm(owner, self.qk_norm))
         put("norm_eps", check_float(owner, "norm_eps", self.norm_eps, min=0.0))
         width = check_int(owner, "ffn_width", self.ffn_width, min=1, optional=True)
@@ -244,6 +262,17 @@ class BlockConfig:
         )
         put("rope_theta", check_rope(owner, self.rope_theta, p))
         put("window", check_int(owner, "window", self.window, min=0, optional=True))
+        put(
+            "attn_softcap",
+            check_float(
+                owner, "attn_softcap", self.attn_softcap, min=0.0, min_open=True,
+                optional=True,
+            ),
+        )  # fmt: skip
+        put(
+            "attention_impl",
+            check_choice(owner, "attention_impl", self.attention_impl, ATTENTION_IMPLS),
+        )
 
     @property
     def gated(self) -> bool:

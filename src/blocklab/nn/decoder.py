@@ -37,9 +37,10 @@ from .._validate import (
 )
 from . import cache as _cache
 from . import init, parametrization
+from .attention import check_segment_ids
 from .block import TransformerBlock
 from .config import QK_NORMS, BlockConfig
-from .functional import linear
+from .functional import linear, segment_positions
 from .normalization import LayerNorm, RMSNorm
 from .stack import Stack
 
@@ -110,6 +111,13 @@ class DecoderConfig:
             dtype (Gemma 3: $\sqrt d$); `None`: no scaling.
         tie_embeddings: the head reuses the token embedding ($E^\top$);
             `False` gives the model its own `head` matrix.
+        attn_out_bias: a bias on the attention's output projection $W_o$;
+            `None`: `attn_bias` (Qwen 2: biases on $W_q, W_k, W_v$ only).
+        final_softcap: final-logit soft-capping $c$: the logits $z$ become
+            $c \tanh(z / c)$ (float32; Gemma 2: 30); `None`: no capping.
+        attn_softcap: attention-logit soft-capping $c$ in every block: the
+            scaled scores $s$ become $c \tanh(s / c)$ before the mask (Gemma
+            2: 50); `None`: no capping.
         parametrization: `"standard"` or `"mup"` (see
             `blocklab.nn.parametrization`: under μP the query projection and
             an untied head start at zero, the logits are multiplied by
@@ -117,6 +125,9 @@ class DecoderConfig:
             `attn_scale` is given; `blocklab.optimizer` applies the rates).
         base_width: the width $d_0$ at which μP equals standard (required by
             `"mup"`; every width must scale to an integer at $d_0$).
+        attention_impl: `"auto"` (default), `"reference"`, `"fused"` or
+            `"chunked"`, every layer's (`MultiHeadAttention`;
+            `blocklab.with_attention_impl` switches a built model).
     """
 
     vocab_size: int
@@ -142,8 +153,12 @@ class DecoderConfig:
     attn_scale: float | None = None
     embed_scale: float | None = None
     tie_embeddings: bool = True
+    attn_out_bias: bool | None = None
+    final_softcap: float | None = None
+    attn_softcap: float | None = None
     parametrization: str = "standard"
     base_width: int | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         """Check the model's own fields here and the block's in `BlockConfig`
@@ -166,6 +181,13 @@ class DecoderConfig:
             ),
         )  # fmt: skip
         put("tie_embeddings", check_bool(_OWNER, "tie_embeddings", self.tie_embeddings))
+        put(
+            "final_softcap",
+            check_float(
+                _OWNER, "final_softcap", self.final_softcap, min=0.0, min_open=True,
+                optional=True,
+            ),
+        )  # fmt: skip
         rope = self.positions == "rope"
         for name in ("rope_theta", "local_rope_theta"):
             value = getattr(self, name)
@@ -228,6 +250,9 @@ class DecoderConfig:
             window=None if self.window is None else windows[0],
             attn_bias=self.attn_bias,
             ffn_bias=self.ffn_bias,
+            attn_out_bias=self.attn_out_bias,
+            attn_softcap=self.attn_softcap,
+            attention_impl=self.attention_impl,
         )
         object.__setattr__(self, "_block", block)
         # The block's checked values, as Python numbers; the optional sizes
@@ -236,6 +261,10 @@ class DecoderConfig:
             put(name, getattr(block, name))
         for name in ("norm_eps", "attn_scale", "attn_bias", "ffn_bias"):
             put(name, getattr(block, name))
+        put("attn_softcap", block.attn_softcap)
+        put("attention_impl", block.attention_impl)
+        if self.attn_out_bias is not None:
+            put("attn_out_bias", block.attn_out_bias)
         for name in ("num_kv_heads", "head_dim", "ffn_width"):
             if getattr(self, name) is not None:
                 put(name, getattr(block, name))
@@ -669,6 +698,7 @@ class DecoderLM(eqx.Module):
         ids: Int[ArrayLike, "*batch T"],
         *,
         positions: Int[ArrayLike, "*#batch T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T d"]:
         """The final-normed hidden states $\\mathrm{Norm}(h_N)$ (see `__call__`)."""
@@ -685,8 +715,12 @@ class DecoderLM(eqx.Module):
             )
         ids = check_ids("DecoderLM", "token ids", ids, cfg.vocab_size, what="vocab_size")
         T = ids.shape[-1]
+        packed = {}
+        if segment_ids is not None:
+            seg = check_segment_ids("DecoderLM", segment_ids, ids.shape)
+            packed["segment_ids"] = seg
         if positions is None:
-            pos = jnp.arange(T)
+            pos = jnp.arange(T) if segment_ids is None else segment_positions(seg)
         else:
             pos = jnp.asarray(positions)
             if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.shape[-1:] != (T,):
@@ -705,9 +739,9 @@ class DecoderLM(eqx.Module):
                 f"DecoderLM: positions must lie in [0, max_len={cfg.max_len}).",
             )
             h = h + self.pos_emb.weight[pos]
-            h = self.stack(h, valid_lens, key=key)
+            h = self.stack(h, valid_lens, key=key, **packed)
         else:
-            h = self.stack(h, valid_lens, positions=pos, key=key)
+            h = self.stack(h, valid_lens, positions=pos, key=key, **packed)
         return self.norm(h)
 
     def __call__(
@@ -715,6 +749,7 @@ class DecoderLM(eqx.Module):
         ids: Int[ArrayLike, "*batch T"],
         *,
         positions: Int[ArrayLike, "*#batch T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch T vocab"]:
         """Next-token logits for one sequence or a batch.
@@ -726,17 +761,31 @@ class DecoderLM(eqx.Module):
                 `0..T-1`): the rows of the learned table, or the RoPE angles
                 (packed sequences, generation offsets). The mask stays causal
                 over the `T` inputs.
+            segment_ids: packed documents, integers of shape `ids.shape` or
+                `(T,)`: a token attends only to earlier tokens of its own
+                segment, and (unless `positions` is given) positions restart
+                at 0 at each segment change (`functional.segment_positions`),
+                so each document gets the logits it would get alone.
             key: enables dropout where the blocks have any; `None` evaluates.
 
         Returns:
             `(..., T, vocab_size)` float32 logits; row `i` scores the token
             after `ids[..., i]`.
         """
-        h = self.hidden(ids, positions=positions, key=key)
+        h = self.hidden(ids, positions=positions, segment_ids=segment_ids, key=key)
+        return self.logits(h)
+
+    def logits(self, h: Float[Array, "*batch d"]) -> Float[Array, "*batch vocab"]:
+        r"""The logits of final-normed hidden states `h` (as `hidden` returns):
+        $z = c_\text{out}\, h\, W_\text{head}^\top$ accumulated in float32
+        ($c_\text{out}$ = `cfg.readout_multiplier`: 1, or $d_0/d$ under μP), then
+        $c \tanh(z / c)$ when `cfg.final_softcap` $= c$ is set."""
         # float32 accumulation: the logits of a bf16 model are not rounded
         z = linear(h, self.head_weight, out_dtype=jnp.float32).astype(jnp.float32)
         c = self.cfg.readout_multiplier  # 1, or d0/d under muP
-        return z if c == 1.0 else z * c
+        z = z if c == 1.0 else z * c
+        cap = self.cfg.final_softcap
+        return z if cap is None else cap * jnp.tanh(z / cap)
 
 
 CONFIG_CLASSES["DecoderConfig"] = DecoderConfig

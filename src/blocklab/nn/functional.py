@@ -32,6 +32,7 @@ __all__ = [
     "rope",
     "rope_frequencies",
     "rotate_half",
+    "segment_positions",
     "attention_entropy",
     "token_spread",
     "MASK_VALUE",
@@ -454,6 +455,27 @@ def rope(
     xf = x.astype(_stat_dtype(x.dtype))
     out = xf * jnp.cos(angle) + rotate_half(xf) * jnp.sin(angle)
     return out.astype(x.dtype)
+
+
+def segment_positions(
+    segment_ids: Int[ArrayLike, "*batch T"],
+) -> Int[Array, "*batch T"]:
+    r"""Each token's position within its segment (packed sequences).
+
+    $$n_t = t - \min\{u \le t : \mathrm{seg}_{u..t} \text{ all equal}\}$$
+    i.e. the count restarts at 0 wherever `segment_ids` changes along the last
+    axis: `[0, 0, 0, 1, 1, 2] -> [0, 1, 2, 0, 1, 0]`. Used for RoPE angles and
+    learned position rows, so a packed document gets the positions it would
+    have alone.
+    """
+    seg = jnp.asarray(segment_ids)
+    T = seg.shape[-1]
+    t = jnp.broadcast_to(jnp.arange(T), seg.shape)
+    new = jnp.concatenate(
+        [jnp.ones((*seg.shape[:-1], 1), bool), seg[..., 1:] != seg[..., :-1]], axis=-1
+    )
+    first = jax.lax.cummax(jnp.where(new, t, 0), axis=seg.ndim - 1)
+    return t - first
 
 
 def attention_entropy(weights: Float[Array, "*rows Tk"]) -> Float[Array, "*rows"]:
