@@ -53,6 +53,13 @@ SCRIPT = textwrap.dedent(
         return total
 
     out = {}
+    from jax.sharding import Mesh
+    from blocklab import ConfigError, shard
+    try:  # a mesh over half the devices
+        shard(model("llama"), Mesh(np.asarray(jax.devices()[:4]), ("data",)), "fsdp")
+        out["refused"] = None
+    except ConfigError as err:
+        out["refused"] = str(err)
     for kind, spec, rules, precision in jobs:
         mesh = None if spec == "none" else mesh_of(spec)
         r = train_model(model(kind), data, optax.adamw(3e-3), 20,
@@ -97,6 +104,8 @@ def test_fsdp_on_8_devices_equals_one_device_at_an_eighth_of_the_bytes():
     # parameters + Adam's m and v: one device holds about 1/8 of them
     assert one["per_device"] == one["total"]
     assert fsdp["per_device"] <= 1.1 * fsdp["total"] / 8, fsdp
+    assert "{'data': 4} has 4 devices" in res["refused"]
+    assert "jax.device_count() is 8" in res["refused"]
 
 
 @pytest.mark.slow

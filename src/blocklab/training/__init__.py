@@ -4,7 +4,10 @@ checkpoints, joining and launching multi-process jobs."""
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
+from .optimizer import optimizer, schedule_factor
 from .sources import HostSource, host_source
+from .partition import logical_axes, mesh_of, shard
+from .sharded_checkpoint import restore_sharded, save_sharded
 from .sharding import check_seeds, member_mesh, pad_members, sharded_map
 from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
 from .train import (
@@ -40,11 +43,18 @@ __all__ = [
     "launch_local",
     "lm_loss",
     "load",
+    "logical_axes",
     "make_train_step",
     "member_mesh",
+    "mesh_of",
     "next_token_loss",
+    "optimizer",
     "pad_members",
+    "restore_sharded",
     "save",
+    "save_sharded",
+    "shard",
+    "schedule_factor",
     "sharded_map",
     "step_keys",
     "sweep_grid",
