@@ -14,6 +14,7 @@ from typing import Any
 
 from ..nn.decoder import DecoderConfig
 from .hf_common import (
+    Derived,
     HFFamily,
     Rule,
     attn_rules,
@@ -30,6 +31,7 @@ from .hf_common import (
     require,
     rope_fields,
     rope_theta,
+    understood,
 )
 
 __all__ = ["GEMMA3"]
@@ -38,8 +40,67 @@ _CLS = "Gemma3ForCausalLM"
 _TYPES = ("full_attention", "sliding_attention")
 
 
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    """Per-layer-type RoPE parameters as `Gemma3TextConfig` folds them: the
+    legacy `rope_scaling` updates the global layers', `rope_theta` and
+    `rope_local_base_freq` fill a missing global / local base."""
+    params = hf.rope_parameters
+    if not isinstance(params, Mapping) or not set(_TYPES) >= set(params):
+        raise refuse(
+            _CLS, "rope_parameters", params, "expected per-layer-type rope parameters"
+        )
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    if hf.rope_scaling:
+        full.update(hf.rope_scaling)
+    full.setdefault("rope_theta", hf.rope_theta or 1e6)
+    local.setdefault("rope_theta", hf.rope_local_base_freq or 1e4)
+    return {"full_attention": full, "sliding_attention": local}
+
+
+#: Every `Gemma3TextConfig` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_act": None,  # a legacy key, read by no transformers 5 code
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": None,  # legacy keys, folded into rope_parameters
+    "rope_local_base_freq": None,
+    "rope_scaling": None,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default"},
+        "sliding_attention": {"rope_type": "default"},
+    },  # the bases: see _rope_parameters
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,  # legacy: every 6th layer global
+    "_sliding_window_pattern": Derived(lambda f: f.sliding_window_pattern),
+    "layer_types": Derived(
+        lambda f: [
+            _TYPES[1] if (i + 1) % f._sliding_window_pattern else _TYPES[0]
+            for i in range(f.num_hidden_layers)
+        ]
+    ),
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+    "tie_word_embeddings": True,
+    "text_config": None,
+}
+
+
 def gemma3_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of a `Gemma3TextConfig`; refuses what blocklab lacks."""
+    hf = understood(_CLS, hf, FIELDS)
     if get_field(hf, "text_config") is not None:
         raise refuse(
             _CLS, "text_config", "...", "convert the text model (Gemma3TextConfig) only"
@@ -52,11 +113,7 @@ def gemma3_config(hf: Any) -> DecoderConfig:
         (False, None),
         "blocklab's decoder is causal",
     )
-    params = get_field(hf, "rope_parameters") or {}
-    if not isinstance(params, Mapping) or not set(_TYPES) >= set(params):
-        raise refuse(
-            _CLS, "rope_parameters", params, "expected per-layer-type rope parameters"
-        )
+    params = _rope_parameters(hf)
     theta_full = rope_theta(
         _CLS, params.get("full_attention"), "rope_parameters['full_attention']"
     )
@@ -169,5 +226,6 @@ GEMMA3 = register_family(
         layer_rules=gemma3_layer,
         global_rules=model_global_rules,
         model_type="gemma3_text",
+        fields=FIELDS,
     )
 )

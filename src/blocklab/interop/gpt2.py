@@ -18,6 +18,7 @@ from .hf_common import (
     refuse,
     register_family,
     require,
+    understood,
 )
 
 __all__ = ["GPT2"]
@@ -32,9 +33,37 @@ _ACTS = {
 }
 _HF_ACTS = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
 
+#: Every `GPT2Config` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "resid_pdrop": 0.1,  # dropout: refused in training mode
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,  # float32 scores: the same maths
+    "add_cross_attention": False,
+    "tie_word_embeddings": True,
+    # the summary head of GPT2DoubleHeadsModel, not the language model's
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "summary_activation": None,
+    "summary_proj_to_labels": True,
+    "summary_first_dropout": 0.1,
+    "n_ctx": None,  # a legacy key of GPT-2's config.json, read by no code
+}
+
 
 def gpt2_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of a `GPT2Config`; refuses what blocklab lacks."""
+    hf = understood(_CLS, hf, FIELDS)
     act = get_field(hf, "activation_function")
     if act not in _ACTS:
         raise refuse(_CLS, "activation_function", act, f"supported: {sorted(_ACTS)}")
@@ -138,5 +167,6 @@ GPT2 = register_family(
         layer_rules=gpt2_layer,
         global_rules=gpt2_global,
         dropout_fields=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+        fields=FIELDS,
     )
 )

@@ -32,14 +32,17 @@ from ..nn.decoder import DecoderConfig
 from ..nn.ffn import ffn_width
 
 __all__ = [
+    "Derived",
     "FAMILIES",
     "GATED_ACTS",
+    "HARMLESS_FIELDS",
     "HFFamily",
     "RULE_KINDS",
     "Rule",
     "StoredAs",
     "attn_rules",
     "biased",
+    "config_fields",
     "family_for_class",
     "forward_settings",
     "gated_act",
@@ -57,6 +60,7 @@ __all__ = [
     "resolve_family",
     "rope_fields",
     "rope_theta",
+    "understood",
     "unsupported_settings",
 ]
 
@@ -65,7 +69,8 @@ __all__ = [
 
 #: The layouts of a `Rule`: `"same"` (copied), `"T"` (transposed), `"cat_T"`
 #: (the transposed arrays concatenated along columns: GPT-2's fused
-#: `c_attn.weight`), `"cat"` (concatenated: its fused bias), `"cat1"`
+#: `c_attn.weight`), `"cat"` (concatenated along axis 0: its fused bias,
+#: Phi-3's `qkv_proj` and `gate_up_proj`), `"cat1"`
 #: (concatenated along axis 1: Mixtral's fused expert `gate_up_proj`).
 RULE_KINDS = ("same", "T", "cat_T", "cat", "cat1")
 
@@ -80,11 +85,15 @@ class Rule:
         bl: the blocklab names (per-layer rules: relative to the block,
             e.g. `("attention.W_q.weight",)`).
         kind: the layout, one of `RULE_KINDS`.
+        sizes: for `"cat"`, the length of each part along axis 0 when they
+            differ (Phi-3's fused `qkv_proj`: $Hp, Kp, Kp$ rows); `()`:
+            equal parts.
     """
 
     hf: str
     bl: tuple[str, ...]
     kind: str = "same"
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_choice("Rule", "kind", self.kind, RULE_KINDS)
@@ -111,7 +120,8 @@ class Rule:
         if self.kind == "cat_T":
             return [np.ascontiguousarray(a.T) for a in np.split(array, n, axis=1)]
         if self.kind == "cat":
-            return list(np.split(array, n, axis=0))
+            cuts = np.cumsum(self.sizes)[:-1] if self.sizes else n
+            return [np.ascontiguousarray(a) for a in np.split(array, cuts, axis=0)]
         return [np.ascontiguousarray(a) for a in np.split(array, n, axis=1)]
 
     def hf_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -123,7 +133,7 @@ class Rule:
         if self.kind == "cat_T":
             return (shapes[0][1], sum(s[0] for s in shapes))
         if self.kind == "cat":
-            return (sum(s[0] for s in shapes),)
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
 
@@ -146,14 +156,14 @@ def biased(rules: list[Rule], flag: bool) -> list[Rule]:
 
 
 def attn_rules(cfg: DecoderConfig) -> list[Rule]:
-    """`self_attn.{q,k,v,o}_proj` (Llama-style names), with biases if any."""
-    return biased(
-        [
-            Rule(f"self_attn.{n}_proj.weight", (f"attention.W_{n}.weight",))
-            for n in "qkvo"
-        ],
-        cfg.attn_bias,
-    )
+    """`self_attn.{q,k,v,o}_proj` (Llama-style names), with biases if any
+    (on `o_proj` when `cfg.block.attn_out_bias`)."""
+    qkv = [
+        Rule(f"self_attn.{n}_proj.weight", (f"attention.W_{n}.weight",))
+        for n in "qkv"
+    ]
+    o = [Rule("self_attn.o_proj.weight", ("attention.W_o.weight",))]
+    return biased(qkv, cfg.attn_bias) + biased(o, cfg.block.attn_out_bias)
 
 
 def mlp_rules(cfg: DecoderConfig) -> list[Rule]:
@@ -229,6 +239,13 @@ class HFFamily:
             (embeddings, final norm, untied head), with absolute names.
         dropout_fields: config fields holding dropout rates, refused while
             the PyTorch model is in training mode.
+        fields: every config field the family understands, with its
+            `transformers` default (a `Derived` for one computed from the
+            other fields): what `understood` accepts besides
+            `HARMLESS_FIELDS`. Empty: no check.
+        variant_of: the name of a family this one generalizes (Mistral is a
+            Llama with a window); when both can express a config, inference
+            (`resolve_family` without `family=`) picks `variant_of`.
         model_type: the `model_type` of its `config.json` (what
             `save_pretrained` writes and `load_pretrained` recognizes when
             `architectures` is absent); `None`: `name`.
@@ -245,6 +262,8 @@ class HFFamily:
     layer_rules: Callable[[DecoderConfig], list[Rule]]
     global_rules: Callable[[DecoderConfig], list[Rule]]
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    variant_of: str | None = None
     model_type: str | None = None
     stored_as: Callable[[DecoderConfig], Mapping[str, StoredAs]] | None = None
 
@@ -316,6 +335,9 @@ def forward_settings(cfg: DecoderConfig) -> dict[str, Any]:
     )
     out["embed_scale"] = 1.0 if cfg.embed_scale is None else cfg.embed_scale
     out["tie_embeddings"] = cfg.tie_embeddings
+    out["attn_out_bias"] = cfg.block.attn_out_bias
+    out["final_softcap"] = cfg.final_softcap
+    out["attn_softcap"] = cfg.attn_softcap
     for f in dataclasses.fields(cfg):
         if f.name not in _BASE_FIELDS and f.name not in IMPLEMENTATION_FIELDS:
             out[f.name] = getattr(cfg, f.name)
@@ -399,6 +421,8 @@ def resolve_family(
         return fam
     reasons = {f.name: unsupported_settings(cfg, f) for f in FAMILIES.values()}
     found = [name for name, why in reasons.items() if not why]
+    # a variant (Mistral) yields to the family it generalizes (Llama)
+    found = [n for n in found if FAMILIES[n].variant_of not in found]
     if len(found) == 1:
         return FAMILIES[found[0]]
     if found:
@@ -422,6 +446,107 @@ def refuse(cls: str, field: str, value: Any, why: str) -> ConfigError:
         f"from_huggingface: {cls} config field {field}={value!r} is not supported "
         f"({why}); converting it would give a different model."
     )
+
+
+#: Config fields of every `transformers` model that never change the logits:
+#: names, token ids (`pad_token_id` only pins an embedding row's gradient),
+#: the load dtype, output and cache switches, initialization.
+HARMLESS_FIELDS = frozenset(
+    {
+        "_name_or_path", "_commit_hash", "architectures", "model_type",
+        "transformers_version", "dtype", "torch_dtype", "_attn_implementation",
+        "attn_implementation", "bos_token_id", "eos_token_id", "pad_token_id",
+        "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
+        "num_labels", "problem_type", "finetuning_task", "tokenizer_class",
+        "prefix", "task_specific_params", "output_attentions",
+        "output_hidden_states", "return_dict", "use_cache", "initializer_range",
+        "chunk_size_feed_forward", "is_encoder_decoder", "auto_map",
+        "cache_implementation",
+    }
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A `transformers` default computed from the other fields: `fn(fields)`
+    (a `SimpleNamespace` of the fields read so far) gives it."""
+
+    fn: Callable[[Any], Any]
+
+
+def config_fields(hf_config: Any) -> dict[str, Any]:
+    """Every field of a `transformers` config (`to_dict()`), of a mapping (a
+    parsed `config.json`) or of any attribute holder (`vars`)."""
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    to_dict = getattr(hf_config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    return dict(vars(hf_config))
+
+
+def understood(cls: str, hf_config: Any, fields: Mapping[str, Any]) -> Any:
+    """The config with every field checked against what blocklab understands.
+
+    A field is understood when it is in `fields` (the family's: mapped, or
+    refused by the family's mapping at any value but its default) or in
+    `HARMLESS_FIELDS`. Any other field (a new `transformers` option, a typo)
+    whose value is not `None` or `False` (how an option is off) is refused,
+    naming it and its value: refusal by listing what *is* understood, so an
+    option blocklab does not know can never be silently dropped.
+
+    Returns a `SimpleNamespace` of every field in `fields`: the config's
+    value, else the `transformers` default (so a `config.json`, which stores
+    only the fields that differ from the defaults, reads as the full config).
+    The legacy top-level `rope_theta` and `rope_scaling` are folded into
+    `rope_parameters` as `transformers` folds them (`rope_scaling` replaces
+    it; `rope_theta` fills a missing base).
+
+    Raises:
+        ConfigError: a field not understood, named with its value.
+    """
+    given = config_fields(hf_config)
+    # (a family with per-layer-type parameters folds its legacy keys itself)
+    flat = "rope_theta" in fields.get("rope_parameters", {})
+    legacy = ("rope_theta", "rope_scaling") if flat else ()
+    for name, value in given.items():
+        if name in fields or name in HARMLESS_FIELDS or name in legacy:
+            continue
+        if value is None or value is False:
+            continue
+        raise refuse(
+            cls,
+            name,
+            value,
+            "blocklab converts only the config fields it understands (the "
+            "family's HFFamily.fields and hf_common.HARMLESS_FIELDS); this one "
+            "could change the model",
+        )
+    out = types.SimpleNamespace()
+    derived = []
+    for name, default in fields.items():
+        if name in given:
+            setattr(out, name, given[name])
+        elif isinstance(default, Derived):
+            derived.append((name, default))
+        else:
+            setattr(out, name, default)
+    for name, default in derived:
+        setattr(out, name, default.fn(out))
+    if legacy and any(k in given for k in ("rope_scaling", "rope_theta")):
+        # transformers' convert_rope_params_to_dict: rope_scaling replaces
+        # rope_parameters; a top-level rope_theta fills a missing base
+        params = given.get("rope_scaling") or out.rope_parameters
+        if isinstance(params, Mapping):
+            params = dict(params)
+            theta = given.get("rope_theta")
+            default = fields["rope_parameters"].get("rope_theta", 10000.0)
+            params.setdefault("rope_theta", default if theta is None else theta)
+            if "type" in params:
+                params.setdefault("rope_type", params.pop("type"))
+            params.setdefault("rope_type", "default")
+        out.rope_parameters = params
+    return out
 
 
 def get_field(hf_config: Any, field: str, default: Any = None) -> Any:
@@ -517,11 +642,7 @@ def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConf
     if legacy is not None and legacy != get_field(hf, "rope_parameters"):
         theta = rope_theta(cls, legacy, "rope_scaling")
     act = gated_act(cls, hf, "hidden_act")
-    return preset(
-        hf.vocab_size,
-        hf.hidden_size,
-        hf.num_attention_heads,
-        hf.num_hidden_layers,
+    fields = dict(
         num_kv_heads=get_field(hf, "num_key_value_heads") or hf.num_attention_heads,
         max_len=hf.max_position_embeddings,
         act=act,
@@ -530,7 +651,14 @@ def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConf
         rope_theta=theta,
         attn_bias=bool(get_field(hf, "attention_bias", False)),
         tie_embeddings=bool(get_field(hf, "tie_word_embeddings", False)),
-        **extra,
+    )
+    fields.update(extra)  # the family's own fields win
+    return preset(
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_hidden_layers,
+        **fields,
     )
 
 

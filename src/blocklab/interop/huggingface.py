@@ -23,6 +23,7 @@ logits. `torch` is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,18 @@ import numpy as np
 
 from .._validate import ConfigError
 from ..nn.decoder import DecoderConfig, DecoderLM, set_layer_data
-from . import gemma3, gpt2, llama, mixtral, olmo2  # noqa: F401 - register the families
+from . import (  # noqa: F401 - register the families
+    gemma2,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+)
 from .hf_common import (
     FAMILIES,
     HFFamily,
@@ -69,7 +81,9 @@ def _all_rules(cfg: DecoderConfig, fam: HFFamily) -> list[tuple[str, Rule]]:
         out.extend(
             (
                 prefix + r.hf,
-                Rule(r.hf, tuple(f"stack.blocks.{i}.{b}" for b in r.bl), r.kind),
+                dataclasses.replace(
+                    r, bl=tuple(f"stack.blocks.{i}.{b}" for b in r.bl)
+                ),
             )
             for r in layer
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..nn.decoder import DecoderConfig
 from .hf_common import (
+    Derived,
     HFFamily,
     Rule,
     attn_rules,
@@ -19,13 +20,35 @@ from .hf_common import (
     mlp_rules,
     model_global_rules,
     register_family,
+    understood,
 )
 
 __all__ = ["LLAMA"]
 
+#: Every `LlamaConfig` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": Derived(lambda f: f.num_attention_heads),
+    "head_dim": Derived(lambda f: f.hidden_size // f.num_attention_heads),
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "pretraining_tp": 1,  # read by no transformers 5 code
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+
 
 def llama_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of a `LlamaConfig`; refuses what blocklab lacks."""
+    hf = understood("LlamaForCausalLM", hf, FIELDS)
     return llama_like(
         hf,
         "LlamaForCausalLM",
@@ -65,5 +88,6 @@ LLAMA = register_family(
         layer_prefix="model.layers.{i}.",
         layer_rules=llama_layer,
         global_rules=model_global_rules,
+        fields=FIELDS,
     )
 )

@@ -38,11 +38,35 @@ from .hf_common import (
     model_global_rules,
     refuse,
     register_family,
+    understood,
 )
 
 __all__ = ["MIXTRAL", "MoEDecoderConfig"]
 
 _OWNER = "MoEDecoderConfig"
+
+#: Every `MixtralConfig` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    "sliding_window": None,
+    "attention_dropout": 0.0,
+    "num_experts_per_tok": 2,
+    "num_local_experts": 8,
+    "router_jitter_noise": 0.0,  # training mode only (refused there)
+    "output_router_logits": False,  # the auxiliary loss only
+    "router_aux_loss_coef": 0.001,  # the auxiliary loss only
+    "tie_word_embeddings": False,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +154,7 @@ class MoEDecoderConfig(DecoderConfig):
 def mixtral_config(hf: Any) -> MoEDecoderConfig:
     """The `MoEDecoderConfig` of a `MixtralConfig`; refuses what blocklab lacks."""
     cls = "MixtralForCausalLM"
+    hf = understood(cls, hf, FIELDS)
     E = get_field(hf, "num_local_experts")
     k = get_field(hf, "num_experts_per_tok")
     for field, value in (("num_local_experts", E), ("num_experts_per_tok", k)):
@@ -231,6 +256,7 @@ MIXTRAL = register_family(
         layer_rules=mixtral_layer,
         global_rules=model_global_rules,
         dropout_fields=("attention_dropout", "router_jitter_noise"),
+        fields=FIELDS,
         stored_as=mixtral_stored,
     )
 )

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..nn.decoder import DecoderConfig
 from .hf_common import (
+    Derived,
     HFFamily,
     Rule,
     attn_rules,
@@ -19,13 +20,32 @@ from .hf_common import (
     model_global_rules,
     qk_norm_rules,
     register_family,
+    understood,
 )
 
 __all__ = ["OLMO2"]
 
+#: Every `Olmo2Config` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 50304,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": Derived(lambda f: f.num_attention_heads),
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+}
+
 
 def olmo2_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of an `Olmo2Config`; refuses what blocklab lacks."""
+    hf = understood("Olmo2ForCausalLM", hf, FIELDS)
     return llama_like(hf, "Olmo2ForCausalLM", DecoderConfig.olmo2)
 
 
@@ -54,5 +74,6 @@ OLMO2 = register_family(
         layer_prefix="model.layers.{i}.",
         layer_rules=olmo2_layer,
         global_rules=model_global_rules,
+        fields=FIELDS,
     )
 )
