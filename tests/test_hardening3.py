@@ -423,3 +423,130 @@ def test_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch):
     status, out, _, obj = _cli(["census", "--jsn"], capsys)
     assert status == 2 and obj["type"] == "UsageError" and "--jsn" in obj["error"]
     assert list(tmp_path.iterdir()) == [tmp_path / "figs"]  # nothing was written
+
+
+# -- item 8: launcher pumps and the distributed join ------------------------
+
+
+def test_launcher_survives_bad_bytes_and_a_closed_sink():
+    import io
+    import sys
+
+    from blocklab.training.launcher import launch_local
+
+    code = (
+        "import sys; sys.stderr.buffer.write(b'bad \\xff\\xfe\\n' * 3); "
+        "sys.stderr.flush(); sys.stdout.write('y' * 200000 + '\\n'); print('done')"
+    )  # 200 kB: more than a pipe holds, so a dead reader would block the child
+    closed = io.StringIO()
+    closed.close()
+    err = io.StringIO()
+    with pytest.warns(RuntimeWarning, match="cannot write the output"):
+        res = launch_local(
+            [sys.executable, "-c", code], 1, timeout=60, stdout=closed, stderr=err
+        )
+    assert err.getvalue().count("[0] bad \ufffd\ufffd") == 3
+    assert res.stdout.endswith("done\n") and len(res.stdout) > 200000
+
+
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [("127.0.0.1:99999", False), ("host:0", False), ("::1:1234", False),
+     ("[::1]:1234", True), ("localhost:65535", True)],
+)  # fmt: skip
+def test_coordinator_addresses(address, ok):
+    from blocklab.training.distributed import check_address
+
+    if ok:
+        assert check_address(address) == address
+    else:
+        with pytest.raises(ConfigError, match=r"must be host:port, got .*port in 1..65535.*\[::1\]:1234"):
+            check_address(address)
+
+
+def test_slurm_ntasks_alone_names_what_is_missing(monkeypatch):
+    from blocklab.training import distributed
+
+    for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "BLOCKLAB_COORDINATOR"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(ConfigError, match="SLURM_JOB_ID, SLURM_STEP_NODELIST"):
+        distributed.initialize()
+
+
+def test_a_peer_without_a_coordinator_raises_runtime_error(monkeypatch):
+    from blocklab.training import distributed
+    from blocklab.training.launcher import free_port
+
+    monkeypatch.setenv("BLOCKLAB_COORDINATOR", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("BLOCKLAB_NUM_PROCESSES", "2")
+    monkeypatch.setenv("BLOCKLAB_PROCESS_ID", "1")
+    monkeypatch.setenv("BLOCKLAB_INIT_TIMEOUT", "1")
+    with pytest.raises(RuntimeError, match="no coordinator answered"):
+        distributed.initialize()
+
+
+# -- item 11: tests that fail for three planted bugs and the MoE tiles ------
+
+
+def _rope_reference(x, theta=1e4):
+    """RoPE in float64 NumPy, half-split convention."""
+    x = np.asarray(x, np.float64)
+    T, p = x.shape[-2:]
+    ang = np.arange(T)[:, None] / theta ** (np.arange(0, p, 2) / p)
+    ang = np.concatenate([ang, ang], -1)
+    half = np.concatenate([-x[..., p // 2 :], x[..., : p // 2]], -1)
+    return x * np.cos(ang) + half * np.sin(ang)
+
+
+def test_rope_angles_stay_float32_for_bf16_input():
+    # Angles m * omega formed in bf16 are off by up to ~0.25 rad at T = 64
+    # (max error 0.26 against this reference); in float32 only the output's
+    # bf16 rounding remains (0.008).
+    x = jax.random.normal(jax.random.key(0), (64, 64)).astype(jnp.bfloat16)
+    out = bl.rope(x)
+    assert out.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(out, np.float64) - _rope_reference(x)).max()
+    assert err < 0.02, err
+
+
+def test_bf16_mixed_precision_keeps_float32_master_weights():
+    # At lr 1e-4 each update (~1e-4) is below half a bf16 ulp of weights
+    # ~0.5-2 (~2e-3-8e-3): rounding the master weights through bf16 would
+    # lose every update. The float32 masters move as the float32 run does.
+    w_start = jnp.array([0.7, -1.3, 1.9])
+    runs = {
+        p: train_model(Lin(w_start), _reg_source, optax.sgd(1e-4), 3,
+                       key=jax.random.key(1), loss_fn=mse, precision=p,
+                       progress=False)  # fmt: skip
+        for p in ("float32", "bf16")
+    }
+    moved = {p: np.asarray(r.model.w) - np.asarray(w_start) for p, r in runs.items()}
+    assert runs["bf16"].model.w.dtype == jnp.float32
+    assert np.abs(moved["float32"]).min() > 1e-5
+    rel = np.linalg.norm(moved["bf16"] - moved["float32"]) / np.linalg.norm(moved["float32"])
+    assert rel < 0.05, rel
+
+
+def test_sorted_moe_dispatch_fills_tiles_and_matches_a_loop():
+    from blocklab.nn.moe import _tile_rows
+
+    d, E, k, n = 16, 4, 2, 96
+    sorted_moe = bl.MoEFeedForward(d, E, top_k=k, dispatch="sorted", key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (n, d))
+    tr = eqx.filter_jit(lambda m, x: m.trace(x))(sorted_moe, x)
+    logits = np.asarray(tr.logits, np.float64).reshape(n, E)
+    top = np.argsort(-logits, -1)[:, :k]
+    counts = np.bincount(top.reshape(-1), minlength=E)
+    m = _tile_rows(n * k, E)
+    assert counts.max() >= 2 * m  # some expert fills a whole tile (and more)
+    # reference: each token through its top-k experts, one by one
+    experts = eqx.filter_jit(lambda m, x: jnp.stack([m.expert(e)(x) for e in range(E)]))
+    each = np.asarray(experts(sorted_moe, x), np.float64)
+    ref = np.zeros((n, d))
+    for t in range(n):
+        g = np.exp(logits[t, top[t]] - logits[t, top[t]].max())
+        g /= g.sum()
+        for j, e in enumerate(top[t]):
+            ref[t] += g[j] * each[e, t]
+    np.testing.assert_allclose(np.asarray(tr.output), ref, rtol=2e-4, atol=2e-5)

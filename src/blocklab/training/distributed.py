@@ -97,6 +97,63 @@ def _env_int(name: str, default: int | None = None, *, min: int = 0) -> int:  # 
     return value
 
 
+def check_address(address: str) -> str:
+    """`host:port` (IPv6 hosts in brackets, `[::1]:1234`), port in 1..65535."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 host must be bracketed
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(
+            f"initialize: {ENV_COORDINATOR} must be host:port, got {address!r} "
+            "(a port in 1..65535; an IPv6 host in brackets, e.g. [::1]:1234)."
+        )
+    return address
+
+
+def _check_slurm() -> None:
+    """JAX's SLURM detection needs these; without them it asks for a
+    `coordinator_address`, which names nothing the user set."""
+    env = os.environ
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+    if tasks is None or "OMPI_COMM_WORLD_SIZE" in env:
+        return
+    missing = [
+        v for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")
+        if v not in env
+    ]  # fmt: skip
+    if missing:
+        raise ConfigError(
+            f"initialize: SLURM_NTASKS={tasks} asks for a SLURM job, but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
+            "start the job step with srun, or unset SLURM_NTASKS, or describe the "
+            f"job with {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}."
+        )
+
+
+def _wait_for_coordinator(address: str, timeout: int) -> None:
+    """Raise `RuntimeError` if nothing listens at `address` within `timeout` s."""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"initialize: no coordinator answered at {address} within "
+                    f"{timeout} s ({ENV_INIT_TIMEOUT}); is process 0 running? "
+                    f"({err})"
+                ) from None
+            time.sleep(0.2)
+
+
 def _cluster_detected() -> bool:
     """Whether a multi-process cluster that JAX detects describes this process."""
     env = os.environ
@@ -127,17 +184,15 @@ def initialize() -> Job:
 
     Raises:
         ConfigError: a malformed `BLOCKLAB_*` variable.
-        RuntimeError: from `jax.distributed.initialize` when the other
-            processes do not join within the timeout.
+        RuntimeError: a process other than 0 cannot reach the coordinator
+            within `BLOCKLAB_INIT_TIMEOUT` seconds. (Process 0 whose peers
+            never join is ended by JAX itself after that timeout, with
+            SIGABRT; `blocklab launch` reports it as killed by signal 6.)
     """
     if jax.distributed.is_initialized():
         return Job(jax.process_index(), jax.process_count(), "already")
     if ENV_COORDINATOR in os.environ:
-        address = os.environ[ENV_COORDINATOR]
-        if address.count(":") != 1 or not address.split(":")[1].isdigit():
-            raise ConfigError(
-                f"initialize: {ENV_COORDINATOR} must be host:port, got {address!r}."
-            )
+        address = check_address(os.environ[ENV_COORDINATOR])
         num = _env_int(ENV_NUM_PROCESSES, min=1)
         pid = _env_int(ENV_PROCESS_ID)
         if pid >= num:
@@ -147,6 +202,8 @@ def initialize() -> Job:
             )
         init_timeout = _env_int(ENV_INIT_TIMEOUT, _DEFAULT_INIT_TIMEOUT, min=1)
         heartbeat = _env_int(ENV_HEARTBEAT_TIMEOUT, _DEFAULT_HEARTBEAT_TIMEOUT, min=1)
+        if pid != 0:
+            _wait_for_coordinator(address, init_timeout)
         _use_cpu_collectives()
         jax.distributed.initialize(
             coordinator_address=address,
@@ -158,6 +215,7 @@ def initialize() -> Job:
         )
         return Job(pid, num, "blocklab-launch")
     if _cluster_detected():
+        _check_slurm()
         _use_cpu_collectives()
         jax.distributed.initialize()
         return Job(jax.process_index(), jax.process_count(), "cluster")

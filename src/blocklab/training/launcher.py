@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -198,14 +199,31 @@ def _describe(rc: int) -> str:
 
 
 def _pump(stream, sink, prefix: str, keep: collections.deque, lines: list | None):
-    """Copy a child's pipe line by line to `sink` (with `prefix`), keeping the tail."""
-    for line in iter(stream.readline, ""):
+    """Copy a child's pipe line by line to `sink` (with `prefix`), keeping the tail.
+
+    The pipe is read as bytes and decoded as UTF-8 with replacement, so no
+    output can end the reader; a sink that fails (closed, full) is dropped
+    with a warning and the pipe is still drained to its end, so the child
+    never blocks on a full pipe.
+    """
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
         keep.append(line.rstrip("\n"))
         if lines is not None:
             lines.append(line)
         if sink is not None:
-            sink.write(prefix + line)
-            sink.flush()
+            try:
+                sink.write(prefix + line)
+                sink.flush()
+            except Exception as err:  # noqa: BLE001 - keep draining the pipe
+                warnings.warn(
+                    f"blocklab launch: cannot write the output of {prefix or '[0] '}"
+                    f"to its sink ({type(err).__name__}: {err}); the rest is only "
+                    "kept in the tail.",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                sink = None
     stream.close()
 
 
@@ -251,8 +269,7 @@ class _Job:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    text=True,
-                    bufsize=1,
+                    bufsize=0,  # bytes; _pump decodes with replacement
                     start_new_session=True,  # its own process group, ended by pid
                 )
             except OSError as err:
@@ -306,6 +323,15 @@ class _Job:
         # is left in them, which on a loaded machine can take seconds.
         for t in self.threads:
             t.join(timeout=30)
+        alive = sum(t.is_alive() for t in self.threads)
+        if alive:
+            warnings.warn(
+                f"blocklab launch: {alive} output reader(s) still running 30 s after "
+                "every process exited (a grandchild may hold the pipe open); the "
+                "output may be cut short.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def launch_local(
