@@ -1,0 +1,220 @@
+"""Cached decoding: `blocklab.generate` against `transformers`' cached `generate`.
+
+1. Tokens per second, greedy, `--new` (128) new tokens after a `--prompt`
+   (16) token prompt, at batch 1 and 8, on a converted Llama (4 layers,
+   d = 256, 8 query heads on 2 kv heads, random weights): blocklab's one
+   compiled program (prefill + `lax.while_loop`) against
+   `transformers.LlamaForCausalLM.generate(do_sample=False)` (its
+   `DynamicCache`, SDPA attention) on the same CPU threads, timed
+   round-robin (median of `--reps`). Both produce the same tokens (checked).
+   Target: blocklab >= 2x.
+2. Decode-step cost against position: the time of one `decode_step` (a scan
+   of 16 steps, divided) at position 20 and at 2000, (a) in one cache of
+   2048 + 16 positions (what a 2048-token generation allocates; a step reads
+   the whole cache, masked) and (b) in a cache sized to the position
+   (p + 16, as `generate` sizes it for a prompt of p tokens). Target: the
+   step at 2000 costs at most 1.5x the step at 20.
+
+On a GPU the sizes stay (they are a decoding workload) and PyTorch, a CPU
+build here, is left out: blocklab's figures are printed alone. Prints
+human-readable lines and one JSON line. Usage: `python benchmarks/generate.py
+[--reps 5] [--new 128] [--prompt 16] [--threads N] [--quick]`; with
+`--threads 1` both libraries run on one thread (XLA's intra-op pool too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this folder comes first on sys.path, and its `signal.py`
+# would shadow the standard library's `signal` module (imported by jax).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+# `--threads 1` must reach XLA before jax is imported: one intra-op thread.
+if "--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1] == "1":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import blocklab  # noqa: E402
+
+VOCAB = 512
+
+
+def hf_llama(max_len: int, *, layers=4, d=256, heads=8, kv=2, seed=0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=688,
+        num_attention_heads=heads, num_key_value_heads=kv,
+        num_hidden_layers=layers, max_position_embeddings=max_len,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # weights of real size: continuations vary
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_((0.3 if "embed" in name else 0.1) * noise)
+    return model
+
+
+def llama_decoder(max_len: int, *, layers=4, d=256, heads=8, kv=2, seed=0):
+    """The same model built in blocklab without torch (for a GPU run)."""
+    cfg = blocklab.DecoderConfig.llama(
+        VOCAB, d, heads, layers, num_kv_heads=kv, ffn_width=688, max_len=max_len
+    )
+    return blocklab.DecoderLM(cfg, key=jax.random.key(seed))
+
+
+def time_round_robin(fns: dict, reps: int) -> dict:
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def tokens_per_second(ours, hf, batch, prompt, new, reps):
+    ids = np.random.default_rng(batch).integers(1, VOCAB, (batch, prompt))
+
+    def ours_generate():  # one compiled program (compiled by the first call)
+        return np.asarray(jax.block_until_ready(blocklab.generate(ours, ids, new)))
+
+    out = ours_generate()
+    fns = {"blocklab": ours_generate}
+    same = None
+    if hf is not None:
+        import torch
+
+        tids = torch.as_tensor(ids)
+        mask = torch.ones_like(tids)
+
+        def hf_generate():
+            with torch.no_grad():
+                return hf.generate(
+                    tids, attention_mask=mask, max_new_tokens=new,
+                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                ).numpy()  # fmt: skip
+
+        ref = hf_generate()
+        same = bool(np.array_equal(out, ref))
+        fns["transformers"] = hf_generate
+    med = time_round_robin(fns, reps)
+    res = {f"{k}_tok_s": batch * new / v for k, v in med.items()}
+    res.update({f"{k}_s": v for k, v in med.items()})
+    if hf is not None:
+        res["speedup"] = med["transformers"] / med["blocklab"]
+        res["same_tokens"] = same
+    return res
+
+
+@eqx.filter_jit
+def _prefill(model, ids, max_len):
+    cache = model.init_cache(ids.shape[:-1], max_len)
+    return model.prefill(ids, cache)[1]
+
+
+@eqx.filter_jit
+def _decode(model, tokens, cache):
+    def step(cache, token):
+        logits, cache = model.decode_step(token, cache)
+        return cache, logits
+
+    return jax.lax.scan(step, cache, tokens)
+
+
+def step_costs(model, sizes: dict, steps=16, reps=7) -> dict:
+    """Seconds per decode step at each position p (cache of `sizes[p]`),
+    timed round-robin (median), so that load changes hit every position."""
+    tokens = jnp.ones((steps, 1), jnp.int32)
+    caches = {}
+    for p, cache_len in sizes.items():
+        ids = np.random.default_rng(0).integers(1, VOCAB, (1, p)).astype(np.int32)
+        caches[p] = jax.block_until_ready(_prefill(model, ids, cache_len))
+        jax.block_until_ready(_decode(model, tokens, caches[p]))  # compile
+    fns = {
+        p: (lambda c=c: jax.block_until_ready(_decode(model, tokens, c)))
+        for p, c in caches.items()
+    }
+    return {p: t / steps for p, t in time_round_robin(fns, reps).items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="CPU threads of both libraries (1: XLA's intra-op pool too)",
+    )
+    parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 reps")
+    args = parser.parse_args()
+    platform = jax.devices()[0].platform
+    far, near, extra = 2000, 20, 16
+    max_len = far + extra
+    result = {"platform": platform, "threads": args.threads, "new": args.new}
+    if platform == "cpu":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        hf = hf_llama(max_len)
+        ours = blocklab.from_huggingface(hf)
+    else:
+        hf, ours = None, llama_decoder(max_len)
+    reps = 3 if args.quick else args.reps
+    for batch in (1,) if args.quick else (1, 8):
+        r = tokens_per_second(ours, hf, batch, args.prompt, args.new, reps)
+        result[f"batch{batch}"] = r
+        line = f"batch {batch}: blocklab {r['blocklab_tok_s']:.0f} tok/s"
+        if "speedup" in r:
+            line += (
+                f", transformers {r['transformers_tok_s']:.0f} tok/s, "
+                f"ratio {r['speedup']:.2f}x (same tokens: {r['same_tokens']})"
+            )
+        print(line, flush=True)
+    for label, sizes in (
+        ("shared_cache", {near: max_len, far: max_len}),
+        ("sized_cache", {near: near + extra, far: far + extra}),
+    ):
+        costs = step_costs(ours, sizes, steps=extra, reps=reps + 2)
+        ratio = costs[far] / costs[near]
+        result[label] = {
+            "step_ms_at_20": 1e3 * costs[near],
+            "step_ms_at_2000": 1e3 * costs[far],
+            "ratio": ratio,
+        }
+        print(
+            f"decode step ({label}): {1e3 * costs[near]:.2f} ms at 20, "
+            f"{1e3 * costs[far]:.2f} ms at 2000, ratio {ratio:.2f}",
+            flush=True,
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
