@@ -60,9 +60,14 @@ def test_base_width_differs_from_standard_only_by_zero_query_and_readout():
     data = bl.TimeMachine(seq_len=8)
     runs = [
         bl.train_lm(
-            model, data,
+            model,
+            data,
             bl.optimizer(model, learning_rate=3e-3, weight_decay=0.01, warmup_steps=2),
-            3, key=jax.random.key(1), batch_size=4, steps_per_call=3, progress=False,
+            3,
+            key=jax.random.key(1),
+            batch_size=4,
+            steps_per_call=3,
+            progress=False,
         )  # fmt: skip
         for model in (std, same)
     ]
@@ -71,7 +76,9 @@ def test_base_width_differs_from_standard_only_by_zero_query_and_readout():
 
 def test_charlm_tied_head_at_base_width_differs_only_by_query(key):
     std = bl.CharLM(28, 32, 4, 1, max_len=16, key=key)
-    mup = bl.CharLM(28, 32, 4, 1, max_len=16, parametrization="mup", base_width=32, key=key)
+    mup = bl.CharLM(
+        28, 32, 4, 1, max_len=16, parametrization="mup", base_width=32, key=key
+    )
     differ = [
         _name(p)
         for (p, a), (_, b) in zip(_leaves(std), _leaves(mup), strict=True)
@@ -105,12 +112,16 @@ def test_mup_multipliers_match_the_table_by_hand(d, base, heads):
     head = jax.random.normal(jax.random.key(1), model.head.weight.shape)
     model = eqx.tree_at(lambda t: t.head.weight, model, head)
     ref = np.asarray(model.hidden(ids), np.float64) @ np.asarray(head, np.float64).T
-    np.testing.assert_allclose(np.asarray(model(ids)), ref * base / d, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(model(ids)), ref * base / d, rtol=2e-5, atol=1e-6
+    )
 
 
 def test_update_rule_against_numpy(key):
     """θ1 = θ0 − s0 (η μ g + λ θ0), with SGD's direction g, two rates (λ not × η)."""
-    model = bl.CharLM(20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key)
+    model = bl.CharLM(
+        20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key
+    )
     params = eqx.filter(model, eqx.is_inexact_array)
     grads = jax.tree_util.tree_map(
         lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params
@@ -118,7 +129,9 @@ def test_update_rule_against_numpy(key):
     mu = P.lr_multipliers(model)
     lam, W = 0.3, 4.0
     for eta in (1e-2, 1e-1):
-        opt = bl.optimizer(model, optax.sgd, learning_rate=eta, weight_decay=lam, warmup_steps=W)
+        opt = bl.optimizer(
+            model, optax.sgd, learning_rate=eta, weight_decay=lam, warmup_steps=W
+        )
         state = opt.init(params)
         upd, _ = opt.update(grads, state, params)
         s0 = 1 / W
@@ -127,7 +140,9 @@ def test_update_rule_against_numpy(key):
             jax.tree_util.tree_leaves(mu),
             strict=True,
         ):
-            want = -s0 * (eta * m * np.asarray(g, np.float64) + lam * np.asarray(p, np.float64))
+            want = -s0 * (
+                eta * m * np.asarray(g, np.float64) + lam * np.asarray(p, np.float64)
+            )
             np.testing.assert_allclose(np.asarray(u), want, rtol=2e-5, atol=1e-8)
     assert {0.25, 1.0} == set(jax.tree_util.tree_leaves(mu))
 
@@ -135,19 +150,31 @@ def test_update_rule_against_numpy(key):
 def test_schedule_factor_by_hand():
     W, D, f = 4, 10, 0.1
     got = [float(schedule_factor(t, W, D, f)) for t in (0, 1, 3, 4, 9, 14, 30)]
-    want = [0.25, 0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)), 0.1, 0.1]
+    want = [
+        0.25,
+        0.5,
+        1.0,
+        1.0,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)),
+        0.1,
+        0.1,
+    ]
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert float(schedule_factor(100, 0, 0, 0)) == 1.0
 
 
 def test_base_rate_is_an_injected_hyperparameter(key):
-    model = bl.CharLM(20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key)
+    model = bl.CharLM(
+        20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key
+    )
     state = bl.optimizer(model, b2=0.95, weight_decay=0.1).init(
         eqx.filter(model, eqx.is_inexact_array)
     )
     hp = state.hyperparams
     assert {"learning_rate", "weight_decay", "warmup_steps", "b2"} <= set(hp)
-    assert hp["b2"].dtype == jnp.float32 and float(hp["weight_decay"]) == np.float32(0.1)
+    assert hp["b2"].dtype == jnp.float32 and float(hp["weight_decay"]) == np.float32(
+        0.1
+    )
 
 
 @pytest.mark.slow
@@ -188,14 +215,34 @@ def test_z_loss_against_numpy(key):
 @pytest.mark.parametrize(
     "build, match",
     [
-        (lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=0), "base_width"),
-        (lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=-8), "base_width"),
+        (
+            lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=0),
+            "base_width",
+        ),
+        (
+            lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=-8),
+            "base_width",
+        ),
         (lambda: bl.DecoderConfig.llama(parametrization="mup"), "needs base_width"),
         # d=64, 4 heads: p=16 at base 6 would be 1.5
-        (lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=6), "head_dim"),
-        (lambda: bl.DecoderConfig.llama(parametrization="muP", base_width=8), "'standard', 'mup'"),
-        (lambda: bl.CharLM(28, 32, 4, parametrization="ntk", key=jax.random.key(0)), "parametrization"),
-        (lambda: bl.CharLM(28, 32, 4, parametrization="mup", base_width=5, key=jax.random.key(0)), "base_width=5"),
+        (
+            lambda: bl.DecoderConfig.llama(parametrization="mup", base_width=6),
+            "head_dim",
+        ),
+        (
+            lambda: bl.DecoderConfig.llama(parametrization="muP", base_width=8),
+            "'standard', 'mup'",
+        ),
+        (
+            lambda: bl.CharLM(28, 32, 4, parametrization="ntk", key=jax.random.key(0)),
+            "parametrization",
+        ),
+        (
+            lambda: bl.CharLM(
+                28, 32, 4, parametrization="mup", base_width=5, key=jax.random.key(0)
+            ),
+            "base_width=5",
+        ),
     ],
 )
 def test_bad_parametrization_is_named(build, match):
@@ -204,7 +251,9 @@ def test_bad_parametrization_is_named(build, match):
 
 
 def test_bad_optimizer_input_is_named(key):
-    model = bl.CharLM(20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key)
+    model = bl.CharLM(
+        20, 32, 2, 1, max_len=8, parametrization="mup", base_width=8, key=key
+    )
     mults = P.lr_multipliers(model)
     short = jax.tree_util.tree_leaves(mults)[:-1]
     with pytest.raises(bl.ConfigError, match="does not match the model"):
@@ -217,4 +266,6 @@ def test_bad_optimizer_input_is_named(key):
         with pytest.raises(bl.ConfigError, match="weight_decay"):
             bl.optimizer(model, weight_decay=bad)
         with pytest.raises(bl.ConfigError, match="z_loss"):
-            bl.lm_loss(model, jnp.zeros((1, 4), int), jnp.zeros((1, 4), int), z_loss=bad)
+            bl.lm_loss(
+                model, jnp.zeros((1, 4), int), jnp.zeros((1, 4), int), z_loss=bad
+            )

@@ -85,7 +85,8 @@ def test_on_an_accelerator_or_with_full_every_section_is_full(
 def test_cli_full_flag_and_estimates(stub_sections, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report, "on_accelerator", lambda: False)
     assert main(["report", "--out", str(tmp_path), "--full"]) == 0
-    assert stub_sections[-1] == ("lr_sensitivity", {"quick": False, "full": True})
+    assert ("lr_sensitivity", {"quick": False, "full": True}) in stub_sections
+    assert all(flags == {"quick": False, "full": True} for _, flags in stub_sections)
     err = capsys.readouterr().err
     # 5 sections of 1 s and one of 600 s: 605 s is 10 min; the long one is named
     assert "about 10 min on 2 CPU cores" in err
@@ -166,7 +167,7 @@ def test_a_failing_section_keeps_the_finished_ones(
     before = REPORT_SECTIONS[: REPORT_SECTIONS.index("activations")]
     assert before and all(f"body of {name}" in text for name in before)
     assert "## signal section" not in text
-    assert "in progress: 4 more sections to come" in text
+    assert f"in progress: {len(REPORT_SECTIONS) - 2} more sections to come" in text
 
 
 def test_an_earlier_report_survives_until_a_section_finishes(

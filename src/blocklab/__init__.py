@@ -104,6 +104,7 @@ __all__ = [
     "load",
     "make_train_step",
     "optimizer",
+    "coord_check",
     "save",
     "shard",
     "sharded_map",
@@ -134,11 +135,19 @@ _compat.install()
 _LAZY_PACKAGES = ("experiments", "cli")
 
 
+#: Public functions of lazy packages, imported on first use.
+_LAZY_NAMES = {"coord_check": "experiments.mup"}
+
+
 def __getattr__(name: str):
     if name in _LAZY_PACKAGES:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
     return _compat.moved_attribute(name)
 
 

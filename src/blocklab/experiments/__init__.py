@@ -32,7 +32,10 @@ from ._render import dumps, markdown_table, nonfinite_paths, to_jsonable
 
 #: The study modules, importable as `blocklab.experiments.<name>` (registered
 #: with their commands in `blocklab.experiments.protocol.STUDIES`).
-STUDIES = ("census", "norms", "check", "activations", "signal", "lr_sensitivity")
+STUDIES = (
+    "census", "norms", "check", "activations", "signal", "lr_sensitivity", "mup",
+    "proxies",
+)  # fmt: skip
 _LAZY = (*STUDIES, "protocol")
 
 __all__ = [

@@ -109,6 +109,8 @@ STUDIES: tuple[Study, ...] = (
         "learning-rate sensitivity with and without QK-norm (ex. 11)",
         aliases=("lr-sweep", "lr_sweep"),
     ),
+    Study("mup", "μP: coordinate check and learning-rate transfer"),
+    Study("proxies", "small-scale proxies: LR sensitivity per intervention"),
 )
 
 

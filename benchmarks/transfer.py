@@ -1,0 +1,115 @@
+"""One width of the μP transfer study: 8 rates x 2 seeds as one vmapped sweep
+against the same 16 runs one after another, in one process.
+
+Both sides train the same 16 μP `DecoderLM`s (Llama-style, untied head) with
+`blocklab.optimizer` (Adam, warm-up), each side after a warm-up run that
+compiles it; the times below are of a second, compiled run:
+
+- sweep: `blocklab.train_sweep` over the 16 (rate, seed) members;
+- sequential: `blocklab.train_lm` once per member (one compiled chunk reused:
+  the rate is an injected hyperparameter, so the 16 runs share one program).
+
+Prints a human-readable line and one JSON line: `{"sweep_s", "sequential_s",
+"speedup" (= sequential / sweep), ...}`. Sizes follow the platform (a CPU: d =
+64, 40 steps; a GPU/TPU: d = 256, 200 steps); `--width`, `--steps` override.
+
+Run: `python benchmarks/transfer.py [--width D] [--steps N] [--json]`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import blocklab as bl  # noqa: E402
+from blocklab.experiments.mup import decoder_factory  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    gpu = jax.devices()[0].platform != "cpu"
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=256 if gpu else 64)
+    ap.add_argument("--steps", type=int, default=200 if gpu else 40)
+    ap.add_argument("--batch-size", type=int, default=32 if gpu else 8)
+    ap.add_argument("--seq-len", type=int, default=64 if gpu else 32)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    data = bl.TimeMachine(seq_len=args.seq_len)
+    lrs = [float(10.0**e) for e in np.arange(-4.0, -0.4, 0.5)]  # 8 rates
+    seeds = [0, 1]
+    grid = bl.sweep_grid(learning_rate=lrs, seed=seeds)
+    make_w = decoder_factory("mup", 32, vocab_size=data.vocab_size, num_blks=2,
+                             max_len=args.seq_len)  # fmt: skip
+
+    def make(key):
+        return make_w(args.width, key)
+
+    opt = bl.optimizer(eqx.filter_eval_shape(make, jax.random.key(0)), optax.adam,
+                       warmup_steps=10.0)  # fmt: skip
+    steps, chunk = args.steps, min(args.steps, 50)
+
+    def sweep():
+        r = bl.train_sweep(
+            make, data, steps, model_keys=grid["seed"], data_keys=grid["seed"] + 7,
+            learning_rates=grid["learning_rate"], optimizer=opt,
+            batch_size=args.batch_size, steps_per_call=chunk, validate=False,
+            progress=False,
+        )  # fmt: skip
+        return np.asarray(r.losses[:, -1])
+
+    def sequential():
+        out = []
+        for lr, seed in zip(grid["learning_rate"], grid["seed"], strict=True):
+            model = make(jax.random.key(int(seed)))
+            o = bl.optimizer(
+                model, optax.adam, learning_rate=float(lr), warmup_steps=10.0
+            )
+            r = bl.train_model(
+                model, data, o, steps, key=jax.random.key(int(seed) + 7),
+                batch_size=args.batch_size, steps_per_call=chunk, progress=False,
+            )  # fmt: skip
+            out.append(r.losses[-1] if len(r.losses) == steps else np.nan)
+        return np.asarray(out)
+
+    times = {}
+    finals = {}
+    for name, fn in (("sweep", sweep), ("sequential", sequential)):
+        fn()  # compile
+        t = time.perf_counter()
+        finals[name] = fn()
+        times[name] = time.perf_counter() - t
+    both = np.isfinite(finals["sweep"]) & np.isfinite(finals["sequential"])
+    result = {
+        "benchmark": "transfer",
+        "platform": jax.devices()[0].platform,
+        "device": str(jax.devices()[0].device_kind),
+        "width": args.width, "steps": steps, "members": len(lrs) * len(seeds),
+        "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "sweep_s": times["sweep"], "sequential_s": times["sequential"],
+        "speedup": times["sequential"] / times["sweep"],
+        "max_final_loss_diff": float(np.max(np.abs(finals["sweep"] - finals["sequential"])[both]))
+        if both.any() else None,
+    }  # fmt: skip
+    print(
+        f"transfer width d={args.width}, {result['members']} runs x {steps} steps on "
+        f"{result['platform']}: sweep {times['sweep']:.2f} s, one after another "
+        f"{times['sequential']:.2f} s, speed-up {result['speedup']:.2f}x"
+    )
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
