@@ -257,7 +257,17 @@ def _blocklab_cfg(family):
     return DecoderConfig.llama(V, 48, 6, 3, norm_eps=1e-5, window=6, **llama)
 
 
-@pytest.mark.parametrize("family", sorted(CLASSES))
+@pytest.mark.parametrize(
+    "family",
+    [
+        # (tests/test_pretrained.py exports every family through save_pretrained)
+        pytest.param("mistral", marks=pytest.mark.slow),
+        pytest.param("qwen3", marks=pytest.mark.slow),
+        "qwen2",
+        "gemma2",
+        "phi3",
+    ],
+)
 def test_exported_model_computes_blocklabs_logits_in_transformers(family):
     cfg = _blocklab_cfg(family)
     model = random_model(cfg)

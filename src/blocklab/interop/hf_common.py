@@ -536,7 +536,7 @@ def understood(cls: str, hf_config: Any, fields: Mapping[str, Any]) -> Any:
     if legacy and any(k in given for k in ("rope_scaling", "rope_theta")):
         # transformers' convert_rope_params_to_dict: rope_scaling replaces
         # rope_parameters; a top-level rope_theta fills a missing base
-        params = given.get("rope_scaling") or out.rope_parameters
+        params = given.get("rope_scaling") or given.get("rope_parameters") or {}
         if isinstance(params, Mapping):
             params = dict(params)
             theta = given.get("rope_theta")
