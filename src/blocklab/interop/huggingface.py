@@ -1,15 +1,18 @@
 r"""Convert Hugging Face `transformers` decoder models to and from `DecoderLM`.
 
 `from_huggingface(hf_model)` reads a PyTorch `GPT2LMHeadModel`,
-`LlamaForCausalLM`, `Olmo2ForCausalLM`, `Gemma3ForCausalLM` (text) or
-`MixtralForCausalLM` with its config and returns a `blocklab.DecoderLM` whose
-logits equal the PyTorch model's (float32). `to_huggingface_state_dict(model)`
-is the inverse: a `{name: numpy array}` dict in the `transformers` names and
-layouts, which `load_huggingface_state_dict` (or `hf_model.load_state_dict`
-after `torch.from_numpy`) reads back bit for bit.
+`LlamaForCausalLM`, `Olmo2ForCausalLM`, `Gemma3ForCausalLM` (text),
+`MixtralForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`, `Gemma2ForCausalLM` or `Phi3ForCausalLM` with its config
+and returns a `blocklab.DecoderLM` whose logits equal the PyTorch model's
+(float32). `to_huggingface_state_dict(model)` is the inverse: a
+`{name: numpy array}` dict in the `transformers` names and layouts, which
+`load_huggingface_state_dict` (or `hf_model.load_state_dict` after
+`torch.from_numpy`) reads back bit for bit.
 
 This module is the conversion machinery only. Each family is an `HFFamily`
-in its own module (`interop.gpt2`, `.llama`, `.olmo2`, `.gemma3`, `.mixtral`),
+in its own module (`interop.gpt2`, `.llama`, `.olmo2`, `.gemma3`, `.mixtral`,
+`.mistral`, `.qwen2`, `.qwen3`, `.gemma2`, `.phi3`),
 built on the public helpers of `interop.hf_common`, and registered in
 `FAMILIES` when imported (this module imports them all); `register_family`
 adds another without touching this module.
@@ -81,9 +84,7 @@ def _all_rules(cfg: DecoderConfig, fam: HFFamily) -> list[tuple[str, Rule]]:
         out.extend(
             (
                 prefix + r.hf,
-                dataclasses.replace(
-                    r, bl=tuple(f"stack.blocks.{i}.{b}" for b in r.bl)
-                ),
+                dataclasses.replace(r, bl=tuple(f"stack.blocks.{i}.{b}" for b in r.bl)),
             )
             for r in layer
         )
@@ -118,9 +119,11 @@ def to_huggingface_state_dict(
 
     Args:
         model: a `DecoderLM`.
-        family: `"gpt2"`, `"llama"`, `"olmo2"`, `"gemma3"`, `"mixtral"` (or a
-            class name); `None`: the one registered family that can express
-            the model's config.
+        family: a registered short name (`"gpt2"`, `"llama"`, `"olmo2"`,
+            `"gemma3"`, `"mixtral"`, `"mistral"`, `"qwen2"`, `"qwen3"`,
+            `"gemma2"`, `"phi3"`) or a class name; `None`: the one
+            registered family that can express the model's config (a variant,
+            `HFFamily.variant_of`, yields to the family it generalizes).
 
     Raises:
         ConfigError: `model` is not a `DecoderLM`, `family` is unknown, or the
@@ -250,8 +253,9 @@ def from_huggingface(hf_model: Any) -> DecoderLM:
     """Convert a `transformers` PyTorch causal LM into a `DecoderLM`.
 
     Supported: `GPT2LMHeadModel`, `LlamaForCausalLM`, `Olmo2ForCausalLM`,
-    `Gemma3ForCausalLM` (text), `MixtralForCausalLM`, and any class added
-    with `register_family`.
+    `Gemma3ForCausalLM` (text), `MixtralForCausalLM`, `MistralForCausalLM`,
+    `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma2ForCausalLM`,
+    `Phi3ForCausalLM`, and any class added with `register_family`.
     The result's `model(ids)` ((T,) or (B, T) integer ids) returns the
     PyTorch model's logits (`hf_model(ids).logits`) in float32. Weights are
     converted to float32.
