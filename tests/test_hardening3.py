@@ -550,3 +550,25 @@ def test_sorted_moe_dispatch_fills_tiles_and_matches_a_loop():
         for j, e in enumerate(top[t]):
             ref[t] += g[j] * each[e, t]
     np.testing.assert_allclose(np.asarray(tr.output), ref, rtol=2e-4, atol=2e-5)
+
+
+# -- item 10: the obscure errors left from the first round -------------------
+
+
+def test_old_obscure_errors_name_the_argument_and_the_fix():
+    import inspect
+
+    block = bl.TransformerBlock(16, 2, dropout=0.1, key=jax.random.key(0))
+    call = inspect.unwrap(type(block).__call__)  # past the suite's type hook
+    with pytest.raises(ConfigError, match="TransformerBlock: key must be a JAX PRNG key, got 0"):
+        call(block, jnp.ones((4, 16)), key=0)
+    with pytest.raises(ConfigError, match=r"must be an array, got a list.*jnp.asarray"):
+        call(block, [[1.0] * 16] * 4)
+    with pytest.raises(ConfigError, match=r"census: .*got dict.*count_params"):
+        bl.census({"w": jnp.ones(3)})
+    with pytest.raises(ConfigError, match=r"train_batch: batch_size must lie in \[1"):
+        bl.TokenDataset(np.arange(40) % 28, 8).train_batch(jax.random.key(0), -1)
+    from blocklab.training.sharding import key_data
+
+    with pytest.raises(ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"):
+        inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")

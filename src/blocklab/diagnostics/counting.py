@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._validate import ConfigError
 from ..nn.block import TransformerBlock
 from ..nn.config import BlockConfig
 
@@ -58,6 +59,12 @@ def census(module) -> dict[str, int]:
     262144
     """
     module = _abstract(module)
+    if not dataclasses.is_dataclass(module) or isinstance(module, type):
+        raise ConfigError(
+            f"census: module must be an Equinox module (e.g. a TransformerBlock) "
+            f"or a BlockConfig, got {type(module).__name__}; for a plain pytree "
+            "(a dict of arrays) use count_params(tree)."
+        )
     parts = {}
     for field in dataclasses.fields(module):
         n = _count(getattr(module, field.name, None))

@@ -271,16 +271,17 @@ class TransformerBlock(eqx.Module):
         return self._run(x, valid_lens, positions, segment_ids, key, traced=True)
 
     def _run(self, x, valid_lens, positions, segment_ids, key, traced):
+        check_float_input(x, "TransformerBlock")  # also refuses a Python list
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
                 f"TransformerBlock acts on a sequence x of shape (T, "
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
-        check_float_input(x, "TransformerBlock")
         if key is None:
             k_attn = k_drop1 = k_drop2 = k_ffn = None
         else:
+            key = check_key("TransformerBlock", "key", key)
             k_attn, k_drop1, k_drop2 = jax.random.split(key, 3)
             # A fourth, independent key without changing the three above.
             k_ffn = jax.random.fold_in(key, 3)

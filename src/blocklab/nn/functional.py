@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_float, check_int
+from .._validate import ConfigError, check_float, check_int, check_key
 
 __all__ = [
     "linear",
@@ -233,6 +233,7 @@ def dropout(
     """
     if key is None or rate == 0:
         return x
+    key = check_key("dropout", "key", key)
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 

@@ -21,9 +21,15 @@ def _check_input(x: Array, num_hiddens: int, owner: str) -> None:
     check_float_input(x, owner)
 
 
-def check_float_input(x: Array, owner: str) -> None:
+def check_float_input(x: object, owner: str) -> None:
     """Refuse a non-floating input: integer activations would come back
-    truncated in the input dtype, so they are an error, not a silent cast."""
+    truncated in the input dtype, so they are an error, not a silent cast.
+    A Python list (nested or not) is refused with the fix."""
+    if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+        raise ConfigError(
+            f"{owner}: the input x must be an array, got a {type(x).__name__}; "
+            "convert it first, e.g. jnp.asarray(x, jnp.float32)."
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ConfigError(
             f"{owner}: the input x must have a floating dtype, got {x.dtype}; "

@@ -170,6 +170,15 @@ def key_data(
     keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
     if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         return np.asarray(jax.random.key_data(keys))
+    if keys.dtype != jnp.uint32 or keys.ndim != 2:
+        raise ConfigError(
+            f"{owner}: {name} must be int seeds (e.g. [0, 1, 2]) or PRNG keys "
+            f"(jax.random.split(jax.random.key(0), K)), got an array of dtype "
+            f"{keys.dtype} and shape {tuple(keys.shape)}"
+            + (" (float seeds are refused, not truncated)" if jnp.issubdtype(
+                keys.dtype, jnp.floating) else "")
+            + "."
+        )
     return np.asarray(keys)
 
 
