@@ -548,12 +548,60 @@ def test_shard_sizes_follow_transformers_rule(tmp_path):
 
 @pytest.mark.slow
 def test_peak_memory_streams(tmp_path):
-    """Peak RSS while loading a ~60 MB checkpoint: at most 1.5x its bytes
-    above the RSS before the call (the parameters themselves are 1x)."""
+    """Peak RSS while loading a ~200 MB checkpoint: about 1.5x its bytes at
+    most above the RSS before the call (the parameters themselves are 1x)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_pretrained.py"
     code, out, err = run(
-        [sys.executable, str(script), "--only-blocklab", "--size", "60"], timeout=600
+        [
+            sys.executable,
+            str(script),
+            "--only-blocklab",
+            "--size",
+            "200",
+            "--reps",
+            "1",
+        ],
+        timeout=600,
     )
     assert code == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["blocklab_rss_over_bytes"] <= 1.5, result
+    # measured 1.40-1.48 on 2 shared cores: 1.0 for the parameters, about 80 MB
+    # of XLA's compiled in-place updates, one tensor in flight
+    assert result["blocklab_rss_over_bytes"] <= 1.55, result
+    assert not result["blocklab_torch_imported"]
+
+
+# blocklab signal --pretrained ------------------------------------------------
+
+
+def test_cli_signal_runs_on_a_checkpoints_architecture(tmp_path):
+    """The JSON statistics are those of `signal_stats` on a fresh stack of the
+    folder's architecture, drawn by the documented key contract (model, input,
+    readout keys from `split(key(seed), 3)`), with the original vocabulary."""
+    import contextlib
+    import io
+
+    from blocklab.cli import main
+    from blocklab.diagnostics import signal_stats
+
+    cfg = DecoderConfig.olmo2(V, 32, 4, 2, num_kv_heads=2, max_len=T)
+    folder = save_pretrained(DecoderLM(cfg, key=jax.random.key(5)), tmp_path / "m")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        status = main(["signal", "--pretrained", str(folder), "--num-seeds", "1",
+                       "--out", str(tmp_path / "fig"), "--json"])  # fmt: skip
+    assert status == 0
+    data = json.loads(buf.getvalue())
+    row = data["placements"]["Olmo2ForCausalLM"]
+    assert data["options"]["num_blks"] == 2 and data["options"]["pretrained"]
+    model_key, x_key, r_key = jax.random.split(jax.random.key(0), 3)
+    stack = DecoderLM(cfg, key=model_key).stack
+    X = jax.random.normal(x_key, (2, 64, 32), jnp.float32)
+    want = signal_stats(stack, X, r_key)
+    np.testing.assert_allclose(
+        row["stream_rms"], np.asarray(want.stream_rms), rtol=1e-5
+    )
+    assert (tmp_path / "fig" / "signal_rms.png").is_file()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["signal", "--pretrained", str(tmp_path / "x"), "--json"]) == 2
+        assert main(["signal", "--pretrained", str(folder), "--alpha", "2"]) == 2

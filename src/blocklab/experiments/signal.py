@@ -330,24 +330,67 @@ def signal_arch(
         )
     try:
         config = _preset(arch, num_blks, num_hiddens, num_heads)
-        from ..nn.decoder import DecoderLM
     except (ImportError, AttributeError) as e:
         raise ConfigError(
             f"{owner}: arch={arch!r} needs blocklab.DecoderConfig.{arch}(), which "
             f"is not available here ({e})."
         ) from None
+    return signal_config(config, arch, num_seeds=num_seeds)
+
+
+def signal_config(config: Any, label: str, *, num_seeds: int = 3) -> SignalPropagation:
+    """`signal_stats` on the `stack` of `DecoderLM(config)`, over seeds.
+
+    Each seed s draws a fresh initialization of the architecture `config` (a
+    `blocklab.DecoderConfig`, e.g. the one of a checkpoint folder,
+    `blocklab.interop.pretrained_config(path)`) from `key(s)`, and a
+    standard-normal input `(2, 64, d)` and readout from the same key, as
+    `signal_arch` does; the result's row is named `label`. Only the stack is
+    built (the vocabulary does not enter it), so a large vocabulary costs
+    nothing here.
+    """
+    from ..nn.decoder import DecoderConfig, DecoderLM  # a later layer
+
+    owner = "signal_config"
+    if not isinstance(config, DecoderConfig):
+        raise ConfigError(
+            f"{owner}: config must be a blocklab.DecoderConfig, got "
+            f"{type(config).__name__}."
+        )
+    num_seeds = check_int(owner, "num_seeds", num_seeds, min=1)
+    d = config.num_hiddens
+    small = dataclasses.replace(config, vocab_size=2)  # the stack is the same
 
     def one(key):
         model_key, x_key, r_key = jax.random.split(key, 3)
-        stack = DecoderLM(config, key=model_key).stack
-        X = jax.random.normal(x_key, (2, SEQ_LEN, num_hiddens), jnp.float32)
+        stack = DecoderLM(small, key=model_key).stack
+        X = jax.random.normal(x_key, (2, SEQ_LEN, d), jnp.float32)
         return signal_stats(stack, X, r_key)
 
     keys = jax.vmap(jax.random.key)(jnp.arange(num_seeds, dtype=jnp.uint32))
     stacked = _numpy(eqx.filter_jit(jax.vmap(one))(keys))
-    opts = dict(num_seeds=num_seeds, num_blks=num_blks, num_hiddens=num_hiddens,
-                num_heads=num_heads, arch=arch)  # fmt: skip
-    return SignalPropagation(opts, {arch: stacked})
+    opts = dict(num_seeds=num_seeds, num_blks=config.num_blks, num_hiddens=d,
+                num_heads=config.num_heads, arch=label)  # fmt: skip
+    return SignalPropagation(opts, {label: stacked})
+
+
+def signal_pretrained(path: str | Path, *, num_seeds: int = 3) -> SignalPropagation:
+    """`signal_config` on the architecture of a checkpoint folder.
+
+    The folder's `config.json` gives the `DecoderConfig`
+    (`blocklab.interop.pretrained_config`: the same mapping and refusals as
+    `blocklab.load_pretrained`; no weight is read). Each seed draws a fresh
+    initialization of that architecture: these are the init-time diagnostics
+    of the checkpoint's design, not of its trained weights. The row is named
+    after the model class (`architectures[0]`).
+    """
+    from ..interop.pretrained import pretrained_config, read_config  # a later layer
+
+    config = pretrained_config(path)
+    archs = read_config(path).get("architectures") or [type(config).__name__]
+    result = signal_config(config, str(archs[0]), num_seeds=num_seeds)
+    result.options["pretrained"] = str(path)
+    return result
 
 
 # ------------------------------------------------------------------ exercises

@@ -1,13 +1,15 @@
 """Layer 4, interoperation: Hugging Face families and the chapter's PyTorch state dicts.
 
 `huggingface` is the conversion machinery; each family is a module (`gpt2`,
-`llama`, `olmo2`, `gemma3`, `mixtral`) built on the public helpers of
+`llama`, `olmo2`, `gemma3`, `mixtral`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
+`phi3`) built on the public helpers of
 `hf_common`; `porting` maps the chapter's PyTorch state dicts; `pretrained`
 reads and writes checkpoint folders (config.json + safetensors, through
 `safetensors_io`) without torch. torch and transformers are imported lazily,
 only when a torch model is passed.
 """
 
+from .hf_common import StoredAs
 from .huggingface import (
     FAMILIES,
     HFFamily,
@@ -18,10 +20,14 @@ from .huggingface import (
     register_family,
     to_huggingface_state_dict,
 )
-from .hf_common import StoredAs
 from .mixtral import MoEDecoderConfig
 from .porting import load_state_dict, state_dict
-from .pretrained import load_pretrained, pretrained_config, save_pretrained
+from .pretrained import (
+    load_pretrained,
+    pretrained_config,
+    read_config,
+    save_pretrained,
+)
 
 __all__ = [
     "FAMILIES",
@@ -35,6 +41,7 @@ __all__ = [
     "load_pretrained",
     "load_state_dict",
     "pretrained_config",
+    "read_config",
     "register_family",
     "save_pretrained",
     "state_dict",

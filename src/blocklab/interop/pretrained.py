@@ -567,32 +567,30 @@ def _assemble(
     return _walk(skeleton, take)
 
 
+def _put(array: np.ndarray, sharding: Any) -> jax.Array:
+    if sharding is not None:
+        return jax.device_put(array, sharding)
+    return jnp.asarray(array)
+
+
 def _place(slot: _Slot, layer: int | None, piece: np.ndarray) -> None:
     """Put one converted tensor into its parameter (its layer's slot)."""
     piece = np.asarray(piece)
     if piece.dtype != slot.dtype:
         with np.errstate(over="ignore", invalid="ignore"):
             piece = piece.astype(slot.dtype)
+    # Each placement is waited for: with asynchronous dispatch the loop would
+    # run ahead and keep many host tensors alive at once.
     if layer is None:
-        slot.value = (
-            jax.device_put(piece, slot.sharding)
-            if slot.sharding is not None
-            else jnp.asarray(piece)
-        )
+        slot.value = _put(piece, slot.sharding).block_until_ready()
         return
-    if slot.value is None:
-        shape, dtype = (slot.num_layers, *slot.shape[1:]), slot.dtype
-        if slot.sharding is not None:
-            zeros = jax.jit(
-                lambda: jnp.zeros(shape, dtype), out_shardings=slot.sharding
-            )
-            slot.value = zeros()
-        else:
-            slot.value = jnp.zeros(shape, dtype)
+    shape = (slot.num_layers, *slot.shape[1:])
+    if slot.value is None:  # zeros from calloc'd host pages: nothing compiled
+        slot.value = _put(np.zeros(shape, slot.dtype), slot.sharding)
     part = _slice_sharding(slot.sharding)
-    dev_piece = jax.device_put(piece, part) if part is not None else jnp.asarray(piece)
+    dev_piece = _put(piece, part)
     del piece
-    slot.value = _put_layer(slot.value, dev_piece, np.int32(layer))
+    slot.value = _put_layer(slot.value, dev_piece, np.int32(layer)).block_until_ready()
     slot.filled += 1
 
 

@@ -7,7 +7,9 @@ import argparse
 from ..._validate import ConfigError, check_int
 from ...experiments import signal as study
 from ...experiments._render import dumps
+from ...interop.pretrained import pretrained_config
 from ...nn.block import PLACEMENTS
+from ...training.checkpoint import CheckpointError
 from . import add_num_seeds, num_seeds_of
 
 NAME = "signal"
@@ -20,7 +22,9 @@ EPILOG = (
     "with the placements named in 'nonfinite', exit status 0. Exit status 2: bad "
     "arguments (checked before any work); 1: a failure while working. --arch runs "
     "the statistics on the stack of a real architecture's preset "
-    "(blocklab.DecoderConfig) instead of the chapter's placements."
+    "(blocklab.DecoderConfig) instead of the chapter's placements; --pretrained PATH "
+    "on the architecture of a checkpoint folder (config.json, as transformers "
+    "writes it), freshly initialized per seed."
 )
 
 
@@ -38,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arch", choices=study.ARCHS, default=None,
         help="measure this architecture's stack (a DecoderConfig preset) instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pretrained", default=None, metavar="PATH",
+        help="measure the architecture of this checkpoint folder (its config.json, "
+        "freshly initialized per seed) instead",
     )  # fmt: skip
     parser.add_argument(
         "--out", default="signal-figures", metavar="DIR",
@@ -73,13 +82,35 @@ def validate(args: argparse.Namespace) -> None:
             f"{owner}: --arch measures the preset as configured; --qk-norm, --no-ffn "
             "and --alpha apply to the chapter's stack only."
         )
+    if args.pretrained is not None:
+        others = {
+            "--arch": args.arch is not None,
+            "--qk-norm": args.qk_norm,
+            "--no-ffn": args.no_ffn,
+            "--alpha": args.alpha != 1.0,
+            "--exercises": bool(args.exercises),
+            "--blocks": args.blocks != 32,
+            "--num-hiddens": args.num_hiddens != 256,
+        }
+        given = [flag for flag, on in others.items() if on]
+        if given:
+            raise ConfigError(
+                f"{owner}: --pretrained measures the checkpoint's architecture as "
+                f"configured (depth and width from its config.json); drop {given}."
+            )
+        try:  # a folder that is not a checkpoint fails here, before any work
+            pretrained_config(args.pretrained)
+        except CheckpointError as e:
+            raise ConfigError(f"{owner}: --pretrained {args.pretrained}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
     num_seeds = num_seeds_of(args, "blocklab signal", 3)
     size = dict(num_seeds=num_seeds, num_blks=args.blocks, num_hiddens=args.num_hiddens)
-    if args.arch is not None:
+    if args.pretrained is not None:
+        result = study.signal_pretrained(args.pretrained, num_seeds=num_seeds)
+    elif args.arch is not None:
         result = study.signal_arch(args.arch, num_heads=4, **size)
     else:
         result = study.signal_propagation(
@@ -87,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
             ffn=not args.no_ffn, **size,
         )  # fmt: skip
     result.figures(args.out)
-    plain = args.arch is None and not (args.qk_norm or args.no_ffn or args.alpha != 1)
+    plain = (
+        args.arch is None
+        and args.pretrained is None
+        and not (args.qk_norm or args.no_ffn or args.alpha != 1)
+    )
     pre = result.stats.get("pre") if plain else None
     exercises = study.run_exercises(args.exercises, num_heads=4, pre=pre, **size)
     if args.json:
@@ -95,6 +130,16 @@ def run(args: argparse.Namespace) -> int:
         if exercises:
             out["exercises"] = {n: ex.to_json() for n, ex in exercises.items()}
         print(dumps(out))
+        return 0
+    if args.pretrained is not None:
+        o = result.options
+        print(
+            f"{args.pretrained}: {o['arch']}, {o['num_blks']} blocks, "
+            f"d={o['num_hiddens']}, {o['num_heads']} heads, freshly initialized; "
+            f"mean [min, max] over {num_seeds} seed(s)"
+        )
+        print(result.table())
+        print(f"\nfigures in {args.out}/")
         return 0
     print(
         f"{args.blocks} blocks, d={args.num_hiddens}, 4 heads"
