@@ -235,4 +235,7 @@ def run_chunk(fixed: tuple, state: TrainState, keys: Any) -> tuple[TrainState, A
         return jax.lax.with_sharding_constraint(new, dyn_shard), out
 
     dynamic, outs = jax.lax.scan(body, dynamic, keys)
+    # and on the way out (a constraint in the loop body alone may be
+    # overridden by propagation for the loop's result)
+    dynamic = jax.lax.with_sharding_constraint(dynamic, dyn_shard)
     return eqx.combine(dynamic, static), outs
