@@ -144,6 +144,14 @@ def test_exported_state_dict_gives_blocklabs_logits_in_transformers(family):
             "mixtral",
             r"routing='softmax_topk' \(mixtral: 'mixtral'\)",
         ),
+        # muP away from its base width multiplies the logits by d0/d
+        (
+            DecoderConfig.llama(
+                V, D, H, 2, parametrization="mup", base_width=16, attn_scale=0.25
+            ),
+            "llama",
+            r"readout multiplier \(muP d0/d\)=0.5",
+        ),
     ],
     ids=[
         "llama-window",
@@ -155,6 +163,7 @@ def test_exported_state_dict_gives_blocklabs_logits_in_transformers(family):
         "olmo2-head_dim",
         "gpt2-no-bias",
         "mixtral-routing",
+        "mup-readout",
     ],  # fmt: skip
 )
 def test_export_refuses_what_the_family_cannot_express(cfg, family, named):

@@ -338,6 +338,7 @@ def forward_settings(cfg: DecoderConfig) -> dict[str, Any]:
     out["attn_out_bias"] = cfg.block.attn_out_bias
     out["final_softcap"] = cfg.final_softcap
     out["attn_softcap"] = cfg.attn_softcap
+    out["readout multiplier (muP d0/d)"] = cfg.readout_multiplier
     for f in dataclasses.fields(cfg):
         if f.name not in _BASE_FIELDS and f.name not in IMPLEMENTATION_FIELDS:
             out[f.name] = getattr(cfg, f.name)
