@@ -572,3 +572,28 @@ def test_old_obscure_errors_name_the_argument_and_the_fix():
 
     with pytest.raises(ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"):
         inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")
+
+
+# -- item 3: conversion reads the model; an edited config is refused ---------
+
+
+def test_conversion_refuses_a_config_edited_after_the_model_and_meta_weights():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = np.arange(8) % 64
+    want = model(torch.tensor(ids)[None]).logits[0].detach().numpy()
+    np.testing.assert_allclose(bl.from_huggingface(model)(jnp.asarray(ids)), want,
+                               atol=1e-5)  # fmt: skip
+    model.config.hidden_act = "gelu"  # the torch MLP keeps its SiLU
+    with pytest.raises(ConfigError, match=r"hidden_act='gelu' but .* SiLUActivation"):
+        bl.from_huggingface(model)
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(cfg).eval()
+    with pytest.raises(ConfigError, match="meta device"):
+        bl.from_huggingface(empty)

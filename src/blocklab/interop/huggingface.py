@@ -249,6 +249,57 @@ def _skeleton(cfg: DecoderConfig) -> DecoderLM:
     return eqx.filter_eval_shape(DecoderLM, cfg, key=jax.random.key(0))
 
 
+#: Config fields that name the MLP activation, per family.
+_ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _check_model_matches_config(cls: str, hf_model: Any, hf_config: Any) -> None:
+    """Conversion reads the config, so the config must describe the model.
+
+    Refuses weights on the meta device (not loaded), and an activation field
+    edited after the model was built: `transformers` fixes each MLP's
+    activation module at construction (`ACT2FN[config.hidden_act]`), so a
+    later edit changes the config but not the torch model.
+    """
+    params = getattr(hf_model, "parameters", None)
+    if callable(params):
+        for p in params():
+            if getattr(getattr(p, "device", None), "type", None) == "meta":
+                raise ConfigError(
+                    f"from_huggingface: the {cls}'s weights are on the meta device "
+                    "(created without data, e.g. under init_empty_weights or "
+                    "device_map='meta'); load the weights first (from_pretrained, "
+                    "or to_empty() and load_state_dict)."
+                )
+            break
+    try:
+        from transformers.activations import ACT2FN
+    except ImportError:  # pragma: no cover - a torch model implies transformers
+        return
+    modules = getattr(hf_model, "modules", None)
+    if not callable(modules):
+        return
+    for field in _ACT_FIELDS:
+        name = get_field(hf_config, field)
+        if not isinstance(name, str) or name not in ACT2FN:
+            continue
+        want = type(ACT2FN[name])
+        for m in modules():
+            for attr in ("act_fn", "act"):
+                got = getattr(m, attr, None)
+                if got is not None and type(got).__module__.startswith(
+                    ("transformers", "torch")
+                ) and type(got) is not want:
+                    raise ConfigError(
+                        f"from_huggingface: config.{field}={name!r} but the {cls}'s "
+                        f"MLP computes {type(got).__name__} (the config was edited "
+                        "after the model was built); conversion follows the config, "
+                        "so it would not equal the torch model. Restore the field, "
+                        "or rebuild the model from the edited config."
+                    )
+        return
+
+
 def from_huggingface(hf_model: Any) -> DecoderLM:
     """Convert a `transformers` PyTorch causal LM into a `DecoderLM`.
 
@@ -282,6 +333,7 @@ def from_huggingface(hf_model: Any) -> DecoderLM:
                     "the model is in training mode, so dropout is active; call "
                     "hf_model.eval() first",
                 )
+    _check_model_matches_config(cls, hf_model, hf_config)
     cfg = fam.to_config(hf_config)
     sd = hf_model.state_dict()
     if cfg.tie_embeddings:
