@@ -20,15 +20,19 @@ from blocklab.training.sharded_checkpoint import (
     save_sharded,
     sharded_metadata,
 )
-from blocklab.training.train import train_model
+from blocklab.training.train import init_state, train_model
 
 CFG = DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2,
                           num_kv_heads=2, ffn_width=64, max_len=16)  # fmt: skip
 
 
+#: One optimizer object: the runs below share one compiled chunk.
+OPT = optax.adam(3e-3)
+
+
 def _train(model, n, **kw):
     data = TimeMachine(seq_len=16, num_train=1000, num_val=0)
-    return train_model(model, data, optax.adam(3e-3), n, key=jax.random.key(1),
+    return train_model(model, data, OPT, n, key=jax.random.key(1),
                        batch_size=4, steps_per_call=5, progress=False, **kw)  # fmt: skip
 
 
@@ -42,7 +46,7 @@ def test_save_restore_and_resume_continue_exactly(tmp_path):
     assert meta["step"] == 5 and meta["data_position"] == {"epoch": 0}
     assert meta["config"] == DecoderLM(CFG, key=jax.random.key(0)).config()
     shape = eqx.filter_eval_shape(lambda k: DecoderLM(CFG, key=k), jax.random.key(0))
-    back = restore_sharded(saved.path, shape, optax.adam(3e-3), mesh=mesh)
+    back = restore_sharded(saved.path, shape, OPT, mesh=mesh)
     for a, b in zip(jax.tree_util.tree_leaves(half.state),
                     jax.tree_util.tree_leaves(back), strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -56,13 +60,13 @@ def test_save_restore_and_resume_continue_exactly(tmp_path):
 def test_restoring_onto_another_config_is_refused(tmp_path):
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
     model = DecoderLM(CFG, key=jax.random.key(0))
-    state = _train(model, 1, mesh=mesh).state
+    state = init_state(model, OPT)  # nothing compiled: the refusals come first
     path = save_sharded(tmp_path / "ck", state).path
     other = DecoderLM(DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4,
                                           num_blks=3, num_kv_heads=2, ffn_width=64,
                                           max_len=16), key=jax.random.key(0))  # fmt: skip
     with pytest.raises(ConfigError, match=r"config\.num_blks \(saved 2, target 3\).*mesh"):
-        restore_sharded(path, other, optax.adam(3e-3), mesh=mesh)
+        restore_sharded(path, other, OPT, mesh=mesh)
     with pytest.raises(ConfigError, match=r"leaf .*mu.*does not hold|lacks"):
         restore_sharded(path, model, optax.sgd(1e-3), mesh=mesh)
     with pytest.raises(CheckpointError, match="not a sharded checkpoint"):
