@@ -590,8 +590,10 @@ def test_conversion_refuses_a_config_edited_after_the_model_and_meta_weights():
     want = model(torch.tensor(ids)[None]).logits[0].detach().numpy()
     np.testing.assert_allclose(bl.from_huggingface(model)(jnp.asarray(ids)), want,
                                atol=1e-5)  # fmt: skip
-    model.config.hidden_act = "gelu"  # the torch MLP keeps its SiLU
-    with pytest.raises(ConfigError, match=r"hidden_act='gelu' but .* SiLUActivation"):
+    # ReLU is a supported activation (ReGLU): without the check the edited
+    # config converts silently to a ReGLU model; the torch MLP keeps its SiLU.
+    model.config.hidden_act = "relu"
+    with pytest.raises(ConfigError, match=r"hidden_act='relu' but .* SiLUActivation"):
         bl.from_huggingface(model)
     with torch.device("meta"):
         empty = transformers.LlamaForCausalLM(cfg).eval()
