@@ -135,8 +135,15 @@ def llama_mfu(steps: int, repeats: int, tiny: bool = False) -> dict:
     V, d, L, H, KV, F, B, T = 32000, 2048, 22, 32, 4, 5632, 8, 2048
     if tiny:  # a smoke test of this code on a CPU
         V, d, L, H, KV, F, B, T = 256, 64, 2, 4, 2, 128, 2, 32
-    cfg = DecoderConfig.llama(vocab_size=V, num_hiddens=d, num_heads=H,
-                              num_kv_heads=KV, num_blks=L, ffn_width=F, max_len=T)
+    cfg = DecoderConfig.llama(
+        vocab_size=V,
+        num_hiddens=d,
+        num_heads=H,
+        num_kv_heads=KV,
+        num_blks=L,
+        ffn_width=F,
+        max_len=T,
+    )
     model = DecoderLM(cfg, key=jax.random.key(0))
     n = sum(x.size for x in jax.tree_util.tree_leaves(model)
             if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))  # fmt: skip
@@ -165,7 +172,11 @@ def main() -> None:
     p.add_argument("--tiny-mfu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     platform = jax.devices()[0].platform
-    if platform == "cpu" and jax.device_count() < 8 and not (args.child or args.tiny_mfu):
+    if (
+        platform == "cpu"
+        and jax.device_count() < 8
+        and not (args.child or args.tiny_mfu)
+    ):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS":
                "--xla_force_host_platform_device_count=8"}  # fmt: skip
         cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]]
@@ -176,9 +187,12 @@ def main() -> None:
         print("| layout | step (ms) | ratio |\n|---|---|---|")
         print(f"| 1 device | {1e3 * f['one_device_step_s']:.1f} | 1.00 |")
         print(f"| fsdp, 8 {'simulated ' if f['simulated'] else ''}devices | "
-              f"{1e3 * f['fsdp8_step_s']:.1f} | {f['fsdp8_over_one']:.2f} |")  # fmt: skip
-        print(f"(d={f['d']}, {f['layers']} layers, batch {f['batch']} x "
-              f"{f['seq_len']}; losses agree to {f['max_rel_loss_diff']:.1e} relative)")
+              f"{1e3 * f['fsdp8_step_s']:.1f} | "
+              f"{f['fsdp8_over_one']:.2f} |")  # fmt: skip
+        print(
+            f"(d={f['d']}, {f['layers']} layers, batch {f['batch']} x "
+            f"{f['seq_len']}; losses agree to {f['max_rel_loss_diff']:.1e} relative)"
+        )
     if platform == "gpu" or args.tiny_mfu:
         out["mfu"] = m = llama_mfu(args.steps, args.repeats, tiny=args.tiny_mfu)
         mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"

@@ -94,7 +94,9 @@ def _close(a, b, rtol=1e-5):
 
 
 def test_fsdp_on_8_devices_equals_one_device_at_an_eighth_of_the_bytes():
-    res = _run([["llama", "none", None, "float32"], ["llama", "data=8", "fsdp", "float32"]])
+    res = _run(
+        [["llama", "none", None, "float32"], ["llama", "data=8", "fsdp", "float32"]]
+    )
     one = res["llama/none/None/float32"]
     fsdp = res["llama/data=8/fsdp/float32"]
     assert fsdp["devices"] == 8
@@ -122,15 +124,21 @@ def test_tp_fsdp_tp_ep_and_bf16_equal_one_device():
     ]
     res = _run(jobs)
     one = res["llama/none/None/float32"]
-    for key in ["llama/data=2,model=4/tp/float32", "llama/data=4,model=2/fsdp+tp/float32"]:
+    for key in [
+        "llama/data=2,model=4/tp/float32",
+        "llama/data=4,model=2/fsdp+tp/float32",
+    ]:
         _close(res[key]["losses"], one["losses"])
     # bf16 rounds the products: equal to the bf16 run on one device, to bf16's
     # precision, and near the float32 run
-    _close(res["llama/data=8/fsdp/bf16"]["losses"], res["llama/none/None/bf16"]["losses"],
-           rtol=2e-2)  # fmt: skip
+    bf16 = res["llama/none/None/bf16"]["losses"]
+    _close(res["llama/data=8/fsdp/bf16"]["losses"], bf16, rtol=2e-2)
     _close(res["llama/none/None/bf16"]["losses"], one["losses"], rtol=5e-2)
     moe = res["moe/none/None/float32"]
-    for key in ["moe/data=2,expert=4/ep/float32", "moe/data=2,expert=4/fsdp+ep/float32"]:
+    for key in [
+        "moe/data=2,expert=4/ep/float32",
+        "moe/data=2,expert=4/fsdp+ep/float32",
+    ]:
         _close(res[key]["losses"], moe["losses"])
         assert res[key]["per_device"] < moe["per_device"]
 

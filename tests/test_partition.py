@@ -98,7 +98,10 @@ def test_every_leaf_has_names_of_its_rank(family):
     for path, leaf in arrays:
         for n, size in zip(names[path], leaf.shape, strict=True):
             if n is not None:
-                assert sizes.setdefault(n, size) == size, (n, jax.tree_util.keystr(path))
+                assert sizes.setdefault(n, size) == size, (
+                    n,
+                    jax.tree_util.keystr(path),
+                )
 
 
 def test_moe_experts_carry_the_expert_axis():
@@ -122,7 +125,9 @@ def test_qk_norm_axes_follow_the_norm_kind():
 
 
 def test_a_stacked_sweep_needs_the_member_prefix():
-    model = _shape(lambda k: eqx.filter_vmap(FAMILIES["charlm"])(jax.random.split(k, 3)))
+    model = _shape(
+        lambda k: eqx.filter_vmap(FAMILIES["charlm"])(jax.random.split(k, 3))
+    )
     with pytest.raises(ConfigError, match="members"):
         logical_axes(model)
     axes = _by_path(logical_axes(model, prefix=("members",)))
@@ -179,7 +184,9 @@ def test_tp_is_megatron_columns_and_rows():
     sh = param_shardings(model, mesh, "tp")
     att, ffn = sh.stack.blocks.attention, sh.stack.blocks.ffn
     column, row = PartitionSpec(None, "model"), PartitionSpec(None, None, "model")
-    assert [att.W_q.weight.spec, att.W_k.weight.spec, att.W_v.weight.spec] == [column] * 3
+    assert [att.W_q.weight.spec, att.W_k.weight.spec, att.W_v.weight.spec] == [
+        column
+    ] * 3
     assert [ffn.W_1.weight.spec, ffn.W_g.weight.spec] == [column] * 2
     assert [att.W_o.weight.spec, ffn.W_2.weight.spec] == [row] * 2
     assert sh.token_emb.weight.spec == PartitionSpec("model")
@@ -204,7 +211,9 @@ def test_refusals_name_the_axis_the_leaf_and_the_mesh():
     cfg = DecoderConfig.llama(num_hiddens=64, num_heads=4, num_kv_heads=2, num_blks=2)
     model = _shape(lambda k: DecoderLM(cfg, key=k))
     mesh = AbstractMesh((2, 4), ("data", "model"))
-    with pytest.raises(ConfigError, match=r"'embed'.*'fsdp'.*\{'data': 2, 'model': 4\}"):
+    with pytest.raises(
+        ConfigError, match=r"'embed'.*'fsdp'.*\{'data': 2, 'model': 4\}"
+    ):
         param_shardings(model, mesh, {"embed": "fsdp"})
     # the vocabulary (128 rows) does not split over 3 devices
     with pytest.raises(ConfigError) as err:
@@ -239,7 +248,9 @@ class _Scale(eqx.Module):
 
 
 def test_the_block_constraint_is_an_identity_and_free_when_off():
-    stack = Stack(lambda k: _Scale(jax.random.normal(k, (8,))), 3, key=jax.random.key(0))
+    stack = Stack(
+        lambda k: _Scale(jax.random.normal(k, (8,))), 3, key=jax.random.key(0)
+    )
     x = jax.random.normal(jax.random.key(1), (2, 5, 8))
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
     on = stack.with_constraint(ActivationConstraint(mesh, ("data",)))

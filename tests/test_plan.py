@@ -49,7 +49,9 @@ def test_a_json_config_file_and_refusals(tmp_path):
     assert config_of(str(path)).num_hiddens == 48
     with pytest.raises(ConfigError, match="preset"):
         config_of("llama-9000")
-    with pytest.raises(ConfigError, match=r"W_q\.weight.*'heads'.*\{'data': 1, 'model': 3\}"):
+    with pytest.raises(
+        ConfigError, match=r"W_q\.weight.*'heads'.*\{'data': 1, 'model': 3\}"
+    ):
         plan("llama3-8b", "data=1,model=3", rules="tp")
 
 

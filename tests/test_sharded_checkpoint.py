@@ -32,8 +32,8 @@ OPT = optax.adam(3e-3)
 
 def _train(model, n, **kw):
     data = TimeMachine(seq_len=16, num_train=1000, num_val=0)
-    return train_model(model, data, OPT, n, key=jax.random.key(1),
-                       batch_size=4, steps_per_call=5, progress=False, **kw)  # fmt: skip
+    kw = dict(batch_size=4, steps_per_call=5, progress=False, **kw)
+    return train_model(model, data, OPT, n, key=jax.random.key(1), **kw)
 
 
 def test_save_restore_and_resume_continue_exactly(tmp_path):
@@ -62,10 +62,11 @@ def test_restoring_onto_another_config_is_refused(tmp_path):
     model = DecoderLM(CFG, key=jax.random.key(0))
     state = init_state(model, OPT)  # nothing compiled: the refusals come first
     path = save_sharded(tmp_path / "ck", state).path
-    other = DecoderLM(DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4,
-                                          num_blks=3, num_kv_heads=2, ffn_width=64,
-                                          max_len=16), key=jax.random.key(0))  # fmt: skip
-    with pytest.raises(ConfigError, match=r"config\.num_blks \(saved 2, target 3\).*mesh"):
+    deeper = dict(CFG.to_dict(), num_blks=3)
+    other = DecoderLM(DecoderConfig(**deeper), key=jax.random.key(0))
+    with pytest.raises(
+        ConfigError, match=r"config\.num_blks \(saved 2, target 3\).*mesh"
+    ):
         restore_sharded(path, other, OPT, mesh=mesh)
     with pytest.raises(ConfigError, match=r"leaf .*mu.*does not hold|lacks"):
         restore_sharded(path, model, optax.sgd(1e-3), mesh=mesh)
@@ -103,7 +104,8 @@ SCRIPT = textwrap.dedent(
                "sum": [float(np.sum(np.asarray(a, np.float64)))
                        for a in jax.tree_util.tree_leaves(half.state)]}
     else:
-        shape = eqx.filter_eval_shape(lambda k: DecoderLM(cfg, key=k), jax.random.key(0))
+        key = jax.random.key(0)
+        shape = eqx.filter_eval_shape(lambda k: DecoderLM(cfg, key=k), key)
         state = restore_sharded(path, shape, optax.adam(3e-3), mesh=mesh, rules=rules)
         w = state.opt_state[0].mu.stack.blocks.attention.W_q.weight
         sums = [float(np.sum(np.asarray(a, np.float64)))

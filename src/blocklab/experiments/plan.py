@@ -255,16 +255,22 @@ def _compiled_in_child(cfg, shape, rules, batch, seq_len, precision, timeout):
         f"--xla_force_host_platform_device_count={n}".strip(),
         "JAX_PLATFORMS": "cpu",
     }
-    code = "import sys; from blocklab.experiments.plan import _child; _child(sys.argv[1])"
+    code = (
+        "import sys; from blocklab.experiments.plan import _child; _child(sys.argv[1])"
+    )
     try:
         out = subprocess.run(
             [sys.executable, "-c", code, payload], env=env, capture_output=True,
             text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"plan: compiling for {n} devices took over {timeout} s") from err
+        raise RuntimeError(
+            f"plan: compiling for {n} devices took over {timeout} s"
+        ) from err
     if out.returncode != 0:
-        raise RuntimeError(f"plan: the compile for {n} devices failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"plan: the compile for {n} devices failed:\n{out.stderr[-3000:]}"
+        )
     res = json.loads(out.stdout.strip().splitlines()[-1])
     return res["temp"], res["args"]
 

@@ -140,16 +140,18 @@ class ShardedSource(eqx.Module):
     def batch(self, key: Any) -> Any:
         batch = _draw(self.source, key)
         return jax.tree_util.tree_map(
-            lambda a: jax.lax.with_sharding_constraint(a, self.sharding)
-            if a.ndim >= 1
-            else a,
+            lambda a: (
+                jax.lax.with_sharding_constraint(a, self.sharding) if a.ndim >= 1 else a
+            ),
             batch,
         )
 
 
 def _batch_sharding(mesh: Mesh, resolved: dict) -> NamedSharding:
     axes = tuple(resolved.get("batch", ()))
-    spec = PartitionSpec(axes[0] if len(axes) == 1 else axes) if axes else PartitionSpec()
+    spec = (
+        PartitionSpec(axes[0] if len(axes) == 1 else axes) if axes else PartitionSpec()
+    )
     return NamedSharding(mesh, spec)
 
 
@@ -198,7 +200,9 @@ def sharded_state(
     shape = eqx.filter_eval_shape(init_state, model, optimizer)
     shardings = state_shardings(shape, optimizer, mesh, rules)
     placed = place_state(_state_like(model, None, None, None), shardings).model
-    dyn_shard = eqx.filter(shardings, lambda s: s is not None, is_leaf=lambda x: x is None)
+    dyn_shard = eqx.filter(
+        shardings, lambda s: s is not None, is_leaf=lambda x: x is None
+    )
 
     @eqx.filter_jit
     def build(m):

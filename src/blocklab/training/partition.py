@@ -496,7 +496,9 @@ def abstract_shard(model: Any, mesh: Any, rules: str | Rules = "fsdp") -> Any:
     )
 
 
-def mesh_of(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+def mesh_of(
+    spec: str | Mapping[str, int], devices: Sequence[Any] | None = None
+) -> Mesh:
     """A mesh from `"data=8,model=4"` (or `{"data": 8, "model": 4}`) over `devices`.
 
     Raises:
@@ -532,7 +534,11 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
         raise ConfigError(f"mesh: must be 'data=8,model=4' or a dict, got {spec!r}.")
     out = {}
     for name, size in items:
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        if (
+            not isinstance(size, (int, np.integer))
+            or isinstance(size, bool)
+            or size < 1
+        ):
             raise ConfigError(f"mesh: axis {name!r} needs a size >= 1, got {size!r}.")
         if name in out:
             raise ConfigError(f"mesh: axis {name!r} is given twice in {spec!r}.")

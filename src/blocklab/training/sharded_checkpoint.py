@@ -51,7 +51,12 @@ import numpy as np
 from .._validate import ConfigError
 from .checkpoint import CheckpointError
 from .mesh import place_state, state_shardings
-from .partition import ActivationConstraint, _check_mesh, _with_constraints, resolve_rules
+from .partition import (
+    ActivationConstraint,
+    _check_mesh,
+    _with_constraints,
+    resolve_rules,
+)
 from .train import TrainState, init_state
 
 __all__ = ["SavedCheckpoint", "restore_sharded", "save_sharded", "sharded_metadata"]
@@ -273,8 +278,9 @@ def restore_sharded(
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise ConfigError(
             f"{owner}: the checkpoint's model config differs from the target's in "
-            + ", ".join(f"{k} (saved {old.get(k)!r}, target {new.get(k)!r})"
-                        for k in diff)  # fmt: skip
+            + ", ".join(
+                f"{k} (saved {old.get(k)!r}, target {new.get(k)!r})" for k in diff
+            )  # fmt: skip
             + f"; restoring onto {desc}. Build the model from the saved config "
             "(sharded_metadata(path)['config'])."
         )

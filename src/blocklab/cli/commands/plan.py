@@ -48,8 +48,13 @@ def validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     results = [
         study.plan(
-            args.config, mesh, rules=args.rules, batch=args.batch,
-            seq_len=args.seq_len, precision=args.precision, compile=args.compile,
+            args.config,
+            mesh,
+            rules=args.rules,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            precision=args.precision,
+            compile=args.compile,
         )  # fmt: skip
         for mesh in args.mesh
     ]
