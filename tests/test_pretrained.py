@@ -129,7 +129,18 @@ def _registered(family):
         pytest.skip(f"family {family} is not registered in this tree")
 
 
-@pytest.mark.parametrize("family", sorted(HF_CASES))
+#: Llama-shaped families whose differences the other cases already exercise
+#: (suite time): slow.
+SLOW_FAMILIES = ("olmo2", "phi3", "qwen2")
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f
+        for f in sorted(HF_CASES)
+    ],
+)
 def test_folder_in_and_out_matches_transformers(family, tmp_path):
     """transformers' folder -> load_pretrained == from_huggingface (bit for
     bit) and transformers' logits; our folder (sharded) -> transformers'
@@ -574,6 +585,7 @@ def test_peak_memory_streams(tmp_path):
 # blocklab signal --pretrained ------------------------------------------------
 
 
+@pytest.mark.slow  # one compiled signal sweep (about 15 s of CPU)
 def test_cli_signal_runs_on_a_checkpoints_architecture(tmp_path):
     """The JSON statistics are those of `signal_stats` on a fresh stack of the
     folder's architecture, drawn by the documented key contract (model, input,
@@ -605,3 +617,22 @@ def test_cli_signal_runs_on_a_checkpoints_architecture(tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["signal", "--pretrained", str(tmp_path / "x"), "--json"]) == 2
         assert main(["signal", "--pretrained", str(folder), "--alpha", "2"]) == 2
+
+
+def test_cli_signal_pretrained_refusals_exit_2_before_work(tmp_path, folder):
+    import contextlib
+    import io
+
+    from blocklab.cli import main
+
+    (tmp_path / "empty").mkdir()
+    for argv in (
+        ["--pretrained", str(tmp_path / "nowhere")],
+        ["--pretrained", str(tmp_path / "empty")],  # no config.json
+        ["--pretrained", str(folder), "--alpha", "2"],
+        ["--pretrained", str(folder), "--arch", "llama"],
+    ):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["signal", *argv, "--json"]) == 2, argv
+        assert json.loads(buf.getvalue())["type"] == "ConfigError"
