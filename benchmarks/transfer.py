@@ -99,8 +99,10 @@ def main(argv=None) -> dict:
         "batch_size": args.batch_size, "seq_len": args.seq_len,
         "sweep_s": times["sweep"], "sequential_s": times["sequential"],
         "speedup": times["sequential"] / times["sweep"],
-        "max_final_loss_diff": float(np.max(np.abs(finals["sweep"] - finals["sequential"])[both]))
-        if both.any() else None,
+        "max_final_loss_diff": (
+            float(np.max(np.abs(finals["sweep"] - finals["sequential"])[both]))
+            if both.any() else None
+        ),
     }  # fmt: skip
     print(
         f"transfer width d={args.width}, {result['members']} runs x {steps} steps on "

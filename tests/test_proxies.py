@@ -20,7 +20,7 @@ P = proxies.ProxiesProtocol("t", (16, 32), (1, 2), (1e-3, 1e-2, 1e-1), 10)
 def _result(sens, attn, opt):
     """A result whose LRS, max attention logits and optimum index are given."""
     val, init, a, o = {}, {}, {}, {}
-    for k, s in sens.items():
+    for k in sens:
         v = np.full(3, 3.0)
         v[opt.get(k, 1)] = 2.0
         val[k], init[k] = v, 3.0

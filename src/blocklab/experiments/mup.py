@@ -371,7 +371,8 @@ class TransferResult:
             return [clean(x) for x in a]
 
         return {
-            "widths": list(self.widths), "lrs": list(self.lrs), "seeds": list(self.seeds),
+            "widths": list(self.widths), "lrs": list(self.lrs),
+            "seeds": list(self.seeds),
             "steps": self.steps, "base_width": self.base_width,
             "val_loss": {p: clean(v) for p, v in self.val_loss.items()},
             "optimal_lr": {p: self.optimal_lrs(p) for p in self.val_loss},
@@ -450,7 +451,8 @@ def run_transfer(
         out = np.full((len(widths), len(lrs), len(seeds)), np.nan)
         for i, w in enumerate(widths):
             make = functools.partial(
-                decoder_factory(p, base, vocab_size=data.vocab_size, num_heads=num_heads,
+                decoder_factory(p, base, vocab_size=data.vocab_size,
+                                num_heads=num_heads,
                                 num_blks=num_blks, max_len=seq_len),
                 w,
             )  # fmt: skip
@@ -459,8 +461,9 @@ def run_transfer(
                 warmup_steps=float(warmup_steps),
             )  # fmt: skip
             res = train_sweep(
-                make, data, steps, model_keys=grid["seed"], data_keys=grid["seed"] + 1000,
-                learning_rates=grid["learning_rate"], optimizer=opt, batch_size=batch_size,
+                make, data, steps, model_keys=grid["seed"],
+                data_keys=grid["seed"] + 1000, learning_rates=grid["learning_rate"],
+                optimizer=opt, batch_size=batch_size,
                 steps_per_call=min(steps, 50), progress=progress,
             )  # fmt: skip
             vl = np.where(res.diverged_at > 0, np.nan, res.val_loss)

@@ -256,7 +256,7 @@ class ProxiesResult:
         return markdown_table(header, rows)
 
     def logit_table(self) -> str:
-        """Largest |attention| / |output| logit over training and rates, widest model."""
+        """Largest |attention| / |output| logit over training and rates (widest)."""
         w, n = self._w()[-1]
         rows = [
             [v, f"{np.nanmax(self.max_attn_logit[(v, w, n)]):.1f}",
