@@ -26,7 +26,10 @@ validation are those of `train_model`: both run
 
 **Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
 and padded to a multiple of the device count (`blocklab.training.sharding`). Members
-never communicate, so XLA inserts no collectives in the step.
+never communicate, so XLA inserts no collectives in the step. On a mesh with
+more axes than `members` (e.g. `members=2,data=4`), each member is also
+split over the other axes by `rules` (`blocklab.training.partition`, default
+`"fsdp"`): K sharded models as one program.
 
 **Many processes.** After `blocklab.training.distributed.initialize()`, the mesh spans
 every device of every process; every process runs the same `train_sweep`
