@@ -424,7 +424,7 @@ def test_cache_api_refuses_what_does_not_fit(small):
     with pytest.raises(
         ConfigError, match=r"DecoderLM.init_cache: batch_shape must be a tuple"
     ):
-        small.init_cache("B")
+        small.init_cache((2, 0))
 
 
 # ------------------------------------------------------- transformers parity
