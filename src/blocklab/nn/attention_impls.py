@@ -165,6 +165,18 @@ def _logits(cfg: _Cfg, qb, kb, stat):
     return cfg.softcap * t, t
 
 
+#: Skip the blocks in which no query sees a key (`lax.cond`); `False` computes
+#: every block (the masked entries then contribute exactly zero).
+SKIP_BLOCKS = True
+
+
+def _maybe(pred, go, carry):
+    """`go(carry)` where `pred` (a block with a visible key), else `carry`."""
+    if not SKIP_BLOCKS:
+        return go(carry)
+    return jax.lax.cond(pred, go, lambda c: c, carry)
+
+
 def _pad(x, axis, n, value=0):
     extra = n - x.shape[axis]
     if extra == 0:
@@ -219,7 +231,7 @@ def _forward_block(cfg, rule, k, v, qb, qi, lens, qseg, stat):
             )
             return m_new, z, acc
 
-        return jax.lax.cond(jnp.any(vis), go, lambda c: c, carry), None
+        return _maybe(jnp.any(vis), go, carry), None
 
     (m, z, acc), _ = jax.lax.scan(body, init, jnp.arange(nk))
     safe = jnp.where(z > 0, z, 1.0)
@@ -245,6 +257,11 @@ def _chunked_fwd(cfg, q, k, v, rule, has_vis):
     qs = jnp.moveaxis(q.reshape(B, KV, G, nq, cfg.bq, p), 3, 0)
     qi, lens, qseg = _rule_slices(rule, nq, cfg.bq)
 
+    # Checkpointed: where a transformation differentiates this primal code
+    # instead of using the custom backward (seen under jax.grad of a scanned
+    # Stack), each query block's forward is recomputed rather than its (bq, Tk)
+    # weights saved for every block, so memory stays O(T * block).
+    @jax.checkpoint
     def one(args):
         qb, qi_b, lens_b, qseg_b = args
         return _forward_block(cfg, rule, k, v, qb, qi_b, lens_b, qseg_b, stat)
@@ -307,7 +324,7 @@ def _chunked_bwd(cfg, res, dout):
 
                 return dq_b, add(dk, dk_j), add(dv, dv_j)
 
-            return jax.lax.cond(jnp.any(vis), go, lambda c: c, c), None
+            return _maybe(jnp.any(vis), go, c), None
 
         dq0 = jnp.zeros(qb.shape, stat)
         (dq_b, dk, dv), _ = jax.lax.scan(k_body, (dq0, dk, dv), jnp.arange(nk))
@@ -385,7 +402,9 @@ def chunked_attention(
     bq = min(block_q or BLOCK_SIZE, Tq)
     bk = min(block_k or BLOCK_SIZE, Tk)
     Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
-    has_vis, sees_bad = _visible_stats(rule, Tq, Tk, k_bad, bk)
+    # checkpointed for the same reason as the query blocks in `_chunked_fwd`
+    stats = jax.checkpoint(_visible_stats, static_argnums=(1, 2, 4))
+    has_vis, sees_bad = stats(rule, Tq, Tk, k_bad, bk)
     cfg = _Cfg(
         bq, bk, Tk, float(scale), divide, softcap,
         rule.window is not None, rule.lens is not None, rule.q_seg is not None,
