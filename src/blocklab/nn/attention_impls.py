@@ -67,9 +67,7 @@ def check_impl(owner: str, impl) -> str:
     return check_choice(owner, "attention_impl", impl, ATTENTION_IMPLS)
 
 
-def resolve_impl(
-    impl: str, *, num_keys: int, dtype, softcap, dropout_on: bool
-) -> str:
+def resolve_impl(impl: str, *, num_keys: int, dtype, softcap, dropout_on: bool) -> str:
     r"""The implementation `"auto"` stands for (others are returned as they are).
 
     The rule, for a call with `num_keys` keys:

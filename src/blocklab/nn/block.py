@@ -105,6 +105,7 @@ class TransformerBlock(eqx.Module):
         window: int | None = None,
         attn_bias: bool | None = None,
         ffn_bias: bool | None = None,
+        attn_out_bias: bool | None = None,
         attn_softcap: float | None = None,
         attention_impl: str = "auto",
         attn_factory: Callable[..., Any] | None = None,
@@ -143,6 +144,8 @@ class TransformerBlock(eqx.Module):
         attn_scale: the attention logit multiplier (default $1/\\sqrt p$).
         attn_bias, ffn_bias: biases of the attention / FFN projections
             (`None`: `bias`).
+        attn_out_bias: a bias on the output projection $W_o$ (`None`:
+            `attn_bias`).
         attn_softcap: soft-cap $c$ of the attention logits, $c \\tanh(s/c)$.
         attention_impl: `"auto"`, `"reference"`, `"fused"` or `"chunked"`
             (see `MultiHeadAttention`).
@@ -159,7 +162,7 @@ class TransformerBlock(eqx.Module):
             qk_norm=qk_norm, norm_eps=norm_eps, num_kv_heads=num_kv_heads,
             head_dim=head_dim, ffn_width=ffn_width, attn_scale=attn_scale,
             rope_theta=rope_theta, window=window, attn_bias=attn_bias,
-            ffn_bias=ffn_bias, attn_softcap=attn_softcap,
+            ffn_bias=ffn_bias, attn_out_bias=attn_out_bias, attn_softcap=attn_softcap,
             attention_impl=attention_impl,
         )  # fmt: skip
         if isinstance(num_hiddens, BlockConfig):
