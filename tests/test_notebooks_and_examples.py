@@ -29,9 +29,11 @@ def test_example_runs(path, tmp_path):
 @pytest.mark.parametrize(
     "path",
     [
-        # the longest notebook; tests/test_signal.py covers its numbers at smaller size
+        # the longest notebooks (03: tests/test_signal.py covers its numbers at
+        # smaller size; 06: 150 s even tiny, tests/test_mup.py and
+        # tests/test_proxies.py cover its functions)
         pytest.param(p, marks=pytest.mark.slow)
-        if p.name == "03_signal_propagation.ipynb"
+        if p.name in ("03_signal_propagation.ipynb", "06_mup_and_proxies.ipynb")
         else p
         for p in NOTEBOOKS
     ],
