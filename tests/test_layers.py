@@ -112,7 +112,11 @@ def test_every_old_top_level_name_still_resolves(name):
 
 
 def test_the_curated_surface_is_sorted_by_group_and_about_half_the_old_one():
-    assert len(bl.__all__) <= len(OLD_ALL) // 2 + 5
+    # Of the 0.1 names, about half stay on top; the features added since
+    # (generation, checkpoint folders, meshes, muP) add their one entry point each.
+    kept = [name for name in bl.__all__ if name in OLD_ALL]
+    assert len(kept) <= len(OLD_ALL) // 2 + 5
+    assert len(bl.__all__) <= 60
     assert len(set(bl.__all__)) == len(bl.__all__)
     for name in bl.__all__:
         assert not isinstance(getattr(bl, name), type(sys)), f"{name} is a module"
