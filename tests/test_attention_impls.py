@@ -167,7 +167,7 @@ def _compare(seed, dtype, tol, impls=IMPLS):
 
 
 @pytest.mark.parametrize(
-    "seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in (2, 3))]
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))]
 )
 def test_impls_equal_the_reference_on_random_configs_float32(seed, small_blocks):
     _compare(seed, jnp.float32, 2e-6 * 4)  # 2e-6 x scale, x 4 for rounding of sums

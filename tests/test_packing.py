@@ -16,7 +16,7 @@ DOCS = [np.array([3, 1, 4, 1, 5]), np.array([9, 2, 6, 5, 3, 5, 8, 9]), np.array(
 
 def _model(positions, seed=0, **extra):
     cfg = bl.DecoderConfig(
-        vocab_size=12, num_hiddens=16, num_heads=4, num_kv_heads=2, num_blks=2,
+        vocab_size=12, num_hiddens=16, num_heads=4, num_kv_heads=2, num_blks=1,
         max_len=32, positions=positions, **extra,
     )  # fmt: skip
     return bl.DecoderLM(cfg, key=jax.random.key(seed))
