@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from numpy.typing import ArrayLike
 
 from .._validate import ConfigError, check_choice, check_float, check_int
 from ..data.datasets import TimeMachine
@@ -64,7 +63,7 @@ ACTIVATIONS = (
 )  # fmt: skip
 
 
-def log_slope(widths: ArrayLike, values: ArrayLike) -> float:
+def log_slope(widths: Any, values: Any) -> float:
     r"""Least-squares slope of $\log y$ against $\log d$ (NaN if any $y \le 0$)."""
     x = np.log(np.asarray(widths, np.float64))
     y = np.asarray(values, np.float64)
