@@ -76,6 +76,27 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an unknown option is named before a missing
+        required one (`plan --no-such-option` names the misspelled flag)."""
+        try:
+            return super().parse_known_args(args, namespace)
+        except UsageError as e:
+            if "arguments are required" not in str(e):
+                raise
+            required = [a for a in self._actions if a.required]
+            for action in required:
+                action.required = False
+            try:
+                _, extras = super().parse_known_args(args, argparse.Namespace())
+            finally:
+                for action in required:
+                    action.required = True
+            unknown = [a for a in extras if a.startswith("-")]
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+            raise
+
 
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
 

@@ -82,6 +82,9 @@ class Stack(eqx.Module):
         unroll = bool(unroll) if isinstance(unroll, np.bool_) else unroll
         unroll = int(unroll) if isinstance(unroll, np.integer) else unroll
         self.num_blks, self.remat, self.unroll = num_blks, remat, unroll
+        # Set explicitly: Equinox flattens a module whose __dict__ lacks a field
+        # with its wrapper attributes, and then `__name__` comes back as Missing.
+        self.constrain = None
         # One compiled program for all N initializations: much faster to build
         # than dispatching every random draw of every block eagerly.
         build = eqx.filter_jit(eqx.filter_vmap(make_block))
