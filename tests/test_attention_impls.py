@@ -54,6 +54,7 @@ def test_cached_steps_equal_uncached_causal_attention(name):
     np.testing.assert_array_equal(cache.k[:, :, T:], 0)
 
 
+@pytest.mark.slow  # 46 s; tests/test_generation.py covers ragged prompts by default
 def test_ragged_prompts_decode_from_their_own_lengths():
     d, H, opts = CACHE_CONFIGS["gqa_rope_window_qk"]
     mha = _mha(d, H, opts, seed=3)
@@ -266,6 +267,7 @@ def test_auto_rule_and_non_finite_guard(small_blocks):
         assert jnp.all(jnp.isfinite(g[0, :7])) and jnp.all(g[0, 7:] == 0)
 
 
+@pytest.mark.slow  # 22 s; the cached and chunked paths each have default tests
 def test_chunked_prefill_in_a_cache_equals_the_reference(small_blocks):
     mha = bl.MultiHeadAttention(8, 4, num_kv_heads=2, rope_theta=1e4, window=3,
                                 softcap=2.0, key=jax.random.key(0))  # fmt: skip

@@ -161,6 +161,7 @@ def test_full_quick_table_flags_exactly_the_explained_disagreements():
     assert next(r for c, r in rows.items() if "GPT-1 init, FFN removed" in c)["holds"]
 
 
+@pytest.mark.slow  # 37 s; chunked signal sweeps are tested in tests/test_signal.py
 def test_measuring_a_few_seeds_at_a_time_gives_each_seed_its_own_values(
     monkeypatch,
 ):

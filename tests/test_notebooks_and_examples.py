@@ -13,7 +13,27 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 ENV = {**os.environ, "BLOCKLAB_TINY": "1", "MPLBACKEND": "Agg"}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+#: The heaviest runs (30-40 s each even tiny, on 2 CPU cores) go to the slow set;
+#: their functions have default tests of their own (tests/test_moe*.py,
+#: tests/test_signal.py, tests/test_identities*.py, tests/test_charlm.py).
+SLOW = {
+    "moe_vs_dense.py",
+    "signal_propagation.py",
+    "02_charlm.ipynb",
+    "03_signal_propagation.ipynb",
+    "04_identities.ipynb",
+    "06_mup_and_proxies.ipynb",
+}
+
+
+def _params(paths):
+    return [
+        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
+        for p in paths
+    ]
+
+
+@pytest.mark.parametrize("path", _params(EXAMPLES), ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
     result = subprocess.run(
         [sys.executable, str(path)],
@@ -26,19 +46,7 @@ def test_example_runs(path, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        # the longest notebooks (03: tests/test_signal.py covers its numbers at
-        # smaller size; 06: 150 s even tiny, tests/test_mup.py and
-        # tests/test_proxies.py cover its functions)
-        pytest.param(p, marks=pytest.mark.slow)
-        if p.name in ("03_signal_propagation.ipynb", "06_mup_and_proxies.ipynb")
-        else p
-        for p in NOTEBOOKS
-    ],
-    ids=lambda p: p.name,
-)
+@pytest.mark.parametrize("path", _params(NOTEBOOKS), ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
