@@ -201,7 +201,7 @@ def _model_factory(vocab_size, num_hiddens, num_heads, num_blks, max_len, qk_nor
 
 
 def lr_sensitivity(
-    final: Float[np.ndarray, " L"] | Sequence[float], l0: float
+    final: Float[np.ndarray, " L"] | Sequence[float | None], l0: float
 ) -> float:
     r"""$\frac1L\sum_\eta [\min(\ell(\eta), \ell_0) - \ell^*]$.
 
