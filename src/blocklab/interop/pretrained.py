@@ -69,7 +69,7 @@ from ..nn.decoder import DecoderConfig, DecoderLM, set_layer_data
 from ..training.checkpoint import CheckpointError
 from .hf_common import FAMILIES, HFFamily, StoredAs, family_for_class, resolve_family
 from .huggingface import _all_rules, _skeleton
-from .porting import _walk
+from .porting import _walk, param_shapes
 from .safetensors_io import (
     CONFIG_NAME,
     Catalog,
@@ -433,7 +433,7 @@ def _match(
             f"{fam.classes[0]} of its config.json: {'; '.join(problems)}."
         )
     skeleton = _skeleton(cfg)
-    shapes = _param_shapes(skeleton)
+    shapes = param_shapes(skeleton)
     for hf, rule in rules:
         want = tuple(rule.hf_shape([shapes[b] for b in rule.bl]))
         source = sources[hf]
@@ -465,20 +465,6 @@ def _stored(hf: str, stored: set[str], prefix: str) -> str | None:
     if hf.startswith(prefix) and hf[len(prefix) :] in stored:
         return hf[len(prefix) :]
     return None
-
-
-def _param_shapes(module) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-
-    def record(names, leaf):
-        if isinstance(names, str):
-            shapes[names] = tuple(leaf.shape)
-        else:
-            shapes.update((n, tuple(leaf.shape[1:])) for n in names)
-        return leaf
-
-    _walk(module, record)
-    return shapes
 
 
 def _leaf_path(names) -> str:
@@ -699,7 +685,7 @@ def save_pretrained(
         return leaf
 
     _walk(model, record)
-    shapes = _param_shapes(model)
+    shapes = param_shapes(model)
     dtypes = {}
 
     def dtype_of(names, leaf):
