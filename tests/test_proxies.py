@@ -1,16 +1,20 @@
 """The small-scale-proxies study (blocklab.experiments.proxies).
 
 References: hand-worked sensitivities and verdicts on a result built by hand;
-`lm_loss` for the z-loss objective; a QUICK run (slow) end to end.
+`lm_loss` for the z-loss objective; exercise 11 against the chapter's own
+optimizer path (`train_sweep` with its default AdamW); a QUICK run (slow) end
+to end.
 """
 
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import blocklab as bl
+from blocklab.experiments import lr_sensitivity as ex11
 from blocklab.experiments import proxies
 from blocklab.experiments.lr_sensitivity import lr_sensitivity
 
@@ -82,6 +86,52 @@ def test_z_loss_objective_is_lm_loss(key):
     Y = jax.random.randint(jax.random.key(2), (2, 8), 0, 12)
     got = proxies.ZLossNextToken(0.3)(model, (X, Y))
     assert math.isclose(float(got), float(bl.lm_loss(model, X, Y, z_loss=0.3)))
+
+
+def test_exercise_11_is_a_point_of_the_proxies_study(monkeypatch):
+    """`lr_sensitivity.run_study` trains through `proxies.run_point` (a spy sees
+    each model's call: its variant, (d, N), the rates, a constant rate), and its
+    numbers are the chapter's: the same losses and logits as `train_sweep`
+    with its default optimizer (AdamW, weight decay 0) on a CharLM built by
+    hand."""
+    p = ex11.LRProtocol("t", 16, 1, 4, 8, 2, 4, 2, 2)
+    lrs = (1e-3, 3e-2)
+    data = bl.TimeMachine(seq_len=p.seq_len)
+    calls, real = [], proxies.run_point
+
+    def spy(variant, width, depth, rates, **kw):
+        calls.append((variant, width, depth, tuple(rates), kw["schedule"]))
+        return real(variant, width, depth, rates, **kw)
+
+    monkeypatch.setattr(proxies, "run_point", spy)
+    got = ex11.run_study(p, lrs, seed=3, data=data)
+    V = proxies.VARIANTS
+    assert calls == [
+        (V["qk_norm"], 16, 1, lrs, False),
+        (V["baseline"], 16, 1, lrs, False),
+    ]
+
+    # The reference: the model without QK-norm (the other differs by one flag).
+    stride = max(1, data.num_train // p.probe_batch)
+    probe = ex11.LogitProbe(data.windows(jnp.arange(p.probe_batch) * stride)[0])
+
+    def make(key):
+        return bl.CharLM(data.vocab_size, 16, 4, 1, max_len=8, key=key)
+
+    ref = bl.train_sweep(
+        make, data, p.steps, model_keys=[3, 3], data_keys=[4, 4],
+        learning_rates=list(lrs), batch_size=p.batch_size, steps_per_call=2,
+        probe=probe, validate=False, progress=False,
+    )  # fmt: skip
+    losses = np.asarray(ref.losses, np.float64).reshape(2, 2, 2).mean(-1)
+    np.testing.assert_allclose(got.loss_curves["no_qk_norm"], losses, rtol=2e-5)
+    for k in ("attn", "out"):
+        mine = got.max_attn_logit if k == "attn" else got.max_output_logit
+        np.testing.assert_allclose(
+            mine["no_qk_norm"], np.asarray(ref.probes[k]), rtol=2e-5
+        )
+    # the larger rate moved the model: the comparison is not of two inits
+    assert np.ptp(got.loss_curves["no_qk_norm"][:, -1]) > 1e-2
 
 
 def test_bad_input_is_named():

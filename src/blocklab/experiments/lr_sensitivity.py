@@ -11,6 +11,15 @@ and records every `record_every` steps the mean training loss of the last
 `record_every` steps, the largest |attention logit| and the largest |output
 logit| on a fixed batch (`LogitProbe`).
 
+The exercise is one point of the small-scale-proxies study
+(`blocklab.experiments.proxies`): each model is `proxies.run_point` of the
+`baseline` or `qk_norm` variant at (d, N) = (`num_hiddens`, `num_blks`) with
+`schedule=False`, i.e. `blocklab.optimizer(model, optax.adam)` at a constant
+rate and no weight decay, which is the chapter's AdamW at weight decay 0
+(`test_exercise_11_is_a_point_of_the_proxies_study` checks both). The
+sensitivity and the probe are the study's (`proxies.lr_sensitivity`,
+`proxies.LogitProbe`, re-exported here).
+
 **Protocols** (`LRProtocol`): `FULL` is the exercise's (d = 256, 6 blocks,
 $64 \times 128$ batches, 1000 steps: about 3.5 PFLOP, hours on a 2-core CPU,
 minutes on a GPU); `CPU` is the reduced protocol `blocklab report` runs
@@ -34,25 +43,22 @@ rates is a result of the study, not an error.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
-from ..nn.charlm import CharLM
-from ..training.sweep import SweepResult, train_sweep
+from ..training.sweep import SweepResult
+from . import proxies
 from ._seeds import check_seed
 from .plotting import line_plot
 from .protocol import check_report_flags
+from .proxies import LogitProbe, lr_sensitivity
 
 __all__ = [
     "CPU",
@@ -154,63 +160,6 @@ CPU = LRProtocol("cpu", 64, 2, 4, 64, 32, 400, 40, 8)
 #: The smallest protocol: `blocklab lr-sensitivity --quick`, `blocklab report --quick`.
 QUICK = LRProtocol("quick", 64, 2, 4, 32, 16, 300, 30, 8)
 PROTOCOLS = {p.name: p for p in (FULL, CPU, QUICK)}
-
-
-class LogitProbe(eqx.Module):
-    r"""`probe(model) -> {"attn", "out"}`: largest |attention| and |output| logits.
-
-    Both are measured on the fixed batch `tokens` (`(B, T)` token ids). The
-    attention logits $q^\top k/\sqrt p$ are read, block by block, from
-    `TransformerBlock.trace` inside `Stack.scan(..., collect=...)`, over the
-    causal (query, key) pairs only; the output logits are `model(tokens)`.
-    A module (the batch is an array field), so repeated sweeps reuse one
-    compiled probe.
-    """
-
-    tokens: Int[Array, "B T"]
-
-    def _one(self, model: CharLM, t):
-        T = self.tokens.shape[1]
-        causal = jnp.arange(1, T + 1)
-        visible = jnp.tril(jnp.ones((T, T), bool))
-
-        def collect(block, h, key):
-            tr = block.trace(h, causal, key=key)
-            logits = jnp.abs(tr.attention.logits)
-            return tr.output, jnp.max(jnp.where(visible, logits, 0.0))
-
-        h = model.token_emb.weight[t] + model.pos_emb.weight[:T]
-        _, attn = model.stack.scan(h, causal, collect=collect)
-        return jnp.max(attn), jnp.max(jnp.abs(model(t)))
-
-    def __call__(self, model: CharLM) -> dict[str, Float[Array, ""]]:
-        attn, out = jax.vmap(lambda t: self._one(model, t))(self.tokens)
-        return {"attn": jnp.max(attn), "out": jnp.max(out)}
-
-
-@functools.cache
-def _model_factory(vocab_size, num_hiddens, num_heads, num_blks, max_len, qk_norm):
-    # One function per configuration, so that repeated sweeps reuse compilations.
-    def make_model(key):
-        return CharLM(
-            vocab_size, num_hiddens, num_heads, num_blks, max_len=max_len,
-            qk_norm=qk_norm, key=key,
-        )  # fmt: skip
-
-    return make_model
-
-
-def lr_sensitivity(
-    final: Float[np.ndarray, " L"] | Sequence[float | None], l0: float
-) -> float:
-    r"""$\frac1L\sum_\eta [\min(\ell(\eta), \ell_0) - \ell^*]$.
-
-    A diverged (NaN or None) $\ell(\eta)$ counts as $\ell_0$; $\ell^*$ is the
-    best capped loss.
-    """
-    final = np.asarray([np.nan if v is None else v for v in final], np.float64)
-    capped = np.where(np.isfinite(final), np.minimum(final, l0), l0)
-    return float(np.mean(capped - np.min(capped)))
 
 
 def _window_means(losses: np.ndarray, every: int) -> np.ndarray:
@@ -491,7 +440,8 @@ def run_study(
 
     Both models start from `jax.random.key(seed)` and see the batches of
     `key(seed + 1)` at every rate; each model's rates run as one
-    `train_sweep` (the rates vmapped, sharded over the devices).
+    `proxies.run_point(..., schedule=False)`, i.e. one `train_sweep` (the
+    rates vmapped, sharded over the devices).
 
     Args:
         protocol: an `LRProtocol` (`FULL`, `CPU`, `QUICK`, or `FULL.replace(...)`).
@@ -513,17 +463,16 @@ def run_study(
     stride = max(1, data.num_train // p.probe_batch)
     tokens = data.windows(jnp.arange(p.probe_batch) * stride)[0]
     probe = LogitProbe(tokens)
-    K = len(lrs)
     results: dict[str, SweepResult] = {}
     for name in MODELS:
-        make_model = _model_factory(
-            data.vocab_size, p.num_hiddens, p.num_heads, p.num_blks, data.seq_len,
-            name == "qk_norm",
-        )  # fmt: skip
-        results[name] = train_sweep(
-            make_model, data, p.steps, model_keys=[seed] * K, data_keys=[seed + 1] * K,
-            learning_rates=lrs, batch_size=p.batch_size, steps_per_call=p.record_every,
-            probe=probe, validate=False, progress=progress,
+        # The study's point (d, N) of its baseline / QK-norm variant, at a
+        # constant rate: Adam without weight decay, as the chapter's AdamW.
+        variant = proxies.VARIANTS["qk_norm" if name == "qk_norm" else "baseline"]
+        results[name] = proxies.run_point(
+            variant, p.num_hiddens, p.num_blks, lrs, data=data, steps=p.steps,
+            batch_size=p.batch_size, num_heads=p.num_heads, seed=seed,
+            record_every=p.record_every, probe=probe, schedule=False,
+            progress=progress,
         )  # fmt: skip
     return _summarize(results, p, lrs, seed)
 

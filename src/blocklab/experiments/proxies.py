@@ -5,17 +5,20 @@ each rate $\eta$ of a grid, with $\ell(\eta)$ the final *validation* loss,
 $\ell_0$ the validation loss at initialization and $\ell^* = \min_\eta
 \ell(\eta)$,
 $$\mathrm{LRS} = \mathbb{E}_{\eta}\big[\min(\ell(\eta), \ell_0) - \ell^*\big]$$
-(a diverged run counts as $\ell_0$; `lr_sensitivity.lr_sensitivity`, the
-function exercise 11 uses). It is measured for each intervention of
+(a diverged run counts as $\ell_0$; `lr_sensitivity`, the function exercise
+11 uses too). It is measured for each intervention of
 `VARIANTS` against width (at the base depth) and against depth (at the base
 width), on `CharLM` trained with `blocklab.optimizer` (Adam, linear warm-up,
 cosine decay to 10 %), every point one vmapped `blocklab.train_sweep` over the
 rates. Over training the study records the largest |attention logit| and the
-largest |output logit| on a fixed batch (`lr_sensitivity.LogitProbe`).
+largest |output logit| on a fixed batch (`LogitProbe`).
 
-Exercise 11 (`blocklab.experiments.lr_sensitivity`) is the point (d = 64,
-2 blocks) of the `baseline` and `qk_norm` variants without warm-up or decay;
-`run_point` is the function both call.
+Exercise 11 (`blocklab.experiments.lr_sensitivity`) is one point of this
+study: its protocol's (d, N) of the `baseline` and `qk_norm` variants at a
+constant rate (`run_point(..., schedule=False)`: Adam without warm-up, decay
+or weight decay, which is the chapter's AdamW at weight decay 0). Both
+studies train through `run_point`; the imports point one way
+(`lr_sensitivity` imports this module).
 
 `findings` puts the paper's qualitative findings next to what was measured,
 each with the number it rests on and a verdict (agrees / does not).
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_choice
 from ..data.datasets import TimeMachine
@@ -43,7 +47,6 @@ from ..training.optimizer import optimizer as make_optimizer
 from ..training.sweep import SweepResult, train_sweep
 from ..training.train import lm_loss, validation_loss
 from ._render import markdown_table
-from .lr_sensitivity import LogitProbe, lr_sensitivity
 from .protocol import check_report_flags
 
 __all__ = [
@@ -51,14 +54,61 @@ __all__ = [
     "FULL",
     "QUICK",
     "VARIANTS",
+    "LogitProbe",
     "ProxiesProtocol",
     "ProxiesResult",
     "Variant",
+    "lr_sensitivity",
     "report_estimate",
     "report_section",
     "run_point",
     "run_study",
 ]
+
+
+class LogitProbe(eqx.Module):
+    r"""`probe(model) -> {"attn", "out"}`: largest |attention| and |output| logits.
+
+    Both are measured on the fixed batch `tokens` (`(B, T)` token ids). The
+    attention logits $q^\top k/\sqrt p$ are read, block by block, from
+    `TransformerBlock.trace` inside `Stack.scan(..., collect=...)`, over the
+    causal (query, key) pairs only; the output logits are `model(tokens)`.
+    A module (the batch is an array field), so repeated sweeps reuse one
+    compiled probe.
+    """
+
+    tokens: Int[Array, "B T"]
+
+    def _one(self, model: CharLM, t):
+        T = self.tokens.shape[1]
+        causal = jnp.arange(1, T + 1)
+        visible = jnp.tril(jnp.ones((T, T), bool))
+
+        def collect(block, h, key):
+            tr = block.trace(h, causal, key=key)
+            logits = jnp.abs(tr.attention.logits)
+            return tr.output, jnp.max(jnp.where(visible, logits, 0.0))
+
+        h = model.token_emb.weight[t] + model.pos_emb.weight[:T]
+        _, attn = model.stack.scan(h, causal, collect=collect)
+        return jnp.max(attn), jnp.max(jnp.abs(model(t)))
+
+    def __call__(self, model: CharLM) -> dict[str, Float[Array, ""]]:
+        attn, out = jax.vmap(lambda t: self._one(model, t))(self.tokens)
+        return {"attn": jnp.max(attn), "out": jnp.max(out)}
+
+
+def lr_sensitivity(
+    final: Float[np.ndarray, " L"] | Sequence[float | None], l0: float
+) -> float:
+    r"""$\frac1L\sum_\eta [\min(\ell(\eta), \ell_0) - \ell^*]$.
+
+    A diverged (NaN or None) $\ell(\eta)$ counts as $\ell_0$; $\ell^*$ is the
+    best capped loss.
+    """
+    final = np.asarray([np.nan if v is None else v for v in final], np.float64)
+    capped = np.where(np.isfinite(final), np.minimum(final, l0), l0)
+    return float(np.mean(capped - np.min(capped)))
 
 
 @dataclasses.dataclass(frozen=True)
