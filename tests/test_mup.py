@@ -3,11 +3,13 @@
 References: NumPy least squares for the slope; a forward written out by hand
 for the activation RMS; the measured slopes of standard vs μP for the check
 (the expected direction: Adam under standard parametrization grows the
-activations with width, μP keeps them flat).
+activations with width, μP keeps them flat); each member of a transfer sweep
+against its own single run.
 """
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,39 @@ def test_coord_check_rejects_bad_input():
         mup.coord_check(make, [16, 32], learning_rate=-1.0)
     with pytest.raises(bl.ConfigError, match="parametrizations"):
         mup.run_transfer((16, 32), parametrizations=("ntk",))
+
+
+def test_transfer_sweep_members_equal_their_own_runs():
+    """One width of the transfer study (μP DecoderLM, `blocklab.optimizer` with
+    warm-up, a vmapped `train_sweep`): each member, with its own rate, model seed
+    and data seed, has the loss trajectory of its own `train_model` run with an
+    optimizer built for that rate alone. The rates are stable ones; at chaotic
+    rates the two sides part by float rounding amplified over the steps
+    (benchmarks/README.md, transfer.py), which is not what this checks."""
+    data = bl.TimeMachine(seq_len=8)
+    make_w = mup.decoder_factory("mup", 16, vocab_size=data.vocab_size, num_blks=1,
+                                 max_len=8)  # fmt: skip
+
+    def make(key):
+        return make_w(32, key)
+
+    opt = bl.optimizer(eqx.filter_eval_shape(make, jax.random.key(0)), warmup_steps=2)
+    rates, seeds = [3e-3, 1e-2], [0, 1]
+    res = bl.train_sweep(
+        make, data, 5, model_keys=seeds, data_keys=[s + 7 for s in seeds],
+        learning_rates=rates, optimizer=opt, batch_size=4, steps_per_call=5,
+        validate=False, progress=False,
+    )  # fmt: skip
+    for k, (lr, seed) in enumerate(zip(rates, seeds, strict=True)):
+        model = make(jax.random.key(seed))
+        one = bl.train_model(
+            model, data, bl.optimizer(model, learning_rate=lr, warmup_steps=2), 5,
+            key=jax.random.key(seed + 7), batch_size=4, steps_per_call=5,
+            progress=False,
+        )  # fmt: skip
+        np.testing.assert_allclose(res.losses[k], one.losses, rtol=1e-5)
+    # the two members differ (so a swap of rates or keys would show)
+    assert np.max(np.abs(res.losses[0] - res.losses[1])) > 1e-2
 
 
 @pytest.mark.slow
