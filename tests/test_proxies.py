@@ -71,6 +71,18 @@ def test_findings_by_hand():
     )
     text = _result(sens, attn, opt).findings_table()
     assert "does not agree" in text and "agrees" in text
+    assert {d["verdict"] for d in f.values()} == {"agrees", "does not agree"}
+
+    # Within the margin (10 % of the larger LRS), or no standard optimum shift
+    # to stabilize: inconclusive, whichever side the small difference falls.
+    sens[("qk_norm", 32, 1)] = 0.19  # vs 0.20: 5 %
+    for k, x in zip(pts, (0.105, 0.21, 0.41), strict=True):  # warm-up: 2.4 %
+        sens[("long_warmup", *k)] = x
+    f = {d["finding"]: d for d in _result(sens, attn, {}).findings()}
+    qk, mup = (next(k for k in f if k.startswith(w)) for w in ("QK-norm", "μP"))
+    for name in (qk, mup, "longer warm-up lowers LR sensitivity"):
+        assert f[name]["verdict"] == "inconclusive" and not f[name]["agrees"]
+    assert "0 grid steps (μP) vs 0" in f[mup]["measured"]
 
 
 def test_lr_sensitivity_by_hand():

@@ -21,7 +21,9 @@ studies train through `run_point`; the imports point one way
 (`lr_sensitivity` imports this module).
 
 `findings` puts the paper's qualitative findings next to what was measured,
-each with the number it rests on and a verdict (agrees / does not).
+each with the number it rests on and a verdict (agrees / does not agree /
+inconclusive: a difference of sensitivities within `MARGIN` = 10 % of the
+larger, which one seed at this scale cannot order).
 """
 
 from __future__ import annotations
@@ -262,6 +264,18 @@ def run_point(
     )  # fmt: skip
 
 
+AGREES, DISAGREES, INCONCLUSIVE = "agrees", "does not agree", "inconclusive"
+#: Two sensitivities closer than this fraction of the larger are not ordered.
+MARGIN = 0.1
+
+
+def _less(a: float, b: float) -> str:
+    """The verdict on the claim a < b: within `MARGIN` of each other, inconclusive."""
+    if abs(b - a) < MARGIN * max(abs(a), abs(b)):
+        return INCONCLUSIVE
+    return AGREES if a < b else DISAGREES
+
+
 @dataclasses.dataclass(frozen=True)
 class ProxiesResult:
     """What `run_study` returns.
@@ -322,15 +336,24 @@ class ProxiesResult:
         return int(np.argmin(np.where(np.isfinite(vl), vl, np.inf)))
 
     def findings(self) -> list[dict[str, Any]]:
-        """The paper's findings, each with what was measured and a verdict."""
+        """The paper's findings, each with what was measured and a verdict.
+
+        `verdict` is `"agrees"`, `"does not agree"`, or `"inconclusive"` when
+        the comparison it rests on is within `MARGIN` (two sensitivities that
+        differ by less than that fraction of the larger: one seed at a small
+        scale cannot order them), or when the standard optimum does not move
+        across the widths (nothing for μP to stabilize). `agrees` is
+        `verdict == "agrees"`.
+        """
         s = self.sensitivity
         vs = set(self.variants)
         W, D = self._w(), self._d()
         (w0, n0), (w1, _), (_, n1) = W[0], W[-1], D[-1]
         out = []
 
-        def add(finding, measured, agrees):
-            out.append(dict(finding=finding, measured=measured, agrees=bool(agrees)))
+        def add(finding, measured, verdict):
+            out.append(dict(finding=finding, measured=measured,
+                            agrees=verdict == AGREES, verdict=verdict))  # fmt: skip
 
         if {"baseline", "qk_norm"} <= vs:
             a_b = np.nanmax(self.max_attn_logit[("baseline", w1, n0)])
@@ -338,23 +361,26 @@ class ProxiesResult:
             lb, lq = s[("baseline", w1, n0)], s[("qk_norm", w1, n0)]
             add("QK-norm removes attention-logit growth and lowers LR sensitivity",
                 f"d={w1}: max attn logit {a_b:.1f} (baseline) vs {a_q:.1f} (QK-norm); "
-                f"LRS {lb:.3f} vs {lq:.3f}", a_q < a_b and lq < lb)  # fmt: skip
+                f"LRS {lb:.3f} vs {lq:.3f}",
+                _less(lq, lb) if a_q < a_b else DISAGREES)  # fmt: skip
         if "baseline" in vs:
             l0, l1 = s[("baseline", w0, n0)], s[("baseline", w1, n0)]
             add(
                 "LR sensitivity still rises with size (width)",
                 f"baseline LRS {l0:.3f} at d={w0} -> {l1:.3f} at d={w1}",
-                l1 > l0,
+                _less(l0, l1),
             )
         if {"baseline", "mup"} <= vs:
             shift = {v: max(self._opt_idx(v, w, n) for w, n in W)
                      - min(self._opt_idx(v, w, n) for w, n in W)
                      for v in ("baseline", "mup")}  # fmt: skip
             lm, lb = s[("mup", w1, n0)], s[("baseline", w1, n0)]
+            ok = shift["mup"] <= shift["baseline"] and lm > 0.5 * lb
             add("μP stabilizes the optimal rate across widths but not the sensitivity",
                 f"optimum moves {shift['mup']} grid steps (μP) vs {shift['baseline']} "
                 f"(standard); LRS at d={w1} {lm:.3f} (μP) vs {lb:.3f}",
-                shift["mup"] <= shift["baseline"] and lm > 0.5 * lb)  # fmt: skip
+                INCONCLUSIVE if shift["baseline"] == 0 and ok
+                else AGREES if ok else DISAGREES)  # fmt: skip
         for v, what in (
             ("long_warmup", "longer warm-up"),
             ("indep_wd", "independent weight decay"),
@@ -365,22 +391,22 @@ class ProxiesResult:
                 add(
                     f"{what} lowers LR sensitivity",
                     f"mean LRS over the points {mv:.3f} vs baseline {mb:.3f}",
-                    mv < mb,
+                    _less(mv, mb),
                 )
         if "baseline" in vs and len(D) > 1:
             dw = s[("baseline", w1, n0)] - s[("baseline", w0, n0)]
             dd = s[("baseline", w0, n1)] - s[("baseline", w0, n0)]
             fw, fd = math.log2(w1 / w0), math.log2(n1 / n0)
+            near = abs(dd / fd - dw / fw) < MARGIN * abs(s[("baseline", w0, n0)])
             add("depth hurts (raises LRS) more than width",
                 f"baseline LRS change per doubling: depth {dd / fd:+.3f}, width "
-                f"{dw / fw:+.3f}", dd / fd > dw / fw)  # fmt: skip
+                f"{dw / fw:+.3f}",
+                INCONCLUSIVE if near else AGREES if dd / fd > dw / fw
+                else DISAGREES)  # fmt: skip
         return out
 
     def findings_table(self) -> str:
-        rows = [
-            [f["finding"], f["measured"], "agrees" if f["agrees"] else "does not agree"]
-            for f in self.findings()
-        ]
+        rows = [[f["finding"], f["measured"], f["verdict"]] for f in self.findings()]
         return markdown_table(
             ["paper's finding", "measured here", "verdict"], rows, align="llc"
         )
