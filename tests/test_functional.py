@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -278,3 +279,29 @@ def test_eps_zero_maps_a_degenerate_row_to_zero_with_a_finite_gradient(fn):
     np.testing.assert_allclose(y[1:], want, rtol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(fn(x, eps=0.0)[1] ** 3))(x)
     assert np.isfinite(grad).all()
+
+
+def test_clamped_softmax_equals_replacement_on_finite_and_inf_scores():
+    """The attention layers' `_softmax_clamped` (min against a +inf / MASK_VALUE
+    table) gives the replaced-score softmax of a NumPy loop: random masks with
+    fully masked rows, and +inf or huge scores at masked positions."""
+    from blocklab.nn.functional import MASK_VALUE, _softmax_clamped
+
+    rng = np.random.default_rng(7)
+    scores = rng.normal(0, 4, (3, 5, 9)).astype(np.float32)
+    mask = rng.random((3, 5, 9)) < 0.6
+    mask[0, 1] = False  # a row with no visible key: uniform weights
+    scores[~mask & (rng.random(mask.shape) < 0.3)] = np.inf
+    scores[~mask & (rng.random(mask.shape) < 0.3)] = 3e38
+    got = np.asarray(_softmax_clamped(jnp.asarray(scores), jnp.asarray(mask)))
+    want = np.empty(scores.shape)
+    for idx in np.ndindex(scores.shape[:-1]):
+        s = np.where(mask[idx], scores[idx].astype(np.float64), MASK_VALUE)
+        e = np.exp(s - s.max())
+        want[idx] = e / e.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got[0, 1], 1 / 9, rtol=1e-6)
+    # the same gradient as the replacement: nothing reaches a masked score
+    fin = jnp.asarray(np.where(np.isfinite(scores) & (scores < 1e30), scores, 1.0))
+    g = jax.grad(lambda s: jnp.sum(_softmax_clamped(s, jnp.asarray(mask))[..., 0] ** 2))(fin)
+    assert np.all(np.asarray(g)[~mask] == 0.0)

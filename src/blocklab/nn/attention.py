@@ -26,7 +26,14 @@ from .config import (
     check_sizes,
     reject_options_beside_config,
 )
-from .functional import _check_int_array, _lengths, dropout, linear, rope, softmax_where
+from .functional import (
+    _check_int_array,
+    _lengths,
+    _softmax_clamped,
+    dropout,
+    linear,
+    rope,
+)
 from .normalization import RMSNorm, check_float_input
 
 __all__ = [
@@ -373,7 +380,7 @@ class MultiHeadAttention(eqx.Module):
         if self.rope_theta is not None:
             theta = jax.lax.bitcast_convert_type(self.rope_theta, jnp.float32)
             pos = jnp.arange(T) if positions is None else positions
-            pos = _positions(pos, (*lead, T))
+            pos = _positions(pos, (*lead, T))  # not broadcast: a small table
             q_pos = pos[..., None, None, :] if grouped else pos[..., None, :]
             q = rope(q, q_pos, theta=theta)
             k = rope(k, pos[..., None, :], theta=theta)
@@ -513,7 +520,7 @@ class MultiHeadAttention(eqx.Module):
             return out.astype(x.dtype), new
         raw = jnp.einsum("...gqp,...kp->...gqk", q, new.k, preferred_element_type=stat)
         logits = self._capped(self._scaled(raw))
-        weights = softmax_where(logits, visible[..., None, None, :, :])
+        weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
         mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
         out = dense(self.W_o, mixed.reshape(*lead, Tq, H * p).astype(x.dtype))
@@ -568,7 +575,7 @@ class MultiHeadAttention(eqx.Module):
         logits = self._capped(self._scaled(raw))
         head_axes = (-3, -4) if grouped else (-3,)
         mask = None if visible is None else jnp.expand_dims(visible, head_axes)
-        weights = softmax_where(logits, mask)
+        weights = _softmax_clamped(logits, mask)
         mixed = jnp.einsum(
             spec_o,
             dropout(weights, self.dropout, key).astype(v.dtype),
@@ -784,4 +791,4 @@ def _positions(positions, shape) -> Array:
             f"{tuple(shape)} (e.g. shape (T,) = ({shape[-1]},)), got shape "
             f"{tuple(pos.shape)}."
         )
-    return jnp.broadcast_to(pos, shape)
+    return pos
