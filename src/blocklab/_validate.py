@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,16 +181,89 @@ def renamed_keyword(
     return old_value
 
 
+class _IdMessages(Sequence):
+    """`check_ids`' message table for `eqx.branched_error_if`, indexed by the id.
+
+    Entry `i` is the message for offending id `i` (any integer), so the traced
+    check names the id the way the concrete one does. Hashable (a static
+    argument of `eqx.filter_jit`).
+    """
+
+    def __init__(self, owner: str, name: str, valid: str):
+        self._key = (owner, name, valid)
+
+    def __getitem__(self, i: Any) -> str:
+        owner, name, valid = self._key
+        return (
+            f"{owner}: {name} must lie in {valid}, got {int(i)} (the "
+            f"{'smallest' if int(i) < 0 else 'largest'} id of the batch; check "
+            "the ids' encoding)."
+        )
+
+    def __len__(self) -> int:  # every integer is an entry
+        return 2**31
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _IdMessages) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
+def _error_if_on_every_device(value: Any, pred: Any, msgs: Sequence[str]) -> Any:
+    """`eqx.branched_error_if(value, pred, value, msgs)` on scalars, mesh-safe.
+
+    Under a context mesh (`jax.set_mesh`, as `train_model(mesh=)` sets) the
+    check runs in a `shard_map` over every mesh axis, so the error callback
+    runs, and raises, on every device at once. Outside one (a plain `jit`
+    over sharded arrays), GSPMD pins the callback to device 0 and broadcasts
+    its result: when it raises, the other devices wait in that broadcast
+    until the runtime aborts the process; run such steps under `jax.set_mesh`.
+    """
+    import equinox as eqx
+    import jax
+    from jax.sharding import PartitionSpec
+
+    def check(v, p):
+        return eqx.branched_error_if(v, p, v, msgs)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:  # no mesh, or already per device
+        return check(value, pred)
+    return jax.shard_map(
+        check,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )(value, pred)
+
+
 def check_ids(owner: str, name: str, ids: Any, size: int, *, what: str = "vocab") -> Any:
-    """Refuse integer ids outside `[0, size)`; returns `ids` (to thread through jit).
+    r"""Refuse integer ids outside `[0, size)`; returns `ids` (to thread through jit).
 
     Concrete ids (NumPy, or JAX arrays outside a trace) are checked in NumPy
     and raise `ConfigError` naming the first bad position, its value and
-    `size`. Traced ids get `eqx.error_if` with a message naming the argument
-    and `size` (under `jax.jit` it arrives inside JAX's callback error; under
-    `eqx.filter_jit` as an `EquinoxRuntimeError`). Non-integer ids are refused.
+    `size`. Traced ids are reduced to two scalars, $h = \max_i \mathrm{ids}_i$
+    and $l = \min_i \mathrm{ids}_i$ (over vmapped axes too), and the error is
+    raised when $l < 0$ or $h \ge$ `size`, naming the argument, `size` and the
+    offending id ($h$ if it is too large, else $l$): under `eqx.filter_jit`
+    as an `EquinoxRuntimeError`, under `jax.jit` inside JAX's callback error.
+    Non-integer ids are refused.
+
+    On a mesh (ids split over devices) the check costs two scalar
+    all-reduces: only the replicated scalars $v$ (the id to name) and the
+    predicate reach the error branch, and the ids come back as
+    `ids + (v' - v)`, $v'$ that branch's output (an elementwise add on each
+    shard, so the check is not dead code). Under a context mesh
+    (`jax.set_mesh`, which `train_model(mesh=)` and `train_sweep` set) the
+    branch runs in a `shard_map` and raises on every device. Threading the
+    ids themselves through the branch (plain `eqx.error_if(ids, ...)`) made
+    GSPMD pin the whole `(B, T)` batch to device 0 in it (replicated by an
+    all-reduce, re-split, XLA's "involuntary full rematerialization"), and
+    an error raised on device 0 alone left the others waiting in that
+    all-reduce until the runtime aborted the process.
     """
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
@@ -205,12 +278,16 @@ def check_ids(owner: str, name: str, ids: Any, size: int, *, what: str = "vocab"
         )
     valid = f"[0, {what}={size})"
     if isinstance(ids, jax.core.Tracer):
-        return eqx.error_if(
-            ids,
-            (ids < 0) | (ids >= size),
-            f"{owner}: {name} must lie in {valid}; an id outside it was given (a "
-            "negative id, or one past the vocabulary; check the ids' encoding).",
+        from equinox.internal import unvmap_max
+
+        # ~x reverses the order without overflow: min = ~max(~x).
+        hi = unvmap_max(jnp.max(ids))
+        lo = ~unvmap_max(~jnp.min(ids))
+        value = jnp.where(hi >= size, hi, lo)
+        checked = _error_if_on_every_device(
+            value, (lo < 0) | (hi >= size), _IdMessages(owner, name, valid)
         )
+        return ids + (checked - value).astype(ids.dtype)
     arr = np.asarray(ids)
     bad = (arr < 0) | (arr >= size)
     if bad.any():

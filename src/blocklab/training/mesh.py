@@ -221,12 +221,21 @@ def reshard_state(state: TrainState, mesh: Mesh, rules: Any, optimizer: Any) -> 
     return place_state(state, shardings), shardings
 
 
-@eqx.filter_jit(donate="all-except-first")
 def run_chunk(fixed: tuple, state: TrainState, keys: Any) -> tuple[TrainState, Any]:
     """`step.scan(state, keys)` with the state held on `shardings` after every step.
 
-    `fixed = (step, shardings)`; the state is donated.
+    `fixed = (step, shardings)`; the state is donated. Traced and run under
+    `jax.set_mesh(mesh)`, so a runtime check (an id out of range) raises on
+    every device (`blocklab._validate.check_ids`) instead of stalling the
+    others in a collective.
     """
+    mesh = fixed[0].source.sharding.mesh
+    with jax.set_mesh(mesh):
+        return _run_chunk(fixed, state, keys)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _run_chunk(fixed: tuple, state: TrainState, keys: Any) -> tuple[TrainState, Any]:
     step, shardings = fixed
     dynamic, static = eqx.partition(state, eqx.is_array)
     dyn_shard = eqx.filter(

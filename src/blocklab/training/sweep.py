@@ -517,7 +517,8 @@ def train_sweep(
 
     def advance(states, done, n):
         fixed = (step, dk, jnp.asarray(done, jnp.int32))
-        states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
+        with jax.set_mesh(mesh):  # runtime checks raise on every device
+            states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
         loss, aux = out if has_aux else (out, None)
         aux = jax.tree_util.tree_map(lambda a: to_host(a)[:K], aux)
         return states, to_host(loss)[:K], aux
