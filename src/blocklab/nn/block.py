@@ -350,6 +350,8 @@ class TransformerBlock(eqx.Module):
         x: Float[Array, "*batch Tq d"],
         cache: Any,
         start: Int[ArrayLike, "*#batch"],
+        *,
+        defer_write: bool = False,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.
 
@@ -364,10 +366,12 @@ class TransformerBlock(eqx.Module):
             x: `(Tq, d)` new tokens, or a batch `(..., Tq, d)`.
             cache: the attention's cache (`attention.init_cache(...)`).
             start: int, or one per sequence (shape `x.shape[:-2]`).
+            defer_write: as for `MultiHeadAttention.step`: return the new
+                tokens' keys and values instead of the written cache.
 
         Returns:
             `(output, new_cache)`: the shape and dtype of `x`, and the cache
-            with the new tokens' keys and values written.
+            with the new tokens' keys and values written (or those alone).
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
@@ -378,7 +382,9 @@ class TransformerBlock(eqx.Module):
         new_cache = []
 
         def attend(y):
-            out, written = self.attention.step(y, cache, start)
+            out, written = self.attention.step(
+                y, cache, start, defer_write=defer_write
+            )
             new_cache.append(written)
             return out
 

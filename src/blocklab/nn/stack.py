@@ -8,10 +8,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_key
+from .attention import write_cache
 
 __all__ = ["Stack"]
 
@@ -203,6 +205,23 @@ class Stack(eqx.Module):
             `(h_N, new_caches)`, the caches stacked as they came in.
         """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        if x.shape[-2] == 1:
+            # Decoding: the caches are read in the layer loop and written once
+            # after it (`defer_write`); written inside it, XLA copies them.
+            def read_only(h, xs):
+                blk_params, i = xs
+                cache = jax.tree.map(
+                    lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False),
+                    caches,
+                )
+                blk = eqx.combine(blk_params, static)
+                return blk.step(h, cache, start, defer_write=True)
+
+            steps = jnp.arange(self.num_blks)
+            h, rows = jax.lax.scan(
+                read_only, x, (dynamic, steps), unroll=self.unroll
+            )
+            return h, write_cache(caches, rows, start, stacked=True)
 
         def body(h, xs):
             blk_params, cache = xs
