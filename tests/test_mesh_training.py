@@ -375,7 +375,10 @@ def test_traced_id_check_names_the_id_across_vmapped_members():
     ok = np.arange(12).reshape(2, 6) % 10
     np.testing.assert_array_equal(f(ok), ok)
     for (m, t, v), want in [
-        ((1, 4, 99), 99), ((0, 0, -5), -5), ((1, 5, 10), 10), ((0, 3, -2**31), -2**31)
+        ((1, 4, 99), 99),
+        ((0, 0, -5), -5),
+        ((1, 5, 10), 10),
+        ((0, 3, -(2**31)), -(2**31)),
     ]:
         bad = ok.copy()
         bad[m, t] = v
