@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from .._validate import ConfigError, check_int
+from .._validate import ConfigError, check_ids, check_int
 from .functional import linear
 
 __all__ = ["DecoderCache", "init_cache", "extend", "prefill", "decode_step"]
@@ -148,11 +148,7 @@ def _check_ids(owner: str, ids: Any, cache: DecoderCache, vocab: int, name: str)
         raise ConfigError(
             f"{owner}: {name} must be integer token ids, got dtype {ids.dtype}."
         )
-    return eqx.error_if(
-        ids,
-        (ids < 0) | (ids >= vocab),
-        f"{owner}: token ids must lie in [0, vocab_size={vocab}).",
-    )
+    return check_ids(owner, "token ids", ids, vocab, what="vocab_size")
 
 
 def prefill(

@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .._validate import (
+    ConfigError,
+    check_bool,
+    check_float,
+    check_ids,
+    check_int,
+    check_key,
+)
 from . import cache as _cache
 from .block import TransformerBlock
 from .config import BlockConfig
@@ -267,12 +274,9 @@ class CharLM(eqx.Module):
                     f"{self.vocab_size} symbols."
                 )
         else:
-            tokens = eqx.error_if(
-                tokens,
-                (tokens < 0) | (tokens >= self.vocab_size),
-                f"CharLM: token ids must lie in [0, vocab_size={self.vocab_size}); "
-                "a token id outside it was given (check the vocabulary the ids "
-                "were encoded with).",
+            # two scalars reach the error branch (no batch pinned on a mesh)
+            tokens = check_ids(
+                "CharLM", "token ids", tokens, self.vocab_size, what="vocab_size"
             )
         T = tokens.shape[-1]
         h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
