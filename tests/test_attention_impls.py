@@ -40,7 +40,8 @@ def test_cached_steps_equal_uncached_causal_attention(name):
     full = mha(x, jnp.arange(1, T + 1))  # uncached, causal
     cache = mha.init_cache((2,), max_len=12)
     assert isinstance(cache, AttentionCache)
-    assert cache.k.shape == (2, mha.num_kv_heads, 12, mha.head_dim)
+    assert cache.k.shape == (2, mha.num_kv_heads, mha.head_dim, 12)  # keys transposed
+    assert cache.v.shape == (2, mha.num_kv_heads, 12, mha.head_dim)
     step = eqx.filter_jit(lambda m, x, c, s: m.step(x, c, s))
     out, cache = step(mha, x[:, :P], cache, 0)
     outs = [out]
@@ -50,8 +51,10 @@ def test_cached_steps_equal_uncached_causal_attention(name):
     cached = jnp.concatenate(outs, axis=1)
     np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
     # the cache holds the keys of every position written
-    assert not np.allclose(cache.k[:, :, T - 1], 0)
-    np.testing.assert_array_equal(cache.k[:, :, T:], 0)
+    assert not np.allclose(cache.k[..., T - 1], 0)
+    np.testing.assert_array_equal(cache.k[..., T:], 0)
+    assert not np.allclose(cache.v[:, :, T - 1], 0)
+    np.testing.assert_array_equal(cache.v[:, :, T:], 0)
 
 
 @pytest.mark.slow  # 46 s; tests/test_generation.py covers ragged prompts by default

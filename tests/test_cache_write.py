@@ -47,16 +47,26 @@ def test_deferred_step_equals_write_then_attend(window, kv, Tq):
 def test_written_rows_land_where_a_numpy_loop_puts_them():
     rng = np.random.default_rng(0)
     N, B, KV, L, Tq, p = 3, 2, 2, 9, 2, 4
-    cache = AttentionCache(*(jnp.asarray(rng.normal(size=(N, B, KV, L, p))) for _ in "kv"))
+    cache = AttentionCache(  # keys stored (..., KV, p, L), values (..., KV, L, p)
+        jnp.asarray(rng.normal(size=(N, B, KV, p, L))),
+        jnp.asarray(rng.normal(size=(N, B, KV, L, p))),
+    )
     rows = AttentionCache(*(jnp.asarray(rng.normal(size=(N, B, KV, Tq, p))) for _ in "kv"))
     start = np.array([4, 1])
-    got = write_cache(cache, rows, jnp.asarray(start), stacked=True)
-    for name in ("k", "v"):
-        want = np.array(getattr(cache, name))
+
+    def numpy_write(cache, rows, start, B):
+        k, v = np.array(cache.k), np.array(cache.v)
         for n in range(N):
             for b in range(B):
-                want[n, b, :, start[b] : start[b] + Tq] = getattr(rows, name)[n, b]
-        np.testing.assert_array_equal(getattr(got, name), want)
+                s = start[b]
+                v[n, b, :, s : s + Tq] = rows.v[n, b]
+                k[n, b, :, :, s : s + Tq] = np.swapaxes(rows.k[n, b], -1, -2)
+        return k, v
+
+    got = write_cache(cache, rows, jnp.asarray(start), stacked=True)
+    want_k, want_v = numpy_write(cache, rows, start, B)
+    np.testing.assert_array_equal(got.k, want_k)
+    np.testing.assert_array_equal(got.v, want_v)
     # one sequence (a plain slice update) and a scalar start
     one = write_cache(
         AttentionCache(cache.k[:, :1], cache.v[:, :1]),
@@ -64,9 +74,11 @@ def test_written_rows_land_where_a_numpy_loop_puts_them():
         3,
         stacked=True,
     )
-    want = np.array(cache.k[:, :1])
-    want[:, :, :, 3 : 3 + Tq] = rows.k[:, :1]
-    np.testing.assert_array_equal(one.k, want)
+    want_k, want_v = numpy_write(
+        AttentionCache(cache.k[:, :1], cache.v[:, :1]), rows, [3], 1
+    )
+    np.testing.assert_array_equal(one.k, want_k)
+    np.testing.assert_array_equal(one.v, want_v)
 
 
 def test_stack_decodes_with_the_deferred_write_and_keeps_the_cache():
@@ -95,7 +107,9 @@ def test_stack_decodes_with_the_deferred_write_and_keeps_the_cache():
     # the rows written are equal up to float32 rounding (scanned vs eager)
     np.testing.assert_allclose(new.k, want.k, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(new.v, want.v, rtol=1e-6, atol=1e-6)
-    untouched = np.ones(new.k.shape[:-1], bool)  # (N, B, KV, L)
+    untouched = np.ones(new.v.shape[:-1], bool)  # (N, B, KV, L)
     for b, s in enumerate([3, 6]):
         untouched[:, b, :, s] = False
-    np.testing.assert_array_equal(np.asarray(new.k)[untouched], np.asarray(caches.k)[untouched])
+    np.testing.assert_array_equal(np.asarray(new.v)[untouched], np.asarray(caches.v)[untouched])
+    k_now, k_was = np.swapaxes(new.k, -1, -2), np.swapaxes(caches.k, -1, -2)
+    np.testing.assert_array_equal(k_now[untouched], k_was[untouched])

@@ -96,9 +96,12 @@ class AttentionCache(NamedTuple):
     """The keys and values of one attention layer for cached decoding (a pytree).
 
     Attributes:
-        k: `(*batch, num_kv_heads, max_len, head_dim)` keys after QK-norm and
-            RoPE at their absolute positions.
-        v: the values, same shape.
+        k: `(*batch, num_kv_heads, head_dim, max_len)` keys after QK-norm and
+            RoPE at their absolute positions, stored transposed: a decoding
+            step's $q^\top k_j$ then reads them as they lie (XLA:CPU copied a
+            `(max_len, head_dim)` layout into this one for every layer and
+            step).
+        v: `(*batch, num_kv_heads, max_len, head_dim)` values.
 
     Index $j$ on the `max_len` axis is the token at position $j$. Build one with
     `MultiHeadAttention.init_cache`; `MultiHeadAttention.step` writes into it.
@@ -398,7 +401,7 @@ class MultiHeadAttention(eqx.Module):
         indices before `start` and each other (causal, windowed), one softmax
         over both. `q` `(*lead, KV, G, Tq, p)`; `rows` the new keys/values."""
         *lead, KV, G, Tq, p = q.shape
-        L = cache.k.shape[-2]
+        L = cache.v.shape[-2]
         stat = jnp.promote_types(q.dtype, jnp.float32)
         j, i = jnp.arange(L), jnp.arange(Tq)
         qpos = pos[..., :, None]  # (*lead, Tq, 1)
@@ -418,7 +421,9 @@ class MultiHeadAttention(eqx.Module):
         spec = "...gqp,...kp->...gqk"
         raw = jnp.concatenate(
             [
-                jnp.einsum(spec, q, cache.k, preferred_element_type=stat),
+                jnp.einsum(
+                    "...gqp,...pk->...gqk", q, cache.k, preferred_element_type=stat
+                ),
                 jnp.einsum(spec, q, rows.k, preferred_element_type=stat),
             ],
             axis=-1,
@@ -449,9 +454,9 @@ class MultiHeadAttention(eqx.Module):
             dtype: the dtype of the stored keys and values.
 
         Returns:
-            An `AttentionCache` with `k` and `v` of shape
-            `(*batch_shape, num_kv_heads, max_len, head_dim)` (heads-major,
-            the layout of the reference path's products).
+            An `AttentionCache` with `v` of shape `(*batch_shape, num_kv_heads,
+            max_len, head_dim)` and `k` of shape `(*batch_shape, num_kv_heads,
+            head_dim, max_len)` (see `AttentionCache`).
         """
         owner = "MultiHeadAttention.init_cache"
         if not isinstance(batch_shape, (tuple, list)):
@@ -463,8 +468,11 @@ class MultiHeadAttention(eqx.Module):
             check_int(owner, "batch_shape", b, min=1) for b in batch_shape
         )
         max_len = check_int(owner, "max_len", max_len, min=1)
-        shape = (*batch_shape, self.num_kv_heads, max_len, self.head_dim)
-        return AttentionCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        lead = (*batch_shape, self.num_kv_heads)
+        return AttentionCache(
+            jnp.zeros((*lead, self.head_dim, max_len), dtype),
+            jnp.zeros((*lead, max_len, self.head_dim), dtype),
+        )
 
     def step(
         self,
@@ -534,25 +542,25 @@ class MultiHeadAttention(eqx.Module):
         lead = tuple(lead)
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // KV
-        if cache.k.shape[:-3] != lead or cache.k.shape[-3] != KV:
-            raise ConfigError(
-                f"{owner}: cache.k has shape {tuple(cache.k.shape)}, expected "
-                f"(*batch={lead}, num_kv_heads={KV}, max_len, head_dim={p}); build "
-                f"it with init_cache(batch_shape={lead}, max_len)."
-            )
-        L = cache.k.shape[-2]
+        L = cache.v.shape[-2] if cache.v.ndim >= 2 else 0
+        want = {"k": (*lead, KV, p, L), "v": (*lead, KV, L, p)}
+        for name, shape in want.items():
+            if getattr(cache, name).shape != shape:
+                raise ConfigError(
+                    f"{owner}: cache.{name} has shape "
+                    f"{tuple(getattr(cache, name).shape)}, expected {shape} "
+                    f"(batch {lead}, num_kv_heads={KV}, head_dim={p}, max_len={L}); "
+                    f"build it with init_cache(batch_shape={lead}, max_len)."
+                )
         start = _start(owner, start, lead, Tq, L)
         pos = start[..., None] + jnp.arange(Tq)  # (*lead, Tq) absolute positions
         q, k, v = self._project(x, pos)
         if G == 1:  # one layout below: q (*lead, KV, G, Tq, p)
             q = q[..., None, :, :]
+        rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         if defer_write:
-            rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
             return self._attend_deferred(x, q, cache, rows, start, pos), rows
-        new = AttentionCache(
-            _write(cache.k, k.astype(cache.k.dtype), start),
-            _write(cache.v, v.astype(cache.v.dtype), start),
-        )
+        new = write_cache(cache, rows, start)
         j = jnp.arange(L)
         qpos = pos[..., :, None]  # (*lead, Tq, 1)
         visible = j <= qpos
@@ -567,13 +575,14 @@ class MultiHeadAttention(eqx.Module):
                 pos.reshape(B, Tq), (pos + 1).reshape(B, Tq), self.window
             )
             mixed, _ = self._kernel(
-                impl, q.reshape(B, KV, G, Tq, p), new.k.reshape(B, KV, L, p),
+                impl, q.reshape(B, KV, G, Tq, p),
+                jnp.swapaxes(new.k, -1, -2).reshape(B, KV, L, p),
                 new.v.reshape(B, KV, L, p), rule, None,
             )  # fmt: skip
             mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H * p)
             out = dense(self.W_o, mixed.astype(x.dtype))
             return out.astype(x.dtype), new
-        raw = jnp.einsum("...gqp,...kp->...gqk", q, new.k, preferred_element_type=stat)
+        raw = jnp.einsum("...gqp,...pk->...gqk", q, new.k, preferred_element_type=stat)
         logits = self._capped(self._scaled(raw))
         weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
@@ -740,27 +749,38 @@ def write_cache(
     cache indices `start .. start + Tq - 1` of each sequence. `stacked`: both
     carry a leading layer axis (a `Stack`'s caches), written alike."""
     extra = 1 if stacked else 0
-    outer = cache.k.shape[:extra]
-    lead, Tq, L = cache.k.shape[extra:-3], rows.k.shape[-2], cache.k.shape[-2]
+    outer = cache.v.shape[:extra]
+    lead, Tq, L = cache.v.shape[extra:-3], rows.v.shape[-2], cache.v.shape[-2]
     start = _start("write_cache", start, tuple(lead), Tq, L)
     n, m = int(np.prod(lead)), int(np.prod(outer))
-    # One scatter of whole rows of p into the cache seen as (rows, p): XLA
-    # does it in place on the cache's own layout (a vmap of per-sequence
+    KV, p = cache.v.shape[-3], cache.v.shape[-1]
+    # Scatters at the rows' (sequence, time) indices into the cache seen flat:
+    # XLA does them in place on the cache's own layout (a vmap of per-sequence
     # updates had it transpose a stacked cache, twice per decoding step).
-    KV, p = cache.k.shape[-3], cache.k.shape[-1]
     t = start.reshape(1, n, 1, 1) + jnp.arange(Tq)  # (1, n, 1, Tq)
     slab = (jnp.arange(m)[:, None, None, None] * n + jnp.arange(n)[:, None, None]) * KV
-    index = ((slab + jnp.arange(KV)[:, None]) * L + t).reshape(-1)  # (m n KV Tq)
+    heads = slab + jnp.arange(KV)[:, None]  # (m, n, KV, 1)
+    v_rows = (heads * L + t).reshape(-1)  # rows of p in v (m n KV Tq)
+    # k is (…, KV, p, L): element (h, c, t) at (h p + c) L + t
+    k_at = ((heads[..., None] * p + jnp.arange(p)[:, None]) * L + t[..., None, :])
 
-    def put(buf, new):
+    def put_v(buf, new):
         new = new.astype(buf.dtype)
         if n == 1:  # one start: a plain slice update
             at = (0,) * (buf.ndim - 2) + (start.reshape(()), 0)
             return jax.lax.dynamic_update_slice(buf, new, at)
-        flat = buf.reshape(-1, p).at[index].set(new.reshape(-1, p))
+        flat = buf.reshape(-1, p).at[v_rows].set(new.reshape(-1, p))
         return flat.reshape(buf.shape)
 
-    return AttentionCache(put(cache.k, rows.k), put(cache.v, rows.v))
+    def put_k(buf, new):
+        new = jnp.swapaxes(new.astype(buf.dtype), -1, -2)  # (…, KV, p, Tq)
+        if n == 1:
+            at = (0,) * (buf.ndim - 1) + (start.reshape(()),)
+            return jax.lax.dynamic_update_slice(buf, new, at)
+        flat = buf.reshape(-1).at[k_at.reshape(-1)].set(new.reshape(-1))
+        return flat.reshape(buf.shape)
+
+    return AttentionCache(put_k(cache.k, rows.k), put_v(cache.v, rows.v))
 
 
 def with_attention_impl(model: Any, impl: str) -> Any:
@@ -857,16 +877,6 @@ def _start(owner, start, lead, Tq, max_len) -> Array:
                 f"start={np.asarray(start).tolist()}, Tq={Tq}."
             )
     return jnp.broadcast_to(arr.astype(jnp.int32), lead)
-
-
-def _write(buf: Array, new: Array, start: Array) -> Array:
-    """`buf[..., s_b : s_b + Tq, :] = new` per sequence b (axis -2 is time)."""
-    *lead, KV, L, p = buf.shape
-    n = int(np.prod(lead)) if lead else 1
-    rows = jax.vmap(
-        lambda b, u, s: jax.lax.dynamic_update_slice(b, u, (0, s, 0))
-    )(buf.reshape(n, KV, L, p), new.reshape(n, KV, -1, p), start.reshape(n))
-    return rows.reshape(buf.shape)
 
 
 def _positions(positions, shape) -> Array:
