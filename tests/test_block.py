@@ -288,7 +288,8 @@ def test_bad_valid_lens_are_refused(builder, lens, pattern, plain_python):
 
 
 def test_per_sequence_lengths_are_unambiguous():
-    """A batch of B = T sequences: (B, 1) is per sequence, (T,) per query."""
+    """A batch of B = T sequences: (B, 1) is per sequence, (1, T) per query,
+    and a 1-D (T,) array, which could be either, is refused (issue 23)."""
     blk = bl.TransformerBlock(16, 4, key=KEY)
     xs = jax.random.normal(jax.random.key(1), (T, T, 16))
     per_seq = jnp.arange(1, T + 1)[:, None]
@@ -296,7 +297,9 @@ def test_per_sequence_lengths_are_unambiguous():
     np.testing.assert_allclose(blk(xs, per_seq), want, rtol=1e-5, atol=1e-6)
     per_query = jnp.arange(1, T + 1)
     want = jnp.stack([blk(xs[b], per_query) for b in range(T)])
-    np.testing.assert_allclose(blk(xs, per_query), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(blk(xs, per_query[None]), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(bl.ConfigError, match=r"ambiguous.*\(1, 6\).*\(6, 1\)"):
+        blk(xs, per_query)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from .._validate import ConfigError, check_choice, check_float, check_int
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
 from ..nn.decoder import DecoderConfig, DecoderLM
+from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizer import optimizer as make_optimizer
 from ..training.sweep import sweep_grid, train_sweep
@@ -120,7 +121,7 @@ def activation_rms(model: Any, tokens: jax.Array) -> dict[str, jax.Array]:
     `Stack.scan(..., collect=...)` reading every block's `trace`.
     """
     T = tokens.shape[-1]
-    causal = jnp.arange(1, T + 1)
+    causal = causal_lengths(tokens.shape)
     visible = jnp.tril(jnp.ones((T, T), bool))
     extra: dict[str, Any] = {}
     if isinstance(model, DecoderLM):

@@ -678,8 +678,10 @@ class MultiHeadAttention(eqx.Module):
                 `x.shape[:-1]` = `(..., T)`: key $k$ is visible from query $q$
                 iff $k < L_q$. A scalar (the same for every query); `(T,)`
                 one per query (`jnp.arange(1, T + 1)` is causal); `(B, 1)` one
-                per sequence of a batch; `(B, T)` per sequence and query.
-                Float, bool and negative lengths are refused.
+                per sequence of a batch; `(1, T)` or `(B, T)` per query.
+                Float, bool and negative lengths are refused, and so is a
+                1-D array on a batch with `B == T` (per query or per
+                sequence? write `(1, T)` or `(B, 1)`; `functional._lengths`).
             positions: integer positions for RoPE, broadcastable to
                 `(..., T)`; default `arange(T)` (ignored without RoPE).
             segment_ids: packed sequences: integers of shape `(T,)` or

@@ -330,8 +330,10 @@ class TransformerBlock(eqx.Module):
             valid_lens: `None`, or integer lengths broadcastable to
                 `x.shape[:-1]` = `(..., T)`: a scalar, `(T,)` per-query lengths
                 (`jnp.arange(1, T + 1)` is causal), `(B, 1)` per sequence,
-                `(B, T)` per sequence and query. Masked keys never give NaN,
-                and non-finite values at masked positions never leak.
+                `(1, T)` or `(B, T)` per query; a 1-D array on a batch with
+                `B == T` is refused as ambiguous (write `(1, T)` or `(B, 1)`).
+                Masked keys never give NaN, and non-finite values at masked
+                positions never leak.
             positions: integer positions for RoPE (default `arange(T)`),
                 forwarded to the attention only when given.
             segment_ids: packed sequences (`(T,)` or `x.shape[:-1]`

@@ -21,7 +21,7 @@ from .._validate import (
 from . import cache as _cache
 from .block import TransformerBlock
 from .config import BlockConfig
-from .functional import linear
+from .functional import causal_lengths, linear
 from .normalization import RMSNorm
 from .parametrization import apply_init, attention_scale, check_base_width
 from .parametrization import readout_multiplier as _readout_multiplier
@@ -280,7 +280,7 @@ class CharLM(eqx.Module):
             )
         T = tokens.shape[-1]
         h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
-        h = self.stack(h, jnp.arange(1, T + 1), key=key)
+        h = self.stack(h, causal_lengths(tokens.shape), key=key)
         # float32 accumulation and output: logits of a bf16 model are not rounded
         logits = linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
         c = self.readout_multiplier  # 1, or d0/d under muP

@@ -40,7 +40,7 @@ from . import init, parametrization
 from .attention import check_segment_ids
 from .block import TransformerBlock
 from .config import QK_NORMS, BlockConfig
-from .functional import linear, segment_positions
+from .functional import causal_lengths, linear, segment_positions
 from .normalization import LayerNorm, RMSNorm
 from .stack import Stack
 
@@ -667,7 +667,8 @@ class DecoderLM(eqx.Module):
         Args:
             ids: `(T,)` or `(*batch, T)` token ids.
             cache: from `init_cache`; `None` makes one of `cfg.max_len`.
-            lengths: ragged right-padded prompts: sequence $b$'s length grows
+            lengths: ragged right-padded prompts, shape `batch` (one per
+                sequence, never per query): sequence $b$'s length grows
                 by `lengths[b]` (in `[1, T]`) instead of $T$; its padding is
                 written, but overwritten by its next tokens before any
                 query sees it.
@@ -731,7 +732,7 @@ class DecoderLM(eqx.Module):
         h = self.token_emb.weight[ids]
         if cfg.embed_scale is not None:
             h = h * jnp.asarray(cfg.embed_scale, h.dtype)
-        valid_lens = jnp.arange(1, T + 1)
+        valid_lens = causal_lengths(h.shape[:-1])
         if self.pos_emb is not None:
             pos = eqx.error_if(
                 pos,

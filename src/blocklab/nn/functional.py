@@ -28,6 +28,7 @@ __all__ = [
     "ACTIVATIONS",
     "dropout",
     "valid_mask",
+    "causal_lengths",
     "masked_softmax",
     "rope",
     "rope_frequencies",
@@ -259,6 +260,21 @@ def _check_int_array(owner: str, name: str, value) -> Array:
     return jnp.asarray(value)
 
 
+def _ambiguous_lengths(lens_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether lengths of `lens_shape` broadcast to `shape` = `(..., B, T)` both
+    per query (aligned with the query axis) and per sequence (aligned with the
+    axes before it, as `valid_lens[..., None]`), with different values."""
+    if len(lens_shape) == 0 or lens_shape[-1] == 1 or len(shape) < 2:
+        return False
+    shape, lead = tuple(shape), tuple(shape[:-1])
+    try:
+        per_query = np.broadcast_shapes(tuple(lens_shape), shape) == shape
+        per_sequence = np.broadcast_shapes(tuple(lens_shape), lead) == lead
+    except ValueError:
+        return False
+    return per_query and per_sequence
+
+
 def _lengths(
     valid_lens: Int[ArrayLike, "..."],
     shape: tuple[int, ...],
@@ -270,23 +286,61 @@ def _lengths(
     concrete), and broadcast to `(..., T)` with NumPy's rules: a scalar (the
     same length for every query), `(T,)` (one per query; `arange(1, T + 1)` is
     causal), `(B, 1)` (one per sequence of a batch), `(B, T)` (per sequence and
-    query). Any other shape raises `ValueError` naming the fix.
+    query), `(1, T)` (one per query, shared by every sequence). Any other
+    shape raises `ConfigError` naming the fix.
+
+    A shape that a batch can read two ways is refused: on a batch
+    `(..., B, T)` with `B == T`, a 1-D `(T,)` array would be read per query,
+    yet a user coming from the chapter's `masked_softmax` (where 1-D means one
+    length per sequence) may mean `(B,)`. In general: lengths whose last axis
+    is not 1 and that broadcast both to `x.shape[:-1]` (read per query) and,
+    as `valid_lens[..., None]`, to it (read per sequence). The message shows
+    both unambiguous forms, `(1, T)` per query and `(B, 1)` per sequence.
+    Lengths with as many axes as `x.shape[:-1]` are never ambiguous, and a
+    single sequence `(T, d)` has no sequence axis to confuse.
     """
     lens = _check_int_array(owner, "valid_lens", valid_lens)
+    shape = tuple(shape)
     try:
-        ok = np.broadcast_shapes(lens.shape, tuple(shape)) == tuple(shape)
+        ok = np.broadcast_shapes(lens.shape, shape) == shape
     except ValueError:
         ok = False
+    T = shape[-1]
     if not ok:
-        T = shape[-1]
         raise ConfigError(
             f"{owner}: valid_lens must be a scalar or have shape (T,) = ({T},) "
             f"(one length per query), got shape {tuple(lens.shape)}. For a batch "
-            f"x.shape[:-1] = {tuple(shape)} it may be any shape that broadcasts "
-            f"to it: (B, 1) for one length per sequence, (B, T) for one per "
-            f"sequence and query."
+            f"x.shape[:-1] = {shape} it may be any shape that broadcasts "
+            f"to it: (B, 1) for one length per sequence, (1, T) or (B, T) for "
+            f"one per query."
+        )
+    if _ambiguous_lengths(tuple(lens.shape), shape):
+        per_query = (1,) * (len(shape) - lens.ndim) + tuple(lens.shape)
+        per_seq = (*lens.shape, 1)
+        raise ConfigError(
+            f"{owner}: valid_lens of shape {tuple(lens.shape)} is ambiguous for "
+            f"a batch (..., B, T) = {shape} (B = T = {T}): it could be one "
+            f"length per query, shape (T,), or one per sequence, shape (B,). "
+            f"Say which: per query, give shape {per_query} (e.g. "
+            f"valid_lens[None], or jnp.arange(1, T + 1)[None] for causal "
+            f"lengths); per sequence, give shape {per_seq} "
+            f"(valid_lens[..., None])."
         )
     return jnp.broadcast_to(lens, shape)
+
+
+def causal_lengths(shape: tuple[int, ...]) -> Int[Array, "..."]:
+    r"""Causal valid lengths $L_i = i + 1$ (query $i$ sees keys $0 \ldots i$) for
+    `x.shape[:-1] = shape = (..., T)`: `jnp.arange(1, T + 1)` with as many axes
+    as `shape` (leading ones of size 1), so a batch never reads it as one
+    length per sequence, whatever `B` and `T` are."""
+    shape = tuple(shape)
+    if not shape:
+        raise ConfigError(
+            "causal_lengths: shape must be x.shape[:-1] = (..., T), got ()."
+        )
+    T = shape[-1]
+    return jnp.arange(1, T + 1).reshape((1,) * (len(shape) - 1) + (T,))
 
 
 def valid_mask(
@@ -300,9 +354,12 @@ def valid_mask(
     `valid_lens` broadcasts to `(..., Tq)`: a scalar (every query sees keys
     `0 .. L-1`), `(Tq,)` one length per query (`jnp.arange(1, T + 1)` is
     causal), `(B, 1)` one length per sequence, `(B, Tq)`. `None` means no
-    mask. Lengths must be integers (float and bool are refused) and, when
-    concrete, non-negative; a shape whose last axis is neither 1 nor `Tq`
-    raises `ValueError` at trace time.
+    mask. The mask has the lengths' own leading axes (it knows no batch), so
+    a 1-D array is always per query here; the modules and `masked_softmax`,
+    which see the batch, refuse a 1-D array on a batch with `B == T` (see
+    `_lengths`). Lengths must be integers (float and bool are refused) and,
+    when concrete, non-negative; a shape whose last axis is neither 1 nor
+    `Tq` raises `ConfigError` at trace time.
     """
     if valid_lens is None:
         return None
@@ -363,7 +420,11 @@ def masked_softmax(
         scores: `(..., Tq, Tk)` attention scores; leading axes (heads) broadcast.
         valid_lens: `None`, or integer lengths broadcastable to
             `scores.shape[:-1]` = `(..., Tq)` (a scalar, `(Tq,)` per query, or
-            with leading axes aligned to those of `scores`; see `valid_mask`).
+            with leading axes aligned to those of `scores`: `(B, 1)` one per
+            sequence, `(1, Tq)` one per query). Unlike the chapter's
+            `masked_softmax`, a 1-D array is per query, never per sequence;
+            where it could be either (`scores` of shape `(B, Tq, Tk)` with
+            `B == Tq`) it is refused with both forms (see `_lengths`).
 
     Returns:
         Float32 weights of the shape of `scores`, each row summing to one.

@@ -127,6 +127,8 @@ def generate(
         eos_id: after a sequence emits it, that sequence emits only it.
         lengths: `(B,)` prompt lengths in $[1, T]$ for ragged prompts in one
             batch: `ids` is right-padded, row $b$ holds `lengths[b]` tokens.
+            Always one length per row (per sequence), also when `B == T`:
+            unlike attention's `valid_lens` there is no per-query reading.
 
     Returns:
         int32 `(B, T + max_new_tokens)` (or `(T + max_new_tokens,)` for a

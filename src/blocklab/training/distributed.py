@@ -24,10 +24,18 @@ the same program and holds its own members. Results are gathered with
 for you), and files are written once, by process 0 (`is_main_process()`,
 `save_once`).
 
-Short timeouts make failures quick: a process that never joins makes the
-others fail after `BLOCKLAB_INIT_TIMEOUT` seconds (default 60 under the
-launcher), and one that dies is noticed by the coordination service's
-heartbeat after `BLOCKLAB_HEARTBEAT_TIMEOUT` seconds (default 10).
+Before JAX's join, the processes meet in Python on the coordinator's port
+(a pre-join handshake): process 0 listens there and waits for a line
+`blocklab-join <id> <N>` from each of the processes 1 .. N-1, answers each
+`go`, closes, and only then calls `jax.distributed.initialize` on the same
+port; the others retry connecting until the timeout. So a process that never
+joins makes the others raise `RuntimeError` after `BLOCKLAB_INIT_TIMEOUT`
+seconds (default 60 under the launcher): process 0 names the missing
+process ids, the address and the timeout, instead of being aborted by JAX
+(SIGABRT with a C++ stack). A duplicate process id, an id outside 1 .. N-1 or
+a different N is refused at once, on both sides. A process that dies after
+the handshake is noticed by the coordination service's heartbeat after
+`BLOCKLAB_HEARTBEAT_TIMEOUT` seconds (default 10).
 """
 
 from __future__ import annotations
@@ -132,26 +140,187 @@ def _check_slurm() -> None:
         )
 
 
-def _wait_for_coordinator(address: str, timeout: int) -> None:
-    """Raise `RuntimeError` if nothing listens at `address` within `timeout` s."""
+_HELLO = b"blocklab-join"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _reply(conn: Any, text: str) -> None:
+    """Send one line to a peer, ignoring a peer that is already gone. (No
+    shutdown: the peer closes first, so the TIME_WAIT stays on its side.)"""
+    try:
+        conn.sendall(text.encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _gather_peers(address: str, num: int, timeout: int | float) -> None:
+    r"""Process 0's side of the pre-join handshake.
+
+    Listen on `address` (`SO_REUSEADDR`), accept connections until each of the
+    processes $1 .. N-1$ has sent its line `blocklab-join <id> <N>`, answer
+    every one `go` and only then return, so that `jax.distributed.initialize`
+    (which aborts the whole process when a peer is missing) starts only once
+    every peer is known to be alive. Each peer closes first after reading
+    `go` (its end takes the TIME_WAIT, not the coordinator's port). Lines that
+    are not a join are ignored (a port probe); a process id outside
+    $1 .. N-1$, a different $N$, or an id that joins twice is answered
+    `abort <why>` and raises here too, as does the timeout (naming the missing
+    ids, the address and the timeout), after telling every waiting peer.
+    """
+    import selectors
     import socket
     import time
 
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+    host, port = _split(address)
     deadline = time.monotonic() + timeout
-    while True:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server = socket.create_server((host, port), family=family, backlog=max(num, 8))
+    except OSError as err:
+        raise RuntimeError(
+            f"initialize: process 0 cannot listen on the coordinator address "
+            f"{address} ({err}); is another process 0 of a job using that port?"
+        ) from None
+    joined: dict[int, Any] = {}  # process id -> its connection
+    pending: dict[Any, bytes] = {}  # connections that have not sent a full line
+    sel = selectors.DefaultSelector()
+    server.setblocking(False)
+    sel.register(server, selectors.EVENT_READ)
+    error = None
+    try:
+        while len(joined) < num - 1 and error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, num)) - set(joined))
+                error = (
+                    f"initialize: process 0 waited {timeout:g} s "
+                    f"({ENV_INIT_TIMEOUT}) at the coordinator {address} for "
+                    f"{num - 1} peer(s); process id(s) {missing} never joined "
+                    f"(did they start, with {ENV_COORDINATOR}={address}?)."
+                )
+                break
+            for sk, _ in sel.select(timeout=min(left, 0.5)):
+                if sk.fileobj is server:
+                    try:
+                        conn, _ = server.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    pending[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = sk.fileobj
+                try:
+                    chunk = conn.recv(256)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                buf = pending[conn] + chunk
+                if chunk and b"\n" not in buf and len(buf) < 256:
+                    pending[conn] = buf
+                    continue
+                sel.unregister(conn)
+                del pending[conn]
+                parts = buf.split(b"\n")[0].split()
+                if (
+                    len(parts) != 3
+                    or parts[0] != _HELLO
+                    or not all(p.isdigit() for p in parts[1:])
+                ):
+                    conn.close()  # not one of ours (a probe, or closed early)
+                    continue
+                pid, n = int(parts[1]), int(parts[2])
+                why = None
+                if n != num:
+                    why = (
+                        f"process {pid} was started with {ENV_NUM_PROCESSES}={n}, "
+                        f"process 0 with {num}"
+                    )
+                elif not 1 <= pid < num:
+                    why = f"process id {pid} is not one of 1..{num - 1}"
+                elif pid in joined:
+                    why = f"process id {pid} joined twice (two processes share it)"
+                if why is not None:
+                    _reply(conn, f"abort {why}")
+                    conn.close()
+                    error = f"initialize: {why}, at the coordinator {address}."
+                    break
+                joined[pid] = conn
+        if error is not None:
+            for conn in joined.values():
+                _reply(conn, "abort " + error.removeprefix("initialize: "))
+            raise RuntimeError(error)
+        for conn in joined.values():
+            _reply(conn, "go")
+        # Let each peer close first (it reads `go`, then closes), so that the
+        # TIME_WAIT state stays on the peer's port, not on the coordinator's.
+        for conn in joined.values():
+            conn.setblocking(True)
+            conn.settimeout(max(0.1, min(5.0, deadline + 5.0 - time.monotonic())))
+            try:
+                while conn.recv(256):
+                    pass
+            except OSError:
+                pass
+    finally:
+        for conn in [*joined.values(), *pending]:
+            conn.close()
+        sel.close()
+        server.close()
+
+
+def _join_coordinator(address: str, pid: int, num: int, timeout: int | float) -> None:
+    """A peer's side of the handshake (see `_gather_peers`): connect to process
+    0, retrying until `timeout`, send `blocklab-join <pid> <num>`, wait for
+    `go`, close first. Raises `RuntimeError` on the timeout or an `abort`."""
+    import socket
+    import time
+
+    host, port = _split(address)
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    connected = False
+    while time.monotonic() < deadline:
+        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
+            with socket.create_connection((host, port), timeout=min(1.0, left)) as s:
+                connected = True
+                s.settimeout(max(0.1, deadline - time.monotonic()))
+                s.sendall(_HELLO + f" {pid} {num}\n".encode())
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+            line = reply.decode(errors="replace").strip()
+            if line == "go":
                 return
-        except OSError as err:
-            if time.monotonic() > deadline:
+            if line.startswith("abort "):
                 raise RuntimeError(
-                    f"initialize: no coordinator answered at {address} within "
-                    f"{timeout} s ({ENV_INIT_TIMEOUT}); is process 0 running? "
-                    f"({err})"
-                ) from None
-            time.sleep(0.2)
+                    f"initialize: process 0 at {address} refused process "
+                    f"{pid}: {line[len('abort ') :]}"
+                )
+            last = ConnectionError(f"unexpected answer {line!r}")
+        except OSError as err:  # refused, reset, timed out: retry
+            last = err
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    if connected:
+        raise RuntimeError(
+            f"initialize: process {pid} of {num} reached the coordinator at "
+            f"{address}, but process 0 did not say go within {timeout:g} s "
+            f"({ENV_INIT_TIMEOUT}): another process has not joined. ({last})"
+        )
+    raise RuntimeError(
+        f"initialize: no coordinator answered at {address} within {timeout:g} s "
+        f"({ENV_INIT_TIMEOUT}) for process {pid} of {num}; is process 0 "
+        f"running? ({last})"
+    )
 
 
 def _cluster_detected() -> bool:
@@ -184,10 +353,12 @@ def initialize() -> Job:
 
     Raises:
         ConfigError: a malformed `BLOCKLAB_*` variable.
-        RuntimeError: a process other than 0 cannot reach the coordinator
-            within `BLOCKLAB_INIT_TIMEOUT` seconds. (Process 0 whose peers
-            never join is ended by JAX itself after that timeout, with
-            SIGABRT; `blocklab launch` reports it as killed by signal 6.)
+        RuntimeError: the pre-join handshake failed: process 0 did not hear
+            from every peer within `BLOCKLAB_INIT_TIMEOUT` seconds (the
+            message names the missing process ids, the coordinator address
+            and the timeout), a peer found no coordinator (or no `go`) in that
+            time, process 0 cannot listen on the address, or a process id is
+            duplicated, out of range or started with another process count.
     """
     if jax.distributed.is_initialized():
         return Job(jax.process_index(), jax.process_count(), "already")
@@ -202,8 +373,13 @@ def initialize() -> Job:
             )
         init_timeout = _env_int(ENV_INIT_TIMEOUT, _DEFAULT_INIT_TIMEOUT, min=1)
         heartbeat = _env_int(ENV_HEARTBEAT_TIMEOUT, _DEFAULT_HEARTBEAT_TIMEOUT, min=1)
-        if pid != 0:
-            _wait_for_coordinator(address, init_timeout)
+        if num > 1:
+            # JAX's own join aborts process 0 (SIGABRT, in C++) when a peer
+            # never comes: meet every peer first, in Python, on the same port.
+            if pid == 0:
+                _gather_peers(address, num, init_timeout)
+            else:
+                _join_coordinator(address, pid, num, init_timeout)
         _use_cpu_collectives()
         jax.distributed.initialize(
             coordinator_address=address,
