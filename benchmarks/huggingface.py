@@ -10,8 +10,11 @@
 3. Forward time: a converted Llama in blocklab (jitted, its default
    `attention_impl="auto"`) and in PyTorch (`torch.no_grad`, SDPA
    attention), same batch, on the same CPU threads (`--threads`, default all:
-   both libraries are pinned to the first N CPUs), timed round-robin; the
-   ratio PyTorch / blocklab (>= 1: blocklab is at least as fast).
+   both libraries are pinned to the first N CPUs), timed in alternating
+   blocks of 5 calls with a pause between blocks (PyTorch's thread pool spins
+   for a while after a call and would slow the call that follows); medians
+   and best rounds, and the ratio PyTorch / blocklab (>= 1: blocklab is at
+   least as fast).
 
 Prints one JSON object. Usage: `python benchmarks/huggingface.py [--layers 4]
 [--width 256] [--batch 4] [--seq 128] [--reps 10] [--threads N]
@@ -181,11 +184,16 @@ def forward_times(layers, d, batch, seq, reps) -> dict:
     times = {k: [] for k in cands}
     for fn in list(cands.values()) * 2:  # warm up
         fn()
-    for _ in range(reps):  # round-robin: a noisy machine slows all alike
+    # Alternating blocks of 5 calls with a pause between them: a noisy machine
+    # slows both alike, and PyTorch's pool, which spins for a while after a
+    # call, does not take the CPUs from the call that follows it.
+    for _ in range(-(-reps // 5)):
         for name, fn in cands.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            time.sleep(0.2)
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     return {
