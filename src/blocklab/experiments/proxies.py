@@ -184,7 +184,8 @@ def _grid(lo: float, hi: float) -> tuple[float, ...]:
 #: On an accelerator: widths 64..512, depths 2..8, 1000 steps.
 FULL = ProxiesProtocol("full", (64, 128, 256, 512), (2, 4, 8), _grid(-4.0, -0.5), 1000,
                        seq_len=128, batch_size=64, record_every=100)  # fmt: skip
-#: About ten minutes on 2 CPU cores (the report's default without an accelerator).
+#: `blocklab proxies`'s default: 30 sweeps, measured 5 min 40 s on 2 idle CPU cores
+#: (all six variants; 2026-11-30), so about ten minutes on 2 busy ones.
 CPU = ProxiesProtocol("cpu", (32, 64, 128), (1, 2, 4), _grid(-3.5, -1.0), 200,
                       seq_len=32, batch_size=16, record_every=50)  # fmt: skip
 #: Minutes: the report's `--quick`, and the tests.
