@@ -392,15 +392,15 @@ def _softmax_clamped(
     Masked scores are clamped, $\\min(s, c)$ with $c = +\\infty$ where visible
     and `MASK_VALUE` where masked: the same weights and gradients as replacing
     them for every score $\\ge$ `MASK_VALUE` (and for $+\\infty$), but a
-    minimum against a small materialised table vectorises where XLA:CPU's
-    select in the softmax fusion does not (about 0.35 ms of a 1.9 ms attention
-    layer at B = 4, T = 128). A NaN score would spread to its row: the
-    attention layers zero non-finite input rows first, so none reaches here.
+    minimum vectorises where XLA:CPU's select in the softmax fusion does not
+    (about 0.35 ms of a 1.9 ms attention layer at B = 4, T = 128). A NaN score
+    would spread to its row: the attention layers zero non-finite input rows
+    first, so none reaches here.
     """
     s = scores.astype(_stat_dtype(scores.dtype))
     if mask is not None:
         cap = jnp.where(mask, jnp.inf, MASK_VALUE).astype(s.dtype)
-        s = jnp.minimum(s, jax.lax.optimization_barrier(cap))
+        s = jnp.minimum(s, cap)
     return jax.nn.softmax(s, axis=-1)
 
 
@@ -532,12 +532,11 @@ def rope(
                 f"{tuple(x.shape[:-1])} (e.g. shape (T,) = ({T},)), got shape "
                 f"{tuple(pos.shape)}."
             )
-    # The table is formed at the positions' own shape (e.g. (T, p)) and
-    # materialised: fused into the rotation, XLA recomputes the sine and the
-    # cosine for every element of x (every head and sequence).
+    # The angles are formed at the positions' own shape (e.g. (T, p)), not
+    # broadcast to every head first.
     angle = pos.astype(jnp.float32)[..., None] * inv_freq
     angle = jnp.concatenate([angle, angle], axis=-1)
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(angle), jnp.sin(angle)))
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
     xf = x.astype(_stat_dtype(x.dtype))
     out = xf * cos + rotate_half(xf) * sin
     return out.astype(x.dtype)
