@@ -113,3 +113,14 @@ def test_stack_decodes_with_the_deferred_write_and_keeps_the_cache():
     np.testing.assert_array_equal(np.asarray(new.v)[untouched], np.asarray(caches.v)[untouched])
     k_now, k_was = np.swapaxes(new.k, -1, -2), np.swapaxes(caches.k, -1, -2)
     np.testing.assert_array_equal(k_now[untouched], k_was[untouched])
+
+
+def test_flags_must_be_booleans():
+    att = _layer(None, 2, seed=0)
+    cache = att.init_cache((), 4)
+    x = jnp.ones((1, 16))
+    with pytest.raises((bl.ConfigError, TypeError), match="defer_write"):
+        att.step(x, cache, 0, defer_write="yes")
+    rows = AttentionCache(jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)))
+    with pytest.raises((bl.ConfigError, TypeError), match="stacked"):
+        write_cache(cache, rows, 0, stacked=1)

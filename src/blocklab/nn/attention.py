@@ -558,7 +558,7 @@ class MultiHeadAttention(eqx.Module):
         if G == 1:  # one layout below: q (*lead, KV, G, Tq, p)
             q = q[..., None, :, :]
         rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-        if defer_write:
+        if check_bool(owner, "defer_write", defer_write):
             return self._attend_deferred(x, q, cache, rows, start, pos), rows
         new = write_cache(cache, rows, start)
         j = jnp.arange(L)
@@ -750,7 +750,7 @@ def write_cache(
     `MultiHeadAttention.step(..., defer_write=True)` returns them) written at
     cache indices `start .. start + Tq - 1` of each sequence. `stacked`: both
     carry a leading layer axis (a `Stack`'s caches), written alike."""
-    extra = 1 if stacked else 0
+    extra = 1 if check_bool("write_cache", "stacked", stacked) else 0
     outer = cache.v.shape[:extra]
     lead, Tq, L = cache.v.shape[extra:-3], rows.v.shape[-2], cache.v.shape[-2]
     start = _start("write_cache", start, tuple(lead), Tq, L)
