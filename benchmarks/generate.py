@@ -7,18 +7,25 @@
    `transformers.LlamaForCausalLM.generate(do_sample=False)` (its
    `DynamicCache`, SDPA attention) on the same CPU threads, timed
    round-robin (median of `--reps`). Both produce the same tokens (checked).
-   Target: blocklab >= 2x.
-2. Decode-step cost against position: the time of one `decode_step` (a scan
-   of 16 steps, divided) at position 20 and at 2000, (a) in one cache of
+   Target: blocklab >= 2x. (`generate`'s default: 4 blocks, unrolled loop.)
+2. Decode-step cost against position: the time of one step (a scan of 16
+   steps, divided) at position 20 and at 2000, (a) in one cache of
    2048 + 16 positions (what a 2048-token generation allocates; a step reads
    the whole cache, masked) and (b) in a cache sized to the position
-   (p + 16, as `generate` sizes it for a prompt of p tokens). Target: the
-   step at 2000 costs at most 1.5x the step at 20.
+   (p + 16, as `generate` sizes it for a prompt of p tokens); for the public
+   `decode_step` (scanned stack) and for `generate`'s unrolled loop body
+   (`cache.decode_blocks`, the `_unrolled` rows). Target: the step at 2000
+   costs at most 1.5x the step at 20.
+3. Depth (`--depths`, default 4 16 48): `generate` at batch 8 (16-token
+   prompts, 64 new tokens) with the blocks scanned and unrolled
+   (`unroll_layers`): compile seconds and run time, Llama-style models of
+   d = 256 built in blocklab.
 
 On a GPU the sizes stay (they are a decoding workload) and PyTorch, a CPU
 build here, is left out: blocklab's figures are printed alone. Prints
 human-readable lines and one JSON line. Usage: `python benchmarks/generate.py
-[--reps 5] [--new 128] [--prompt 16] [--threads N] [--quick]`; with
+[--reps 5] [--new 128] [--prompt 16] [--threads N] [--quick]
+[--depths 4 16 48]`; with
 `--threads 1` both libraries run on one thread (XLA's intra-op pool too).
 """
 
@@ -138,6 +145,8 @@ def _prefill(model, ids, max_len):
 
 @eqx.filter_jit
 def _decode(model, tokens, cache):
+    """`decode_step` scanned over `tokens`: the public step, scanned stack."""
+
     def step(cache, token):
         logits, cache = model.decode_step(token, cache)
         return cache, logits
@@ -145,7 +154,64 @@ def _decode(model, tokens, cache):
     return jax.lax.scan(step, cache, tokens)
 
 
-def step_costs(model, sizes: dict, steps=16, reps=7) -> dict:
+@eqx.filter_jit
+def _decode_unrolled(model, tokens, cache):
+    """`generate`'s decode loop body (`unroll_layers=True`) scanned over
+    `tokens`: blocks and caches sliced once, before the loop."""
+    from blocklab.nn import cache as _cache
+
+    blocks, state = _cache.unstack(model, cache)
+
+    def step(state, token):
+        logits, state = _cache.decode_blocks(model, blocks, token[..., None], state)
+        return state, logits
+
+    return jax.lax.scan(step, state, tokens)
+
+
+def depth_costs(depths, batch=8, prompt=16, new=64, reps=3) -> dict:
+    """`generate` with the blocks scanned and unrolled (`unroll_layers`), on
+    Llama-style models of each depth (d = 256, random weights): the seconds
+    to compile the program, and the median seconds of a run."""
+    from blocklab.nn.generation import _generate
+
+    out = {}
+    ids = np.random.default_rng(0).integers(1, VOCAB, (batch, prompt))
+    for depth in depths:
+        model = llama_decoder(prompt + new, layers=depth)
+        row = {}
+        for label, unroll in (("scanned", False), ("unrolled", True)):
+            lengths = jnp.full((batch,), prompt, jnp.int32)
+            args = (
+                model, jnp.asarray(ids, jnp.int32), lengths,
+                None, None, None, new, None, None, jnp.int32(0), unroll,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            _generate.lower(*args).lowered.compile()
+            compile_s = time.perf_counter() - t0
+
+            def run(model=model, unroll=unroll):
+                return jax.block_until_ready(
+                    blocklab.generate(model, ids, new, unroll_layers=unroll)
+                )
+
+            run()
+            med = time_round_robin({"run": run}, reps)["run"]
+            row[label] = {"compile_s": compile_s, "run_s": med}
+        row["speedup"] = row["scanned"]["run_s"] / row["unrolled"]["run_s"]
+        out[depth] = row
+        print(
+            f"depth {depth}: compile {row['scanned']['compile_s']:.2f} s scanned, "
+            f"{row['unrolled']['compile_s']:.2f} s unrolled; run "
+            f"{1e3 * row['scanned']['run_s']:.0f} ms scanned, "
+            f"{1e3 * row['unrolled']['run_s']:.0f} ms unrolled "
+            f"({row['speedup']:.2f}x)",
+            flush=True,
+        )
+    return out
+
+
+def step_costs(model, sizes: dict, decode, steps=16, reps=7) -> dict:
     """Seconds per decode step at each position p (cache of `sizes[p]`),
     timed round-robin (median), so that load changes hit every position."""
     tokens = jnp.ones((steps, 1), jnp.int32)
@@ -153,9 +219,9 @@ def step_costs(model, sizes: dict, steps=16, reps=7) -> dict:
     for p, cache_len in sizes.items():
         ids = np.random.default_rng(0).integers(1, VOCAB, (1, p)).astype(np.int32)
         caches[p] = jax.block_until_ready(_prefill(model, ids, cache_len))
-        jax.block_until_ready(_decode(model, tokens, caches[p]))  # compile
+        jax.block_until_ready(decode(model, tokens, caches[p]))  # compile
     fns = {
-        p: (lambda c=c: jax.block_until_ready(_decode(model, tokens, c)))
+        p: (lambda c=c: jax.block_until_ready(decode(model, tokens, c)))
         for p, c in caches.items()
     }
     return {p: t / steps for p, t in time_round_robin(fns, reps).items()}
@@ -173,6 +239,13 @@ def main():
         help="CPU threads of both libraries (1: XLA's intra-op pool too)",
     )
     parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 reps")
+    parser.add_argument(
+        "--depths",
+        type=int,
+        nargs="*",
+        default=[4, 16, 48],
+        help="depths for the scanned/unrolled comparison (none: skip it)",
+    )
     args = parser.parse_args()
     platform = jax.devices()[0].platform
     far, near, extra = 2000, 20, 16
@@ -197,11 +270,15 @@ def main():
                 f"ratio {r['speedup']:.2f}x (same tokens: {r['same_tokens']})"
             )
         print(line, flush=True)
-    for label, sizes in (
-        ("shared_cache", {near: max_len, far: max_len}),
-        ("sized_cache", {near: near + extra, far: far + extra}),
+    shared = {near: max_len, far: max_len}
+    sized = {near: near + extra, far: far + extra}
+    for label, sizes, decode in (
+        ("shared_cache", shared, _decode),
+        ("sized_cache", sized, _decode),
+        ("shared_cache_unrolled", shared, _decode_unrolled),
+        ("sized_cache_unrolled", sized, _decode_unrolled),
     ):
-        costs = step_costs(ours, sizes, steps=extra, reps=reps + 2)
+        costs = step_costs(ours, sizes, decode, steps=extra, reps=reps + 2)
         ratio = costs[far] / costs[near]
         result[label] = {
             "step_ms_at_20": 1e3 * costs[near],
@@ -213,6 +290,8 @@ def main():
             f"{1e3 * costs[far]:.2f} ms at 2000, ratio {ratio:.2f}",
             flush=True,
         )
+    if args.depths and not args.quick:
+        result["depth"] = depth_costs(args.depths, reps=reps)
     print(json.dumps(result))
 
 

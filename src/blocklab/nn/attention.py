@@ -72,6 +72,20 @@ def dense(
     return linear(x, layer.weight, layer.bias)
 
 
+def _dense_weight_first(
+    layer: eqx.nn.Linear, x: Float[Array, "*batch n"]
+) -> Float[Array, "*batch m"]:
+    """`dense(layer, x)` written as $(W x^\top)^\top + b$, the weight on the
+    left: the same products. For the few rows of a decoding step, XLA:CPU
+    fuses the attention's last sum into the product written `x @ W.T` and then
+    reads $W$ transposed, one strided column per output (measured: 94 us
+    against 15 us for the 256 x 256 output projection of one token)."""
+    dtype = jnp.result_type(x.dtype, layer.weight.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    y = (layer.weight.astype(dtype) @ rows.T).T.reshape(*x.shape[:-1], -1)
+    return y if layer.bias is None else y + layer.bias
+
+
 def check_config(
     owner: str, num_hiddens: int, num_heads: int, dropout: float, *, divisible=True
 ) -> tuple[int, int, float]:
@@ -396,6 +410,16 @@ class MultiHeadAttention(eqx.Module):
             return raw / math.sqrt(p)  # bit-identical to the chapter's numbers
         return raw * self.scale
 
+    def _heads_out(self, mixed, dtype):
+        """`step`'s output from the mixed values `(*lead, KV, G, Tq, p)`:
+        heads back to rows, then $W_O$ (weight first for one token)."""
+        *lead, _, _, Tq, p = mixed.shape
+        H = self.num_heads
+        mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
+        mixed = mixed.reshape(*lead, Tq, H * p).astype(dtype)
+        project = _dense_weight_first if Tq == 1 else dense
+        return project(self.W_o, mixed).astype(dtype)
+
     def _attend_deferred(self, x, q, cache, rows, start, pos):
         """`step`'s output without writing: the new tokens see the cache
         indices before `start` and each other (causal, windowed), one softmax
@@ -434,10 +458,7 @@ class MultiHeadAttention(eqx.Module):
         mixed = jnp.einsum(
             spec, weights[..., :L].astype(cache.v.dtype), cache.v
         ) + jnp.einsum(spec, weights[..., L:].astype(rows.v.dtype), rows.v)
-        H = self.num_heads
-        mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
-        out = dense(self.W_o, mixed.reshape(*lead, Tq, H * p).astype(x.dtype))
-        return out.astype(x.dtype)
+        return self._heads_out(mixed, x.dtype)
 
     def init_cache(
         self, batch_shape: tuple[int, ...] = (), max_len: int = 0, dtype=jnp.float32
@@ -586,9 +607,7 @@ class MultiHeadAttention(eqx.Module):
         logits = self._capped(self._scaled(raw))
         weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
-        mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
-        out = dense(self.W_o, mixed.reshape(*lead, Tq, H * p).astype(x.dtype))
-        return out.astype(x.dtype), new
+        return self._heads_out(mixed, x.dtype), new
 
     def trace(
         self,

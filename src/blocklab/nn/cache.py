@@ -7,11 +7,15 @@ index where its next token goes, which is also that token's position (its RoPE
 angle, or its row of a learned position table). `extend` runs new tokens
 through a model with it; `DecoderLM` and `CharLM` expose it as `init_cache`,
 `prefill` and `decode_step`, and `blocklab.generate` loops on it.
+
+A decode loop that reruns the same blocks many times may instead split the
+model and its cache per layer once, before the loop (`unstack`), and run the
+blocks one after another (`decode_blocks`): `generate`'s unrolled loop.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -20,9 +24,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._validate import ConfigError, check_ids, check_int
+from .attention import AttentionCache, write_cache
 from .functional import linear
 
-__all__ = ["DecoderCache", "init_cache", "extend", "prefill", "decode_step"]
+__all__ = [
+    "DecoderCache", "init_cache", "extend", "prefill", "decode_step",
+    "Unstacked", "unstack", "decode_blocks",
+]  # fmt: skip
 
 
 class DecoderCache(eqx.Module):
@@ -140,6 +148,76 @@ def extend(
     h, layers = model.stack.step(h, cache.layers, start)
     grow = Tq if num_valid is None else jnp.asarray(num_valid, start.dtype)
     return _head(model, h), DecoderCache(layers, start + grow, cache.max_len)
+
+
+class Unstacked(NamedTuple):
+    """A decode loop's state with the blocks run one after another
+    (`unstack`, `decode_blocks`): per-layer caches, and per layer the keys
+    and values of the previous token, not yet written."""
+
+    layers: tuple
+    pending: tuple
+    length: Array
+
+
+def unstack(model: Any, cache: DecoderCache) -> tuple[tuple, Unstacked]:
+    """The blocks of `model` (`Stack.unstack`) and `cache` split per layer,
+    for `decode_blocks`. Call it outside the decode loop: the slices are
+    then taken once. Each layer's pending row starts as the cached row just
+    before `cache.length` (rewriting it changes nothing), so every sequence
+    must hold at least one token.
+
+    A batch of one sequence, `batch_shape == (1,)`, is held as one sequence
+    (no batch axis; `decode_blocks` takes and returns it with its axis): with
+    a unit batch axis, XLA drops the axis in a fused copy of each in-place
+    write, and copies every layer's cache at every step.
+    """
+    blocks = model.stack.unstack()
+    one = cache.length.shape == (1,)
+    layers = tuple(
+        jax.tree_util.tree_map(lambda a, i=i: a[i, 0] if one else a[i], cache.layers)
+        for i in range(len(blocks))
+    )
+    length = cache.length[0] if one else cache.length
+    pending = tuple(_rows_at(layer, length - 1) for layer in layers)
+    return blocks, Unstacked(layers, pending, length)
+
+
+def _rows_at(layer: AttentionCache, index: Array) -> AttentionCache:
+    """The cached keys and values at `index` (one per sequence), laid out as
+    `step(..., defer_write=True)` returns new rows: `(*batch, KV, 1, p)`."""
+    i = index[..., None, None, None]
+    k = jnp.take_along_axis(layer.k, i, axis=-1)  # (*batch, KV, p, 1)
+    v = jnp.take_along_axis(layer.v, i, axis=-2)  # (*batch, KV, 1, p)
+    return AttentionCache(jnp.swapaxes(k, -1, -2), v)
+
+
+def decode_blocks(
+    model: Any, blocks: tuple, ids: Int[Array, "*batch 1"], state: Unstacked
+) -> tuple[Float[Array, "*batch 1 vocab"], Unstacked]:
+    """One token per sequence through the blocks run one after another: the
+    logits of `decode_step`, and the next state.
+
+    Each layer first writes its pending row (the previous token's keys and
+    values) at `length - 1`, then its block attends to the cache before
+    `length` and to the new token (`step(..., defer_write=True)`), whose keys
+    and values become the pending row. Written before it is read, each
+    per-layer cache is updated in place; written after the reads, XLA copies
+    it at every step, as nothing orders the write after them.
+    """
+    start = state.length
+    one = ids.ndim == start.ndim + 2  # a batch of one, held as one sequence
+    h = _embed(model, ids[0] if one else ids, start[..., None])
+    layers, pending = [], []
+    for block, layer, rows in zip(blocks, state.layers, state.pending, strict=True):
+        layer = write_cache(layer, rows, start - 1)
+        h, rows = block.step(h, layer, start, defer_write=True)
+        layers.append(layer)
+        pending.append(rows)
+    logits = _head(model, h)
+    return (logits[None] if one else logits), Unstacked(
+        tuple(layers), tuple(pending), start + 1
+    )
 
 
 def _check_ids(owner: str, ids: Any, cache: DecoderCache, vocab: int, name: str):

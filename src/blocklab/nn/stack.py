@@ -105,6 +105,17 @@ class Stack(eqx.Module):
     def __getitem__(self, i: int):
         return self.block(i)
 
+    def unstack(self) -> tuple:
+        """The N blocks as a tuple of ordinary modules, each leaf sliced once.
+
+        For loops that run the blocks many times (`generate`'s decode loop):
+        sliced before the loop, every block's weights are buffers of their
+        own, where a scan over the stacked leaves slices (and on a CPU copies)
+        them again at every iteration. A program that calls the blocks one
+        after another grows with depth, which a scan does not.
+        """
+        return tuple(self.block(i) for i in range(self.num_blks))
+
     def with_constraint(self, constrain: Callable[[Array], Array] | None) -> Stack:
         """This stack with `constrain(h)` applied at every block boundary.
 

@@ -1,0 +1,262 @@
+"""`generate`'s two decode loops (`unroll_layers`): the blocks scanned, or
+run one after another on per-layer caches (`cache.unstack`,
+`cache.decode_blocks`), and the weight-first output projection of a decoding
+step.
+
+References: loops of uncached full forwards (the tokens), the scanned public
+`decode_step` (the logits and the cache it leaves), NumPy (the projection),
+and the compiled program itself (what the unrolled loop must not do at every
+step: slice weights or copy caches).
+"""
+
+from __future__ import annotations
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, generate
+from blocklab.nn import cache as _cache
+from blocklab.nn import generation
+from blocklab.nn.attention import _dense_weight_first, dense, write_cache
+
+V = 43
+
+#: Families whose decoding differs: learned positions; RoPE with a window
+#: shorter than the generated length and GQA; one key/value head.
+FAMILIES = {
+    "gpt2": lambda n=2: DecoderConfig.gpt2(V, 24, 3, n, max_len=32),
+    "gemma3-window3": lambda n=2: DecoderConfig.gemma3(
+        V, 32, 4, n, num_kv_heads=2, head_dim=8, window=3, global_every=2, max_len=32
+    ),
+    "olmo2-mqa": lambda n=2: DecoderConfig.olmo2(
+        V, 32, 4, n, num_kv_heads=1, max_len=32
+    ),
+}
+
+_forward = jax.jit(lambda model, ids: model(ids))
+
+
+def _model(name, seed=0):
+    if name == "charlm":
+        model = CharLM(V, 24, 4, 2, max_len=32, key=jax.random.key(seed))
+    else:
+        model = DecoderLM(FAMILIES[name](), key=jax.random.key(seed))
+    # embeddings of unit size: logits of order 1-10, so that a wrong cache
+    # row changes the argmax
+    emb = model.token_emb.weight
+    return eqx.tree_at(
+        lambda m: m.token_emb.weight,
+        model,
+        jax.random.normal(jax.random.key(9), emb.shape),
+    )
+
+
+def _greedy(model, prompts, lengths, n):
+    """Python loop: one uncached forward of the padded rows per new token."""
+    B, T = prompts.shape
+    seqs = np.zeros((B, T + n), np.int32)
+    seqs[:, :T] = prompts
+    cur = np.array(lengths)
+    for _ in range(n):
+        logits = np.asarray(_forward(model, seqs))
+        seqs[np.arange(B), cur] = logits[np.arange(B), cur - 1].argmax(-1)
+        cur = cur + 1
+    out = np.zeros_like(seqs)
+    for b in range(B):
+        out[b, : lengths[b] + n] = seqs[b, : lengths[b] + n]
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(
+    "name",
+    ["gemma3-window3", "olmo2-mqa", pytest.param("gpt2", marks=pytest.mark.slow),
+     pytest.param("charlm", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_both_loops_give_the_uncached_greedy_tokens(name, batch):
+    """Ragged prompts, 11 new tokens (past gemma3's window of 3), one
+    sequence (held without its batch axis in the unrolled loop) and three."""
+    model = _model(name)
+    rng = np.random.default_rng(batch)
+    prompts = rng.integers(0, V, (batch, 6)).astype(np.int32)
+    lengths = np.array([6, 2, 4][:batch], np.int32)
+    ref = _greedy(model, prompts, lengths, 11)
+    for unroll in (True, False):
+        out = generate(model, prompts, 11, lengths=lengths, unroll_layers=unroll)
+        assert np.array_equal(out, ref), unroll
+
+
+def test_sampling_and_eos_agree_between_the_loops():
+    model = _model("gemma3-window3")
+    prompts = np.random.default_rng(5).integers(0, V, (4, 5)).astype(np.int32)
+    kw = dict(
+        key=jax.random.key(3), temperature=1.3, top_k=15, lengths=np.array([5, 1, 3, 5])
+    )
+    free = generate(model, prompts, 9, **kw)
+    eos = int(free[0, 7])
+    for extra in ({}, {"eos_id": eos}):
+        outs = [
+            generate(model, prompts, 9, unroll_layers=u, **kw, **extra)
+            for u in (True, False)
+        ]
+        assert np.array_equal(outs[0], outs[1])
+    assert (np.asarray(outs[0][0, 7:]) == eos).all()
+
+
+@eqx.filter_jit
+def _unrolled_steps(model, prompts, lengths, forced):
+    cache = model.init_cache(prompts.shape[:-1], prompts.shape[-1] + forced.shape[-1])
+    _, cache = model.prefill(prompts, cache, lengths=lengths)
+    blocks, state = _cache.unstack(model, cache)
+
+    def step(state, tokens):
+        logits, state = _cache.decode_blocks(model, blocks, tokens[..., None], state)
+        return state, logits[..., 0, :]
+
+    state, logits = jax.lax.scan(step, state, jnp.moveaxis(forced, -1, 0))
+    return jnp.moveaxis(logits, 0, -2), state
+
+
+@eqx.filter_jit
+def _scanned_steps(model, prompts, lengths, forced):
+    cache = model.init_cache(prompts.shape[:-1], prompts.shape[-1] + forced.shape[-1])
+    _, cache = model.prefill(prompts, cache, lengths=lengths)
+
+    def step(cache, tokens):
+        logits, cache = model.decode_step(tokens, cache)
+        return cache, logits
+
+    cache, logits = jax.lax.scan(step, cache, jnp.moveaxis(forced, -1, 0))
+    return jnp.moveaxis(logits, 0, -2), cache
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_blocks_equal_decode_step_and_leave_its_cache(batch):
+    """Teacher-forced past the window: the logits of every step, and the
+    per-layer caches once the last pending rows are written, equal the
+    scanned `decode_step`'s (float32, 1e-5 of the logits' size)."""
+    model = _model("gemma3-window3")
+    rng = np.random.default_rng(10 + batch)
+    prompts = rng.integers(0, V, (batch, 5)).astype(np.int32)
+    lengths = np.array([5, 1, 3][:batch], np.int32)
+    forced = rng.integers(0, V, (batch, 9)).astype(np.int32)
+    ours, state = _unrolled_steps(model, prompts, lengths, forced)
+    ref, cache = _scanned_steps(model, prompts, lengths, forced)
+    scale = float(np.abs(ref).max())
+    assert scale > 1.0
+    assert float(np.abs(np.asarray(ours) - np.asarray(ref)).max()) <= 1e-5 * scale
+    assert np.array_equal(np.reshape(state.length, -1), np.asarray(cache.length))
+    one = batch == 1  # held without its batch axis
+    for i, (layer, rows) in enumerate(zip(state.layers, state.pending, strict=True)):
+        done = write_cache(layer, rows, state.length - 1)
+        for name in ("k", "v"):
+            got = np.asarray(getattr(done, name))
+            want = np.asarray(getattr(cache.layers, name)[i])
+            want = want[0] if one else want
+            # only the written positions: the rest is unwritten padding
+            for b in range(batch):
+                n = lengths[b] + 9
+                axis = -1 if name == "k" else -2
+                g = np.take(got[b] if not one else got, np.arange(n), axis=axis)
+                w = np.take(want[b] if not one else want, np.arange(n), axis=axis)
+                assert np.allclose(g, w, rtol=0, atol=1e-6), (i, name, b)
+
+
+def test_auto_unrolls_stacks_up_to_the_limit(monkeypatch):
+    calls = []
+    real = _cache.decode_blocks
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_cache, "decode_blocks", spy)
+    limit = generation.UNROLL_MAX_LAYERS
+    prompts = np.ones((2, 3), np.int32)
+    for depth, unroll, used in (
+        (limit, None, True),
+        (limit + 1, None, False),
+        (limit + 1, True, True),
+        (2, False, False),
+    ):
+        cfg = DecoderConfig.llama(V + depth, 8, 2, depth, ffn_width=8, max_len=8)
+        model = DecoderLM(cfg, key=jax.random.key(0))
+        calls.clear()
+        generate(model, prompts, 2, unroll_layers=unroll)
+        assert (calls == [depth]) if used else not calls, (depth, unroll, calls)
+
+
+def _loop_body(hlo: str) -> str:
+    """The text of the (only) while loop's body computation."""
+    name = re.search(r"\bwhile\(.*?body=%([\w.-]+)", hlo).group(1)
+    start = hlo.index(f"%{name} ")
+    return hlo[start : hlo.index("\n}", start)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_unrolled_loop_neither_slices_weights_nor_copies_caches(batch):
+    """The point of the unrolled loop: no `dynamic-slice` (the scanned loop
+    takes one per weight per layer per step) and no copy of a cache-sized
+    buffer in the loop body (a unit batch axis made XLA copy every cache at
+    every step, until `unstack` held one sequence without it)."""
+    model = _model("gemma3-window3")
+    width = 29  # the cache length, a size no weight has
+    cache = model.init_cache((batch,), width)
+    _, cache = model.prefill(np.ones((batch, 4), np.int32), cache)
+    tokens = jnp.ones((6, batch), jnp.int32)
+
+    @jax.jit
+    def run(model, tokens, cache):
+        blocks, state = _cache.unstack(model, cache)
+
+        def step(state, t):
+            return _cache.decode_blocks(model, blocks, t[..., None], state)[::-1]
+
+        return jax.lax.scan(step, state, tokens)
+
+    body = _loop_body(run.lower(model, tokens, cache).compile().as_text())
+    assert "dynamic-slice(" not in body
+    cache_copies = re.findall(rf"= f32\[[\d,]*\b{width}\b[\d,]*\]\S* copy\(", body)
+    assert not cache_copies, cache_copies
+
+    @jax.jit
+    def scanned(model, tokens, cache):
+        return jax.lax.scan(lambda c, t: model.decode_step(t, c)[::-1], cache, tokens)
+
+    # the check can fail: the scanned loop does slice its weights per step
+    hlo = scanned.lower(model, tokens, cache).compile().as_text()
+    assert "dynamic-slice(" in hlo
+
+
+def test_weight_first_projection_equals_dense():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 1, 12)).astype(np.float32)
+    for bias in (True, False):
+        layer = eqx.nn.Linear(12, 5, use_bias=bias, key=jax.random.key(1))
+        ref = x @ np.asarray(layer.weight).T + (np.asarray(layer.bias) if bias else 0)
+        for f in (_dense_weight_first, dense):
+            assert np.allclose(np.asarray(f(layer, jnp.asarray(x))), ref, atol=1e-5)
+    one = jnp.asarray(x[0, 0])  # a single row (no leading axes)
+    assert _dense_weight_first(layer, one).shape == (5,)
+
+
+def test_unstack_gives_each_block():
+    model = _model("gpt2")
+    blocks = model.stack.unstack()
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        a = jax.tree_util.tree_leaves(block)
+        b = jax.tree_util.tree_leaves(model.stack.block(i))
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_unroll_layers_must_be_a_bool_or_none():
+    model = _model("gpt2")
+    # (under the test suite's type checker the annotation refuses it first)
+    with pytest.raises((ConfigError, TypeError), match="unroll_layers"):
+        generate(model, np.ones((1, 2), np.int32), 1, unroll_layers="yes")
