@@ -13,10 +13,36 @@ precision (as `_moe` in tests/test_moe.py does).
 Slow tests carry `@pytest.mark.slow` (`pytest.param(..., marks=...)` for one
 case of a parametrized test); the default run, `-m "not slow"` in
 pyproject.toml, leaves them out.
+
+jaxlib 0.10.2 and 0.11.0 carry an XLA:CPU bug: some reductions handed to
+YNNPACK (rank 7 with a unit axis, jax-ml/jax#39257 and #40412) segfault on a
+worker thread, so the crash lands in whichever test runs next (it took down
+an xdist worker in 3 of 5 full runs, each time in a different test). For
+those versions the suite sets `--xla_cpu_experimental_ynn_fusion_type=-reduce`
+in `XLA_FLAGS` (before JAX starts its CPU backend, and for every subprocess a
+test starts): reductions take XLA's own emitter, products stay on YNNPACK.
+Both upstream reproducers crash here without it and pass with it. A flag the
+user set already is left alone.
 """
 
-import jax
-import pytest
+import os
+from importlib.metadata import version
+
+if version("jaxlib") in ("0.10.2", "0.11.0") and "ynn_fusion_type" not in (
+    os.environ.get("XLA_FLAGS", "")
+):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(
+            None,
+            [
+                os.environ.get("XLA_FLAGS"),
+                "--xla_cpu_experimental_ynn_fusion_type=-reduce",
+            ],
+        )
+    )
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.hookimpl(wrapper=True)

@@ -167,6 +167,35 @@ def test_decode_blocks_equal_decode_step_and_leave_its_cache(batch):
                 assert np.allclose(g, w, rtol=0, atol=1e-6), (i, name, b)
 
 
+def test_decode_blocks_from_an_empty_cache():
+    """No prefill: the first step rewrites row 0 (still empty) and then the
+    tokens go in one by one; the logits equal `decode_step`'s."""
+    model = _model("olmo2-mqa")
+    tokens = np.random.default_rng(4).integers(0, V, (2, 7)).astype(np.int32)
+
+    @eqx.filter_jit
+    def both(model, tokens):
+        cache = model.init_cache((2,), 7)
+        blocks, state = _cache.unstack(model, cache)
+
+        def ours(state, t):
+            logits, state = _cache.decode_blocks(model, blocks, t[:, None], state)
+            return state, logits[:, 0]
+
+        def ref(cache, t):
+            logits, cache = model.decode_step(t, cache)
+            return cache, logits
+
+        return (
+            jax.lax.scan(ours, state, tokens.T)[1],
+            jax.lax.scan(ref, cache, tokens.T)[1],
+        )
+
+    ours, ref = both(model, tokens)
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(np.asarray(ours) - np.asarray(ref)).max()) <= 1e-5 * scale
+
+
 def test_auto_unrolls_stacks_up_to_the_limit(monkeypatch):
     calls = []
     real = _cache.decode_blocks

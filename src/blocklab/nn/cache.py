@@ -164,8 +164,9 @@ def unstack(model: Any, cache: DecoderCache) -> tuple[tuple, Unstacked]:
     """The blocks of `model` (`Stack.unstack`) and `cache` split per layer,
     for `decode_blocks`. Call it outside the decode loop: the slices are
     then taken once. Each layer's pending row starts as the cached row just
-    before `cache.length` (rewriting it changes nothing), so every sequence
-    must hold at least one token.
+    before `cache.length` (row 0 of an empty cache): rewriting it changes
+    nothing. The last token's keys and values stay pending: to get the full
+    cache back, write them with `attention.write_cache` at `length - 1`.
 
     A batch of one sequence, `batch_shape == (1,)`, is held as one sequence
     (no batch axis; `decode_blocks` takes and returns it with its axis): with
@@ -179,7 +180,8 @@ def unstack(model: Any, cache: DecoderCache) -> tuple[tuple, Unstacked]:
         for i in range(len(blocks))
     )
     length = cache.length[0] if one else cache.length
-    pending = tuple(_rows_at(layer, length - 1) for layer in layers)
+    last = jnp.maximum(length - 1, 0)
+    pending = tuple(_rows_at(layer, last) for layer in layers)
     return blocks, Unstacked(layers, pending, length)
 
 
@@ -199,7 +201,7 @@ def decode_blocks(
     logits of `decode_step`, and the next state.
 
     Each layer first writes its pending row (the previous token's keys and
-    values) at `length - 1`, then its block attends to the cache before
+    values) at `length - 1` (0 for an empty cache), then its block attends to the cache before
     `length` and to the new token (`step(..., defer_write=True)`), whose keys
     and values become the pending row. Written before it is read, each
     per-layer cache is updated in place; written after the reads, XLA copies
@@ -209,8 +211,9 @@ def decode_blocks(
     one = ids.ndim == start.ndim + 2  # a batch of one, held as one sequence
     h = _embed(model, ids[0] if one else ids, start[..., None])
     layers, pending = [], []
+    last = jnp.maximum(start - 1, 0)  # an empty cache: rewrite row 0
     for block, layer, rows in zip(blocks, state.layers, state.pending, strict=True):
-        layer = write_cache(layer, rows, start - 1)
+        layer = write_cache(layer, rows, last)
         h, rows = block.step(h, layer, start, defer_write=True)
         layers.append(layer)
         pending.append(rows)
