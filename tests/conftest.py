@@ -17,7 +17,7 @@ pyproject.toml, leaves them out.
 jaxlib 0.10.2 and 0.11.0 carry an XLA:CPU bug: some reductions handed to
 YNNPACK (rank 7 with a unit axis, jax-ml/jax#39257 and #40412) segfault on a
 worker thread, so the crash lands in whichever test runs next (it took down
-an xdist worker in 3 of 5 full runs, each time in a different test). For
+an xdist worker in 3 of the last 4 full runs, each time in a different test). For
 those versions the suite sets `--xla_cpu_experimental_ynn_fusion_type=-reduce`
 in `XLA_FLAGS` (before JAX starts its CPU backend, and for every subprocess a
 test starts): reductions take XLA's own emitter, products stay on YNNPACK.
