@@ -11,12 +11,17 @@ import sys
 def run(args, *, env=None, timeout=300):
     """`subprocess.run` that ends the child's whole process group (by its pid)
     on a timeout or an error; returns (returncode, stdout, stderr)."""
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    env = dict(env or {})
+    if "XLA_FLAGS" in env and os.environ.get("XLA_FLAGS"):
+        # the child adds its flags to the suite's (tests/conftest.py), so that
+        # every process of a comparison runs the same XLA configuration
+        env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
     for name in list(full_env):
         if name.startswith(("BLOCKLAB_COORDINATOR", "BLOCKLAB_NUM_PROCESSES",
                             "BLOCKLAB_PROCESS_ID", "SLURM_", "OMPI_")):  # fmt: skip
             del full_env[name]
-    full_env.update(env or {})
+    full_env.update(env)
     p = subprocess.Popen(
         args, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,

@@ -14,15 +14,17 @@ Slow tests carry `@pytest.mark.slow` (`pytest.param(..., marks=...)` for one
 case of a parametrized test); the default run, `-m "not slow"` in
 pyproject.toml, leaves them out.
 
-jaxlib 0.10.2 and 0.11.0 carry an XLA:CPU bug: some reductions handed to
-YNNPACK (rank 7 with a unit axis, jax-ml/jax#39257 and #40412) segfault on a
-worker thread, so the crash lands in whichever test runs next (it took down
-an xdist worker in 3 of the last 4 full runs, each time in a different test). For
-those versions the suite sets `--xla_cpu_experimental_ynn_fusion_type=-reduce`
-in `XLA_FLAGS` (before JAX starts its CPU backend, and for every subprocess a
-test starts): reductions take XLA's own emitter, products stay on YNNPACK.
-Both upstream reproducers crash here without it and pass with it. A flag the
-user set already is left alone.
+jaxlib 0.10.2 and 0.11.0 carry XLA:CPU bugs in the fusions handed to
+YNNPACK: some reductions (rank 7 with a unit axis, jax-ml/jax#39257 and
+#40412) segfault on a worker thread, so the crash lands in whichever test
+runs next (it took down an xdist worker in 3 of the last 4 full runs, each
+time in a different test). Routing only the reductions elsewhere
+(`=-reduce`) still aborted once. For those versions the suite therefore sets
+`--xla_cpu_experimental_ynn_fusion_type=` (no YNNPACK fusions) in
+`XLA_FLAGS`, before JAX starts its CPU backend; subprocesses inherit it, and
+`_procs.run` adds a child's own XLA flags to it, so that every process of a
+comparison runs the same XLA configuration. A flag the user set already is
+left alone.
 """
 
 import os
@@ -36,7 +38,7 @@ if version("jaxlib") in ("0.10.2", "0.11.0") and "ynn_fusion_type" not in (
             None,
             [
                 os.environ.get("XLA_FLAGS"),
-                "--xla_cpu_experimental_ynn_fusion_type=-reduce",
+                "--xla_cpu_experimental_ynn_fusion_type=",
             ],
         )
     )

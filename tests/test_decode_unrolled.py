@@ -19,57 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, generate
+# the models and references of the cached-generation tests: every family, at
+# widths, head ratios and windows that are not the presets' defaults, with
+# embeddings of unit size (a wrong cache row changes the argmax)
+from test_generation import V, _greedy_reference, _model
+
+from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
 from blocklab.nn import cache as _cache
 from blocklab.nn import generation
 from blocklab.nn.attention import _dense_weight_first, dense, write_cache
-
-V = 43
-
-#: Families whose decoding differs: learned positions; RoPE with a window
-#: shorter than the generated length and GQA; one key/value head.
-FAMILIES = {
-    "gpt2": lambda n=2: DecoderConfig.gpt2(V, 24, 3, n, max_len=32),
-    "gemma3-window3": lambda n=2: DecoderConfig.gemma3(
-        V, 32, 4, n, num_kv_heads=2, head_dim=8, window=3, global_every=2, max_len=32
-    ),
-    "olmo2-mqa": lambda n=2: DecoderConfig.olmo2(
-        V, 32, 4, n, num_kv_heads=1, max_len=32
-    ),
-}
-
-_forward = jax.jit(lambda model, ids: model(ids))
-
-
-def _model(name, seed=0):
-    if name == "charlm":
-        model = CharLM(V, 24, 4, 2, max_len=32, key=jax.random.key(seed))
-    else:
-        model = DecoderLM(FAMILIES[name](), key=jax.random.key(seed))
-    # embeddings of unit size: logits of order 1-10, so that a wrong cache
-    # row changes the argmax
-    emb = model.token_emb.weight
-    return eqx.tree_at(
-        lambda m: m.token_emb.weight,
-        model,
-        jax.random.normal(jax.random.key(9), emb.shape),
-    )
-
-
-def _greedy(model, prompts, lengths, n):
-    """Python loop: one uncached forward of the padded rows per new token."""
-    B, T = prompts.shape
-    seqs = np.zeros((B, T + n), np.int32)
-    seqs[:, :T] = prompts
-    cur = np.array(lengths)
-    for _ in range(n):
-        logits = np.asarray(_forward(model, seqs))
-        seqs[np.arange(B), cur] = logits[np.arange(B), cur - 1].argmax(-1)
-        cur = cur + 1
-    out = np.zeros_like(seqs)
-    for b in range(B):
-        out[b, : lengths[b] + n] = seqs[b, : lengths[b] + n]
-    return out
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -85,7 +43,7 @@ def test_both_loops_give_the_uncached_greedy_tokens(name, batch):
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, V, (batch, 6)).astype(np.int32)
     lengths = np.array([6, 2, 4][:batch], np.int32)
-    ref = _greedy(model, prompts, lengths, 11)
+    ref = _greedy_reference(model, prompts, lengths, 11)
     for unroll in (True, False):
         out = generate(model, prompts, 11, lengths=lengths, unroll_layers=unroll)
         assert np.array_equal(out, ref), unroll

@@ -1,4 +1,4 @@
-"""The suite's guard against jaxlib 0.10.2 / 0.11.0's YNNPACK reduction crash
+"""The suite's guard against jaxlib 0.10.2 / 0.11.0's YNNPACK crashes
 (tests/conftest.py): the flag is set, and the upstream reproducer
 (jax-ml/jax#40412), which segfaults without it, runs in a fresh interpreter
 that inherits the suite's environment."""
@@ -26,8 +26,8 @@ print(float(abs(out - ref).max()))
 
 
 @pytest.mark.skipif(not AFFECTED, reason="only jaxlib 0.10.2 and 0.11.0 need it")
-def test_reductions_leave_ynnpack_and_the_reproducer_runs():
-    assert "--xla_cpu_experimental_ynn_fusion_type=-reduce" in os.environ["XLA_FLAGS"]
+def test_ynnpack_fusions_are_off_and_the_reproducer_runs():
+    assert "--xla_cpu_experimental_ynn_fusion_type=" in os.environ["XLA_FLAGS"]
     run = subprocess.run(
         [sys.executable, "-c", REPRO], capture_output=True, text=True, timeout=120
     )
