@@ -52,24 +52,25 @@ def test_bf16_losses_track_the_float32_losses(runs):
     output is rounded with a relative error up to 2^-9 ~ 0.002. At step 0 the
     logits are O(0.1), so the loss (~log 28 = 3.33) moves by ~1e-4 at most:
     we allow 2e-3. After that the two runs take slightly different steps and
-    drift apart; "tracking" means the drift stays below the noise of the
-    training loss itself: a batch mean over 16 x 16 = 256 tokens of a per-token
-    loss with standard deviation ~1 has a standard error ~1/16 = 0.06, so every
-    step must agree within 0.1 (the largest of 40 gaps whose scale is that
-    standard error: up to ~1.6 of it) and the average gap over the run within
-    a quarter of it (0.015). Measured on a 2-core CPU: 3.5e-5 at step 0, at
-    most 0.044 (0.063 with jax_enable_x64 off, the suite's default), 0.006 on
-    average. A float32 run in place of the bf16 one gives exactly 0, and
-    dropping the float32 promotion of the logits (or running the statistics in
-    bf16) moves step 0 by more than 2e-3."""
+    drift apart as any two training runs do whose weights differ at the
+    rounding level. The scale of that drift was measured on float32 alone: a
+    float32 run whose initial weights are multiplied by 1 + 2^-9 N(0, 1) ends
+    40 steps up to 0.03, 0.09 and 0.12 away from the unperturbed one on its
+    worst step (three seeds), 0.005-0.012 on average, and 0.02-0.07 apart on
+    validation. "Tracking" means the bf16 run drifts no further than that:
+    every step within 0.2, the average within 0.025, validation within 0.1
+    (the bf16 run: 0.107, 0.011 and 0.05 on a 2-core CPU with YNNPACK fusions
+    off; 0.063 with them on). A float32 run in place of the bf16 one gives
+    exactly 0, and dropping the float32 promotion of the logits (or running the
+    statistics in bf16) moves step 0 by more than 2e-3."""
     f32, bf16 = runs
     assert f32.stopped is None and bf16.stopped is None
     gap = np.abs(bf16.losses - f32.losses)
     assert gap[0] <= 2e-3, gap[0]
-    assert gap.max() <= 0.1, gap.max()
-    assert gap.mean() <= 0.015, gap.mean()
+    assert gap.max() <= 0.2, gap.max()
+    assert gap.mean() <= 0.025, gap.mean()
     assert bf16.losses[-1] < bf16.losses[0] - 0.3  # and it does learn
-    assert abs(bf16.val_loss - f32.val_loss) <= 0.06
+    assert abs(bf16.val_loss - f32.val_loss) <= 0.1
 
 
 def test_parameters_and_optimizer_state_stay_float32(runs):
