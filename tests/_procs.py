@@ -13,7 +13,7 @@ def run(args, *, env=None, timeout=300):
     on a timeout or an error; returns (returncode, stdout, stderr)."""
     env = dict(env or {})
     if "XLA_FLAGS" in env and os.environ.get("XLA_FLAGS"):
-        # the child adds its flags to the suite's (tests/conftest.py), so that
+        # the child adds its flags to the suite's (a user's XLA_FLAGS), so that
         # every process of a comparison runs the same XLA configuration
         env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}

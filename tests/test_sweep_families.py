@@ -224,7 +224,7 @@ SCRIPT = textwrap.dedent(
 def _run(devices: int) -> dict:
     env = {
         **os.environ,
-        # added to the suite's XLA flags (tests/conftest.py), not replacing them
+        # added to the XLA flags the suite runs with, not replacing them
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
         f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
