@@ -18,11 +18,11 @@ A test that crashes its pytest-xdist worker (a segfault or an abort in
 native code, which no assertion can catch) runs once more on a fresh worker;
 a second crash fails it, and an ordinary failure is never run again. The
 crashes seen here are jaxlib 0.10.2's, not blocklab's: a segfault inside
-XLA's compiler (`backend_compile_and_load`: in libgcc's unwinder, per the
-core dump; in `test_sweep.py` and `test_proxies.py`, one run each) and YNNPACK's reduction crash on an XLA worker thread
-(jax-ml/jax#39257, #40412), each in a different test in 3 of 4 full runs.
-The summary lists every test that was run again, and the crash's traceback
-stays in the log.
+XLA's compiler (`backend_compile_and_load`; the core dump shows libgcc's
+unwinder), in `test_sweep.py` and `test_proxies.py` in two runs, and
+YNNPACK's reduction crash on an XLA worker thread (jax-ml/jax#39257,
+#40412). The summary lists every test that was run again, and the crash's
+traceback stays in the log.
 """
 
 import jax

@@ -201,11 +201,12 @@ def decode_blocks(
     logits of `decode_step`, and the next state.
 
     Each layer first writes its pending row (the previous token's keys and
-    values) at `length - 1` (0 for an empty cache), then its block attends to the cache before
-    `length` and to the new token (`step(..., defer_write=True)`), whose keys
-    and values become the pending row. Written before it is read, each
-    per-layer cache is updated in place; written after the reads, XLA copies
-    it at every step, as nothing orders the write after them.
+    values) at `length - 1` (0 for an empty cache), then its block attends
+    to the cache before `length` and to the new token (`step(...,
+    defer_write=True)`), whose keys and values become the pending row.
+    Written before it is read, each per-layer cache is updated in place;
+    written after the reads, XLA copies it at every step, as nothing orders
+    the write after them.
     """
     start = state.length
     one = ids.ndim == start.ndim + 2  # a batch of one, held as one sequence
