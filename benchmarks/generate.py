@@ -15,7 +15,10 @@
    (p + 16, as `generate` sizes it for a prompt of p tokens); for the public
    `decode_step` (scanned stack) and for `generate`'s unrolled loop body
    (`cache.decode_blocks`, the `_unrolled` rows). Target: the step at 2000
-   costs at most 1.5x the step at 20.
+   costs at most 1.5x the step at 20. Reference, in the same run: the
+   machine's own read bandwidth for an array of the far cache's size (a
+   jitted sum), and the time it takes to read the extra cache rows once at
+   that bandwidth (the floor of the extra cost at float32).
 3. Depth (`--depths`, default 4 16 48): `generate` at batch 8 (16-token
    prompts, 64 new tokens) with the blocks scanned and unrolled
    (`unroll_layers`): compile seconds and run time, Llama-style models of
@@ -227,6 +230,27 @@ def step_costs(model, sizes: dict, decode, steps=16, reps=7) -> dict:
     return {p: t / steps for p, t in time_round_robin(fns, reps).items()}
 
 
+def cache_bytes(cache) -> int:
+    """Bytes of the keys and values a step reads (every layer, all rows)."""
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(cache.layers))
+
+
+def read_bandwidth(nbytes: int, reps=7) -> float:
+    """The machine's own stream-read bandwidth (bytes/s) for an array of
+    `nbytes` float32 in memory: a jitted sum over it, median of `reps`
+    rounds of 50 calls. The reference a cache read is measured against."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+
+    def call():
+        for _ in range(50):
+            out = total(x)
+        jax.block_until_ready(out)
+
+    call()
+    return nbytes * 50 / time_round_robin({"sum": call}, reps)["sum"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -285,11 +309,34 @@ def main():
             "step_ms_at_2000": 1e3 * costs[far],
             "ratio": ratio,
         }
-        print(
+        line = (
             f"decode step ({label}): {1e3 * costs[near]:.2f} ms at 20, "
-            f"{1e3 * costs[far]:.2f} ms at 2000, ratio {ratio:.2f}",
-            flush=True,
+            f"{1e3 * costs[far]:.2f} ms at 2000, ratio {ratio:.2f}"
         )
+        if label.startswith("sized"):
+            # The extra cost of the far step against the time the machine
+            # takes just to read the extra cache rows once.
+            extra_bytes = sum(
+                cache_bytes(ours.init_cache((1,), n)) * (1 if n == sizes[far] else -1)
+                for n in (sizes[far], sizes[near])
+            )
+            bw = read_bandwidth(cache_bytes(ours.init_cache((1,), sizes[far])))
+            floor = extra_bytes / bw
+            extra_s = costs[far] - costs[near]
+            result[label].update(
+                extra_cache_mb=extra_bytes / 2**20,
+                read_gb_s=bw / 1e9,
+                read_floor_ms=1e3 * floor,
+                extra_over_floor=extra_s / floor,
+                ratio_at_floor=(costs[near] + floor) / costs[near],
+            )
+            line += (
+                f"; {extra_bytes / 2**20:.1f} MB more cache, read at "
+                f"{bw / 1e9:.1f} GB/s in {1e3 * floor:.2f} ms: the extra "
+                f"{1e3 * extra_s:.2f} ms is {extra_s / floor:.2f}x that floor "
+                f"(ratio at the floor: {(costs[near] + floor) / costs[near]:.2f})"
+            )
+        print(line, flush=True)
     if args.depths and not args.quick:
         result["depth"] = depth_costs(args.depths, reps=reps)
     print(json.dumps(result))
