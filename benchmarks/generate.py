@@ -251,6 +251,21 @@ def read_bandwidth(nbytes: int, reps=7) -> float:
     return nbytes * 50 / time_round_robin({"sum": call}, reps)["sum"]
 
 
+def read_floor(model, far_len: int, near_len: int) -> dict:
+    """The extra cache of a batch-1 cache of `far_len` positions over one of
+    `near_len`, and the seconds the machine takes to read it once."""
+    far_b, near_b = (
+        cache_bytes(model.init_cache((1,), n)) for n in (far_len, near_len)
+    )
+    bw = read_bandwidth(far_b)
+    extra = far_b - near_b
+    return {
+        "extra_mb": extra / 2**20,
+        "read_gb_s": bw / 1e9,
+        "read_floor_s": extra / bw,
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -314,27 +329,23 @@ def main():
             f"{1e3 * costs[far]:.2f} ms at 2000, ratio {ratio:.2f}"
         )
         if label.startswith("sized"):
-            # The extra cost of the far step against the time the machine
-            # takes just to read the extra cache rows once.
-            extra_bytes = sum(
-                cache_bytes(ours.init_cache((1,), n)) * (1 if n == sizes[far] else -1)
-                for n in (sizes[far], sizes[near])
-            )
-            bw = read_bandwidth(cache_bytes(ours.init_cache((1,), sizes[far])))
-            floor = extra_bytes / bw
+            floor = read_floor(ours, sizes[far], sizes[near])
             extra_s = costs[far] - costs[near]
+            at_floor = (costs[near] + floor["read_floor_s"]) / costs[near]
             result[label].update(
-                extra_cache_mb=extra_bytes / 2**20,
-                read_gb_s=bw / 1e9,
-                read_floor_ms=1e3 * floor,
-                extra_over_floor=extra_s / floor,
-                ratio_at_floor=(costs[near] + floor) / costs[near],
+                extra_cache_mb=floor["extra_mb"],
+                read_gb_s=floor["read_gb_s"],
+                read_floor_ms=1e3 * floor["read_floor_s"],
+                extra_over_floor=extra_s / floor["read_floor_s"],
+                ratio_at_floor=at_floor,
             )
             line += (
-                f"; {extra_bytes / 2**20:.1f} MB more cache, read at "
-                f"{bw / 1e9:.1f} GB/s in {1e3 * floor:.2f} ms: the extra "
-                f"{1e3 * extra_s:.2f} ms is {extra_s / floor:.2f}x that floor "
-                f"(ratio at the floor: {(costs[near] + floor) / costs[near]:.2f})"
+                f"; {floor['extra_mb']:.1f} MB more cache, read at "
+                f"{floor['read_gb_s']:.1f} GB/s in "
+                f"{1e3 * floor['read_floor_s']:.2f} ms: the extra "
+                f"{1e3 * extra_s:.2f} ms is "
+                f"{extra_s / floor['read_floor_s']:.2f}x that floor "
+                f"(ratio at the floor: {at_floor:.2f})"
             )
         print(line, flush=True)
     if args.depths and not args.quick:
