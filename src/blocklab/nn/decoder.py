@@ -714,7 +714,9 @@ class DecoderLM(eqx.Module):
             raise ConfigError(
                 f"DecoderLM: ids must be integers, got dtype {ids.dtype}."
             )
-        ids = check_ids("DecoderLM", "token ids", ids, cfg.vocab_size, what="vocab_size")
+        ids = check_ids(
+            "DecoderLM", "token ids", ids, cfg.vocab_size, what="vocab_size"
+        )
         T = ids.shape[-1]
         packed = {}
         if segment_ids is not None:
