@@ -13,15 +13,20 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 ENV = {**os.environ, "BLOCKLAB_TINY": "1", "MPLBACKEND": "Agg"}
 
 
-#: The heaviest runs (30-40 s each even tiny, on 2 CPU cores) go to the slow set;
-#: their functions have default tests of their own (tests/test_moe*.py,
-#: tests/test_signal.py, tests/test_identities*.py, tests/test_charlm.py).
+#: The heaviest runs (12-40 s each even tiny, on 2 CPU cores) go to the slow
+#: set; their functions have default tests of their own (tests/test_moe*.py,
+#: tests/test_signal.py, tests/test_identities*.py, tests/test_charlm.py,
+#: tests/test_pretrained.py, tests/test_huggingface*.py, tests/test_cli_lr_sweep.py),
+#: and `generate_converted.py` still runs a converted model by default.
 SLOW = {
     "moe_vs_dense.py",
     "signal_propagation.py",
+    "finetune_pretrained.py",
+    "convert_llama.py",
     "02_charlm.ipynb",
     "03_signal_propagation.ipynb",
     "04_identities.ipynb",
+    "05_lr_sensitivity.ipynb",
     "06_mup_and_proxies.ipynb",
 }
 
