@@ -17,8 +17,10 @@ PLACEMENTS = ("post", "pre", "output", "sandwich")
 
 
 def _float64(tree):
+    """float64 under a `float64` test, float32 (JAX's default) otherwise."""
+    dtype = jnp.result_type(float)
     return jax.tree_util.tree_map(
-        lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, tree
+        lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, tree
     )
 
 
@@ -32,8 +34,9 @@ def _small(placement, qk_norm=False, seed=0, **kw):
         key=jax.random.key(seed),
         **kw,
     )
-    X = jax.random.normal(jax.random.key(seed + 100), (B, T, D), jnp.float64)
-    R = jax.random.normal(jax.random.key(seed + 200), (B, T, D), jnp.float64)
+    dtype = jnp.result_type(float)  # float64 under a `float64` test
+    X = jax.random.normal(jax.random.key(seed + 100), (B, T, D), dtype)
+    R = jax.random.normal(jax.random.key(seed + 200), (B, T, D), dtype)
     return _float64(stack), X, R
 
 
