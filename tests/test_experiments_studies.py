@@ -89,6 +89,7 @@ def test_activation_plot_survives_an_all_nan_curve(tmp_path):
     assert strict(r.to_json())["results"]["gelu"]["val_loss"] == [None, None]
 
 
+@pytest.mark.slow  # 10-18 s
 def test_activation_report_section_sizes_to_the_machine(tmp_path, monkeypatch):
     """cpu: seed 0, the protocol named and the way to the full one; full: seeds
     0-2 and no note; the progress flag reaches the training."""

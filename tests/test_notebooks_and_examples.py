@@ -23,6 +23,7 @@ SLOW = {
     "signal_propagation.py",
     "finetune_pretrained.py",
     "convert_llama.py",
+    "train_charlm.py",
     "02_charlm.ipynb",
     "03_signal_propagation.ipynb",
     "04_identities.ipynb",

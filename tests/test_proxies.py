@@ -100,6 +100,7 @@ def test_z_loss_objective_is_lm_loss(key):
     assert math.isclose(float(got), float(bl.lm_loss(model, X, Y, z_loss=0.3)))
 
 
+@pytest.mark.slow  # 15-40 s; the study's parts have default tests above
 def test_exercise_11_is_a_point_of_the_proxies_study(monkeypatch):
     """`lr_sensitivity.run_study` trains through `proxies.run_point` (a spy sees
     each model's call: its variant, (d, N), the rates, a constant rate), and its
