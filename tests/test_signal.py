@@ -16,7 +16,7 @@ D, H, N, B, T = 16, 2, 4, 2, 8
 PLACEMENTS = ("post", "pre", "output", "sandwich")
 
 
-def _float64(tree):
+def _in_default_float(tree):
     """float64 under a `float64` test, float32 (JAX's default) otherwise."""
     dtype = jnp.result_type(float)
     return jax.tree_util.tree_map(
@@ -37,7 +37,7 @@ def _small(placement, qk_norm=False, seed=0, **kw):
     dtype = jnp.result_type(float)  # float64 under a `float64` test
     X = jax.random.normal(jax.random.key(seed + 100), (B, T, D), dtype)
     R = jax.random.normal(jax.random.key(seed + 200), (B, T, D), dtype)
-    return _float64(stack), X, R
+    return _in_default_float(stack), X, R
 
 
 @eqx.filter_jit
