@@ -54,21 +54,22 @@ def _source(V: int, B: int, T: int):
 def _stepper(model, optimizer, source, steps, mesh=None, precision="float32"):
     """A callable running `steps` fused steps (one compiled chunk), blocking.
 
-    The chunk is the one `train_model` runs (`train._run_chunk`, or on a mesh
+    The chunk is the one `train_model` runs (`run._run_chunk`, or on a mesh
     `mesh.run_chunk` with the state on its shardings), called directly so
     the timing holds no set-up (the state, the checks, the compile).
     """
     from blocklab.training import mesh as meshes
-    from blocklab.training import train
+    from blocklab.training import run as train_run
+    from blocklab.training import step as train_step
 
-    step = train.make_train_step(optimizer, source, precision=precision)
+    step = train_step.make_train_step(optimizer, source, precision=precision)
     if mesh is None:
         # a copy: the chunk donates the state, the model stays usable
         fresh = jax.tree_util.tree_map(lambda a: a.copy(), model)
-        box = [train.init_state(fresh, optimizer)]
+        box = [train_step.init_state(fresh, optimizer)]
 
         def chunk(state, keys):
-            return train._run_chunk(step, state, keys)
+            return train_run._run_chunk(step, state, keys)
     else:
         step = meshes.shard_step(step, mesh, "fsdp")
         state, shardings = meshes.sharded_state(model, optimizer, mesh, "fsdp")
@@ -81,7 +82,7 @@ def _stepper(model, optimizer, source, steps, mesh=None, precision="float32"):
     done = [0]
 
     def run():
-        keys = train.step_keys(key, done[0], steps)
+        keys = train_step.step_keys(key, done[0], steps)
         box[0], losses = chunk(box[0], keys)
         done[0] += steps
         return np.asarray(losses)

@@ -51,6 +51,7 @@ from blocklab.training.sharding import (  # noqa: E402
     member_sharding,
     pad_rows,
 )
+from blocklab.training.step import make_train_step  # noqa: E402
 from blocklab.training.sweep import (  # noqa: E402
     _init_states,
     _run_chunk,
@@ -58,7 +59,6 @@ from blocklab.training.sweep import (  # noqa: E402
     pad_members,
     sweep_optimizer,
 )
-from blocklab.training.train import make_train_step  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

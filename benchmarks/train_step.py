@@ -145,8 +145,8 @@ def bench_step(act: str, fuse: int, reps: int) -> dict:
     )
     opt = optax.adamw(1e-3, weight_decay=0.0)
     step = bl.make_train_step(opt, data, batch_size=B)
-    state = bl.training.train.init_state(model, opt)
-    keys = bl.training.train.step_keys(jax.random.key(1), 0, fuse)
+    state = bl.training.step.init_state(model, opt)
+    keys = bl.training.step.step_keys(jax.random.key(1), 0, fuse)
 
     one = jax.jit(lambda s, k: step(s, k)).lower(state, keys[0]).compile()
     run = eqx.filter_jit(step.scan)
@@ -197,7 +197,7 @@ class ChapterStep(eqx.Module):
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
         ok = state.finite & finite
-        stepped = bl.training.train.TrainState(
+        stepped = bl.training.step.TrainState(
             eqx.apply_updates(state.model, updates), opt_state, state.step + 1, ok
         )
         kept = eqx.tree_at(lambda s: s.finite, state, ok)
@@ -218,8 +218,8 @@ def bench_general(act: str, fuse: int, reps: int) -> dict:
         data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
     )
     opt = optax.adamw(1e-3, weight_decay=0.0)
-    state = bl.training.train.init_state(model, opt)
-    keys = bl.training.train.step_keys(jax.random.key(1), 0, fuse)
+    state = bl.training.step.init_state(model, opt)
+    keys = bl.training.step.step_keys(jax.random.key(1), 0, fuse)
     steps = {
         "chapter": ChapterStep(data, opt, B),
         "general": bl.make_train_step(opt, data, batch_size=B),

@@ -44,7 +44,7 @@ import optax  # noqa: E402
 
 import blocklab as bl  # noqa: E402
 from blocklab.experiments.mup import decoder_factory  # noqa: E402
-from blocklab.training.train import init_state  # noqa: E402
+from blocklab.training.step import init_state  # noqa: E402
 
 
 def _num(v) -> float | None:

@@ -100,7 +100,7 @@ for name, make, extra in (
     val = np.array(
         [
             float(
-                eqx.filter_jit(bl.training.train.validation_loss)(result.model(k), data)
+                eqx.filter_jit(bl.training.step.validation_loss)(result.model(k), data)
             )
             for k in range(len(SEEDS))
         ]

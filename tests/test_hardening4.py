@@ -212,7 +212,7 @@ def test_models_and_losses_use_causal_lengths_at_b_equal_t(lms, name):
     z = rows - rows.max(-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     ce = -np.take_along_axis(logp, Y[..., None], -1).mean()
-    loss = bl.training.train.lm_loss(model, jnp.asarray(X), jnp.asarray(Y))
+    loss = bl.training.losses.lm_loss(model, jnp.asarray(X), jnp.asarray(Y))
     np.testing.assert_allclose(float(loss), ce, rtol=1e-5)
 
 

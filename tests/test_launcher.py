@@ -143,7 +143,7 @@ DIES_MID_SWEEP = textwrap.dedent(
 
     def loss(model, batch, key=None):
         jax.debug.callback(tick)
-        return bl.training.train.next_token_loss(model, batch)
+        return bl.training.losses.next_token_loss(model, batch)
 
     def die_after_30_steps():
         while not marker.exists():

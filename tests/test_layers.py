@@ -87,7 +87,7 @@ def test_the_layer_contract_is_kept():
 @pytest.mark.parametrize(
     ("module", "line"),
     [
-        ("nn/ffn.py", "from ..training import train as _up"),
+        ("nn/ffn.py", "from ..training import step as _up"),
         ("data/datasets.py", "from ..nn import stack as _up"),
         ("diagnostics/theory.py", "from ..interop import porting as _up"),
         ("nn/block.py", "def _f():\n    from ..experiments import plotting"),

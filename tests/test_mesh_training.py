@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np, optax
     from blocklab.data import TimeMachine
     from blocklab.training.partition import mesh_of
-    from blocklab.training.train import train_model
+    from blocklab.training.run import train_model
 
     jobs = json.loads(sys.argv[1])
     if jobs and jobs[0][0] == "launch":
@@ -235,11 +235,13 @@ IDS = textwrap.dedent(
     import equinox as eqx, jax, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from blocklab.data import TimeMachine
-    from blocklab.nn.decoder import DecoderConfig, DecoderLM
+    from blocklab.nn import DecoderConfig, DecoderLM
     from blocklab.training import mesh as meshes
     from blocklab.training.partition import mesh_of
     from blocklab.training.sweep import train_sweep
-    from blocklab.training.train import lm_loss, make_train_step, step_keys, train_model
+    from blocklab.training.losses import lm_loss
+    from blocklab.training.run import train_model
+    from blocklab.training.step import make_train_step, step_keys
 
     def facts(txt):
         # the error callbacks' operand and result shapes, the conditionals'

@@ -18,7 +18,7 @@ from blocklab import (
     train_lm,
 )
 from blocklab.nn.functional import linear
-from blocklab.training.train import init_state
+from blocklab.training.step import init_state
 
 STEPS = 40
 

@@ -15,12 +15,13 @@ from jax.sharding import Mesh
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM, TimeMachine
 from blocklab.training.checkpoint import CheckpointError
+from blocklab.training.run import train_model
 from blocklab.training.sharded_checkpoint import (
     restore_sharded,
     save_sharded,
     sharded_metadata,
 )
-from blocklab.training.train import init_state, train_model
+from blocklab.training.step import init_state
 
 CFG = DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2,
                           num_kv_heads=2, ffn_width=64, max_len=16)  # fmt: skip
@@ -83,7 +84,7 @@ SCRIPT = textwrap.dedent(
     from blocklab import DecoderConfig, DecoderLM, TimeMachine
     from blocklab.training.partition import mesh_of
     from blocklab.training.sharded_checkpoint import restore_sharded, save_sharded
-    from blocklab.training.train import train_model
+    from blocklab.training.run import train_model
 
     what, path, spec, rules = sys.argv[1:5]
     cfg = DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2,

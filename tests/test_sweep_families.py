@@ -24,9 +24,11 @@ from blocklab.data.datasets import TokenDataset
 from blocklab.diagnostics.propagation import signal_stats
 from blocklab.interop.mixtral import MoEDecoderConfig
 from blocklab.nn.decoder import DecoderConfig, DecoderLM
+from blocklab.training.losses import lm_loss
+from blocklab.training.run import train_model
 from blocklab.training.sharding import sharded_map
+from blocklab.training.step import init_state
 from blocklab.training.sweep import sweep_optimizer, train_sweep
-from blocklab.training.train import init_state, lm_loss, train_model
 
 STEPS, SPC, BATCH, SEQ = 3, 2, 4, 8
 MODEL_SEEDS, DATA_SEEDS, LRS = [0, 1], [5, 6], [1e-3, 1e-2]

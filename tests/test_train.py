@@ -15,7 +15,7 @@ from blocklab import (
     make_train_step,
     train_lm,
 )
-from blocklab.training.train import init_state, step_keys, validation_loss
+from blocklab.training.step import init_state, step_keys, validation_loss
 
 
 @pytest.fixture(scope="module")

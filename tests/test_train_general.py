@@ -17,7 +17,7 @@ from blocklab import (
     train_model,
 )
 from blocklab._validate import ConfigError
-from blocklab.training.train import init_state, step_keys
+from blocklab.training.step import init_state, step_keys
 
 D, B = 3, 5
 W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)

@@ -2,7 +2,7 @@
 
 `TokenDataset` is the same windowing over any token sequence: a text with
 its own character vocabulary (`TokenDataset.from_text`) or a pre-tokenized
-integer array. Both are batch sources for `blocklab.training.train` (they have
+integer array. Both are batch sources for `blocklab.training.step` (they have
 `train_batch(key, batch_size)` and `val_batch()`).
 
 The text (H. G. Wells, 1898) ships with the package (`blocklab/data/

@@ -35,8 +35,8 @@ from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
 from ..nn.ffn import ACTS
+from ..training.run import TrainResult, train_lm
 from ..training.sweep import train_sweep
-from ..training.train import TrainResult, train_lm
 from ._seeds import check_seeds
 from .plotting import line_plot
 from .protocol import check_report_flags

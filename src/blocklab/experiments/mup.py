@@ -43,8 +43,8 @@ from ..nn.decoder import DecoderConfig, DecoderLM
 from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizer import optimizer as make_optimizer
+from ..training.step import init_state, make_train_step
 from ..training.sweep import sweep_grid, train_sweep
-from ..training.train import init_state, make_train_step
 from ._render import markdown_table
 from .protocol import check_report_flags
 

@@ -43,7 +43,7 @@ from .._validate import ConfigError, check_choice, check_int
 from ..nn.decoder import DecoderConfig, DecoderLM
 from ..training.mesh import state_shardings
 from ..training.partition import parse_mesh, resolve_rules
-from ..training.train import PRECISIONS, init_state
+from ..training.step import PRECISIONS, init_state
 
 __all__ = ["PRESET_CONFIGS", "PlanResult", "config_of", "plan", "plans_table"]
 
@@ -284,7 +284,7 @@ def _compiled_memory(payload: str) -> tuple[int, int]:
     """Compile one training step for the mesh on shapes; its memory analysis."""
     from ..training.mesh import shard_step
     from ..training.partition import ActivationConstraint, _with_constraints, mesh_of
-    from ..training.train import make_train_step
+    from ..training.step import make_train_step
 
     p = json.loads(payload)
     fields = dict(p["config"])

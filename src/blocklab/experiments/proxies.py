@@ -45,9 +45,10 @@ from jaxtyping import Array, Float, Int
 from .._validate import ConfigError, check_choice
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
+from ..training.losses import lm_loss
 from ..training.optimizer import optimizer as make_optimizer
+from ..training.step import validation_loss
 from ..training.sweep import SweepResult, train_sweep
-from ..training.train import lm_loss, validation_loss
 from ._render import markdown_table
 from .protocol import check_report_flags
 

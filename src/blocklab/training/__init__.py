@@ -4,27 +4,24 @@ checkpoints, joining and launching multi-process jobs."""
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
+from .losses import lm_loss, next_token_loss
 from .optimizer import optimizer, schedule_factor
-from .sources import HostSource, host_source
 from .partition import logical_axes, mesh_of, shard
+from .run import TrainResult, train_lm, train_model
 from .sharded_checkpoint import restore_sharded, save_sharded
 from .sharding import check_seeds, member_mesh, pad_members, sharded_map
-from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
-from .train import (
+from .sources import HostSource, host_source
+from .step import (
     PRECISIONS,
     LMBatches,
-    TrainResult,
     TrainState,
     TrainStep,
     init_state,
-    lm_loss,
     make_train_step,
-    next_token_loss,
     step_keys,
-    train_lm,
-    train_model,
     validation_loss,
 )
+from .sweep import SweepResult, sweep_grid, sweep_optimizer, train_sweep
 
 __all__ = [
     "PRECISIONS",

@@ -40,7 +40,7 @@ from .partition import (
     param_shardings,
     resolve_rules,
 )
-from .train import TrainState, TrainStep, _draw, init_state
+from .step import TrainState, TrainStep, draw_batch, init_state
 
 __all__ = [
     "ShardedSource",
@@ -138,7 +138,7 @@ class ShardedSource(eqx.Module):
         return getattr(self.source, "batch_size", None)
 
     def batch(self, key: Any) -> Any:
-        batch = _draw(self.source, key)
+        batch = draw_batch(self.source, key)
         return jax.tree_util.tree_map(
             lambda a: (
                 jax.lax.with_sharding_constraint(a, self.sharding) if a.ndim >= 1 else a
@@ -164,7 +164,7 @@ def check_batch(owner: str, step: TrainStep, mesh: Mesh) -> None:
     axes = () if not len(spec) or spec[0] is None else spec[0]
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     n = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
-    shapes = jax.eval_shape(lambda k: _draw(source.source, k), jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: draw_batch(source.source, k), jax.random.key(0))
     for leaf in jax.tree_util.tree_leaves(shapes):
         if leaf.ndim >= 1 and leaf.shape[0] % n:
             raise ConfigError(

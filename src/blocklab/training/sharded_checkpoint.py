@@ -57,7 +57,7 @@ from .partition import (
     _with_constraints,
     resolve_rules,
 )
-from .train import TrainState, init_state
+from .step import TrainState, init_state
 
 __all__ = ["SavedCheckpoint", "restore_sharded", "save_sharded", "sharded_metadata"]
 

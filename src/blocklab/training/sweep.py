@@ -7,7 +7,7 @@ weight decay, Adam's b1/b2, the parameters of a schedule written with them),
 which `inject_hyperparams` moves from the optimizer's closure into its state.
 The member states are stacked along a leading axis of size K
 (`eqx.filter_vmap` over the model constructor), and one training step,
-`blocklab.training.train.TrainStep` (any model, loss and batch source), is
+`blocklab.training.step.TrainStep` (any model, loss and batch source), is
 `jax.vmap`-ed over that axis:
 
 $$S^{(k)}_{s+1} = \mathrm{step}\big(S^{(k)}_s,\ \mathrm{fold\_in}(\kappa_k, s)\big),
@@ -64,7 +64,7 @@ from jaxtyping import ArrayLike, Float, PRNGKeyArray
 from .._validate import ConfigError, check_bool, check_int
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
-from .sources import HostSource
+from .run import TrainResult
 from .sharding import (
     AXIS,
     MemberKeys,
@@ -80,8 +80,8 @@ from .sharding import (
     to_host,
     wrap_key,
 )
-from .train import (
-    TrainResult,
+from .sources import HostSource
+from .step import (
     TrainState,
     init_state,
     make_train_step,
@@ -404,7 +404,7 @@ def train_sweep(
             `sweep_optimizer(optax.adamw, weight_decay=0.0)` (the chapter's,
             which needs `learning_rates`).
         loss_fn: `loss_fn(model, batch, key)`; default the next-token loss.
-        precision: `"float32"` or `"bf16"` (see `blocklab.training.train`).
+        precision: `"float32"` or `"bf16"` (see `blocklab.training.step`).
         batch_size: sequences per step and member for a token dataset
             (default 64).
         steps_per_call: steps fused per compiled call (also the probe period).
