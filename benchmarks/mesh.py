@@ -55,10 +55,10 @@ def _stepper(model, optimizer, source, steps, mesh=None, precision="float32"):
     """A callable running `steps` fused steps (one compiled chunk), blocking.
 
     The chunk is the one `train_model` runs (`run._run_chunk`, or on a mesh
-    `mesh.run_chunk` with the state on its shardings), called directly so
+    `mesh_training.run_chunk` with the state on its shardings), called directly so
     the timing holds no set-up (the state, the checks, the compile).
     """
-    from blocklab.training import mesh as meshes
+    from blocklab.training import mesh_training as meshes
     from blocklab.training import run as train_run
     from blocklab.training import step as train_step
 
@@ -102,7 +102,7 @@ def _time_runs(fns: dict, repeats: int) -> dict:
 
 def fsdp_overhead(steps: int, repeats: int) -> dict:
     from blocklab.nn.decoder import DecoderConfig, DecoderLM
-    from blocklab.training.partition import mesh_of
+    from blocklab.training.placement import mesh_of
 
     gpu = jax.devices()[0].platform != "cpu"
     d, L, B, T = (1024, 8, 64, 512) if gpu else (128, 2, 32, 64)

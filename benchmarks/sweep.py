@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from blocklab import CharLM, TimeMachine, train_lm, train_sweep  # noqa: E402
-from blocklab.training.sharding import (  # noqa: E402
+from blocklab.training.member_axis import (  # noqa: E402
     global_rows,
     key_data,
     member_sharding,

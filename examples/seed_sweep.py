@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from blocklab import CharLM, TimeMachine, train_sweep
-from blocklab.training.sharding import member_mesh
+from blocklab.training.member_axis import member_mesh
 
 TINY = os.environ.get("BLOCKLAB_TINY") == "1"
 D, BLKS, SEQ, BATCH, STEPS = (16, 1, 16, 4, 10) if TINY else (64, 2, 64, 16, 300)

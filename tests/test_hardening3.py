@@ -568,7 +568,7 @@ def test_old_obscure_errors_name_the_argument_and_the_fix():
         bl.census({"w": jnp.ones(3)})
     with pytest.raises(ConfigError, match=r"train_batch: batch_size must lie in \[1"):
         bl.TokenDataset(np.arange(40) % 28, 8).train_batch(jax.random.key(0), -1)
-    from blocklab.training.sharding import key_data
+    from blocklab.training.member_axis import key_data
 
     with pytest.raises(ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"):
         inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")

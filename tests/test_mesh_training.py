@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import functools, json, sys
     import jax, numpy as np, optax
     from blocklab.data import TimeMachine
-    from blocklab.training.partition import mesh_of
+    from blocklab.training.placement import mesh_of
     from blocklab.training.run import train_model
 
     jobs = json.loads(sys.argv[1])
@@ -176,7 +176,7 @@ SWEEP = textwrap.dedent(
     import jax, numpy as np
     from blocklab.data import TimeMachine
     from blocklab.nn.decoder import DecoderLM
-    from blocklab.training.partition import mesh_of
+    from blocklab.training.placement import mesh_of
     from blocklab.training.sweep import train_sweep
 
     spec = sys.argv[1]
@@ -236,8 +236,8 @@ IDS = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     from blocklab.data import TimeMachine
     from blocklab.nn.decoder import DecoderConfig, DecoderLM
-    from blocklab.training import mesh as meshes
-    from blocklab.training.partition import mesh_of
+    from blocklab.training import mesh_training as meshes
+    from blocklab.training.placement import mesh_of
     from blocklab.training.sweep import train_sweep
     from blocklab.training.losses import lm_loss
     from blocklab.training.run import train_model

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, Stack
 from blocklab.interop.mixtral import MoEDecoderConfig
-from blocklab.training.partition import (
+from blocklab.training.placement import (
     LOGICAL_AXES,
     ActivationConstraint,
     logical_axes,

@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import equinox as eqx, jax, numpy as np, optax
     from blocklab import DecoderConfig, DecoderLM, TimeMachine
-    from blocklab.training.partition import mesh_of
+    from blocklab.training.placement import mesh_of
     from blocklab.training.sharded_checkpoint import restore_sharded, save_sharded
     from blocklab.training.run import train_model
 

@@ -25,8 +25,8 @@ from blocklab.diagnostics.propagation import signal_stats
 from blocklab.interop.mixtral import MoEDecoderConfig
 from blocklab.nn.decoder import DecoderConfig, DecoderLM
 from blocklab.training.losses import lm_loss
+from blocklab.training.member_axis import sharded_map
 from blocklab.training.run import train_model
-from blocklab.training.sharding import sharded_map
 from blocklab.training.step import init_state
 from blocklab.training.sweep import sweep_optimizer, train_sweep
 

@@ -13,7 +13,7 @@ import pytest
 
 from blocklab import sharded_map, sweep_grid, train_sweep
 from blocklab._validate import ConfigError
-from blocklab.training.sharding import check_seeds
+from blocklab.training.member_axis import check_seeds
 from blocklab.training.sweep import sweep_optimizer
 
 D, B, STEPS = 3, 5, 6

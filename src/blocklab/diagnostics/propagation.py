@@ -48,7 +48,7 @@ from ..nn.ffn import FeedForward
 from ..nn.functional import attention_entropy, token_spread
 from ..nn.moe import MoETrace
 from ..nn.stack import Stack
-from ..training.sharding import sharded_map
+from ..training.member_axis import sharded_map
 
 __all__ = [
     "SignalStats",

@@ -1,4 +1,4 @@
-"""The seed rule of the studies: `blocklab.training.sharding.check_seeds`, one
+"""The seed rule of the studies: `blocklab.training.member_axis.check_seeds`, one
 rule everywhere.
 
 One meaning per name, in every study and command: `seeds` lists the seeds
@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 from .._validate import ConfigError, check_int
-from ..training.sharding import MAX_SEED, check_seeds
+from ..training.member_axis import MAX_SEED, check_seeds
 
 __all__ = ["check_seed", "check_seeds", "resolve_num_seeds"]
 

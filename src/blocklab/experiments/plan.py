@@ -5,7 +5,7 @@ For a `DecoderConfig`, a mesh shape (`data=8,model=4`) and sharding rules,
 
 - **parameters**: $\sum_x \mathrm{bytes}(x) / s_x$ over the model's arrays,
   where $s_x$ is the number of pieces $x$ is split into under the rules
-  (`blocklab.training.partition`); from `jax.eval_shape` of the model, on a
+  (`blocklab.training.placement`); from `jax.eval_shape` of the model, on a
   `jax.sharding.AbstractMesh` (no devices needed, any size);
 - **optimizer state**: the same sum over AdamW's state (two moments shaped
   like the parameters, sharded like them, and its scalars);
@@ -41,8 +41,8 @@ import optax
 
 from .._validate import ConfigError, check_choice, check_int
 from ..nn.decoder import DecoderConfig, DecoderLM
-from ..training.mesh import state_shardings
-from ..training.partition import parse_mesh, resolve_rules
+from ..training.mesh_training import state_shardings
+from ..training.placement import parse_mesh, resolve_rules
 from ..training.step import PRECISIONS, init_state
 
 __all__ = ["PRESET_CONFIGS", "PlanResult", "config_of", "plan", "plans_table"]
@@ -190,7 +190,7 @@ def plan(
     Args:
         config: a preset name (`PRESET_CONFIGS`), a JSON file, or a config.
         mesh: axis sizes.
-        rules: a preset of `blocklab.training.partition` or a mapping.
+        rules: a preset of `blocklab.training.placement` or a mapping.
         batch, seq_len: the global batch (sequences) and its length, for
             the compiled step's temporaries.
         precision: `"bf16"` (float32 parameters and state, bfloat16 compute)
@@ -282,8 +282,9 @@ def _child(payload: str) -> None:
 
 def _compiled_memory(payload: str) -> tuple[int, int]:
     """Compile one training step for the mesh on shapes; its memory analysis."""
-    from ..training.mesh import shard_step
-    from ..training.partition import ActivationConstraint, _with_constraints, mesh_of
+    from ..training.mesh_training import shard_step
+    from ..training.placement import ActivationConstraint, mesh_of
+    from ..training.placement import with_constraints as _with_constraints
     from ..training.step import make_train_step
 
     p = json.loads(payload)

@@ -1,15 +1,17 @@
-"""Layer 2, training: the train step (`train`) and the one loop (`loop`) that
-`train_model` and `train_sweep` share, sweeps, the member axis (`sharding`),
-checkpoints, joining and launching multi-process jobs."""
+"""Layer 2, training: the losses (`losses`), the step (`step`), one run (`run`)
+around the one chunk loop (`loop`) that `train_model` and `train_sweep` share,
+sweeps (`sweep`) over the member axis (`member_axis`), parameters placed on a
+mesh by logical-axis rules (`placement`), one model trained on a mesh
+(`mesh_training`), checkpoints, joining and launching multi-process jobs."""
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
 from .losses import lm_loss, next_token_loss
+from .member_axis import check_seeds, member_mesh, pad_members, sharded_map
 from .optimizer import optimizer, schedule_factor
-from .partition import logical_axes, mesh_of, shard
+from .placement import logical_axes, mesh_of, shard
 from .run import TrainResult, train_lm, train_model
 from .sharded_checkpoint import restore_sharded, save_sharded
-from .sharding import check_seeds, member_mesh, pad_members, sharded_map
 from .sources import HostSource, host_source
 from .step import (
     PRECISIONS,

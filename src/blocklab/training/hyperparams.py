@@ -72,9 +72,7 @@ def check_values(
         if value is None or callable(value):
             continue
         arr = np.atleast_1d(np.asarray(value, np.float64))
-        lo, hi, lo_open, hi_open = RANGES.get(
-            name, (-math.inf, math.inf, True, True)
-        )
+        lo, hi, lo_open, hi_open = RANGES.get(name, (-math.inf, math.inf, True, True))
         bad = ~np.isfinite(arr)
         bad |= (arr <= lo) if lo_open else (arr < lo)
         bad |= (arr >= hi) if hi_open else (arr > hi)

@@ -35,7 +35,7 @@ from jaxtyping import Array, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
-from . import mesh as meshes
+from . import mesh_training
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .sources import HostSource
@@ -177,9 +177,9 @@ def train_model(
         progress: show a tqdm bar.
         mesh: a `jax.sharding.Mesh` over every device: the model, its
             optimizer state and each batch are split over it
-            (`blocklab.training.mesh`); `None`: one device.
+            (`blocklab.training.mesh_training`); `None`: one device.
         rules: how (with `mesh`): a preset of
-            `blocklab.training.partition` (`"fsdp"` by default, `"tp"`,
+            `blocklab.training.placement` (`"fsdp"` by default, `"tp"`,
             `"ep"`, `"fsdp+tp"`, ...) or a mapping logical axis -> mesh axis.
 
     Returns:
@@ -207,13 +207,13 @@ def train_model(
                 f"{owner}: a host batch source cannot train on a mesh yet; draw "
                 "the batches on the device (source(key) or source.batch(key))."
             )
-        step = meshes.shard_step(step, mesh, rules)
+        step = mesh_training.shard_step(step, mesh, rules)
         state, on_mesh = (
-            meshes.sharded_state(model, optimizer, mesh, rules)
+            mesh_training.sharded_state(model, optimizer, mesh, rules)
             if fresh
-            else meshes.reshard_state(state, mesh, rules, optimizer)
+            else mesh_training.reshard_state(state, mesh, rules, optimizer)
         )
-        meshes.check_batch(owner, step, mesh)
+        mesh_training.check_batch(owner, step, mesh)
     has_aux = step.check(
         state, owner=owner, first_key=step_keys(key, int(state.step), 1)[0]
     )
@@ -238,7 +238,7 @@ def train_model(
     def advance(state, done, n):
         if on_mesh is not None:
             keys = step_keys(key, start + done, n)
-            state, out = meshes.run_chunk((step, on_mesh), state, keys)
+            state, out = mesh_training.run_chunk((step, on_mesh), state, keys)
         elif host is None:
             state, out = _run_chunk(step, state, step_keys(key, start + done, n))
         else:

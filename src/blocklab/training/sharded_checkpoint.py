@@ -11,7 +11,7 @@ complete, so a checkpoint folder that exists is whole (atomic commit); with
 
 `restore_sharded(path, model, optimizer, mesh=..., rules=...)` reads the
 arrays straight into the layout that `rules` gives on `mesh`
-(`blocklab.training.mesh.state_shardings`), which need not be the mesh
+(`blocklab.training.mesh_training.state_shardings`), which need not be the mesh
 they were saved from: a checkpoint written by 8 devices under FSDP restores
 onto 4 devices under tensor parallelism with equal values.
 
@@ -50,12 +50,12 @@ import numpy as np
 
 from .._validate import ConfigError
 from .checkpoint import CheckpointError
-from .mesh import place_state, state_shardings
-from .partition import (
+from .mesh_training import place_state, state_shardings
+from .placement import (
     ActivationConstraint,
-    _check_mesh,
-    _with_constraints,
+    check_mesh,
     resolve_rules,
+    with_constraints,
 )
 from .step import TrainState, init_state
 
@@ -258,12 +258,12 @@ def restore_sharded(
         ConfigError: `model` is of another config than the saved one, or an
             array's name or shape differs (naming the leaf, both shapes and
             the mesh); the mesh or rules are bad (see
-            `blocklab.training.partition.shard`).
+            `blocklab.training.placement.shard`).
         CheckpointError: the folder is not a readable checkpoint.
     """
     owner = "restore_sharded"
     ocp = _ocp()
-    _check_mesh(mesh)
+    check_mesh(mesh)
     meta = sharded_metadata(path)
     path = _abs(owner, path)
     desc = f"mesh {dict(mesh.shape)}"
@@ -285,7 +285,7 @@ def restore_sharded(
             "(sharded_metadata(path)['config'])."
         )
     resolved = resolve_rules(rules, mesh)
-    model = _with_constraints(model, ActivationConstraint.of(resolved, mesh))
+    model = with_constraints(model, ActivationConstraint.of(resolved, mesh))
     shape = eqx.filter_eval_shape(init_state, model, optimizer)
     shardings = state_shardings(shape, optimizer, mesh, rules)
     target = place_state(shape, shardings)

@@ -25,10 +25,10 @@ validation are those of `train_model`: both run
 `blocklab.training.loop.run_chunks`, and differ only in the compiled chunk.
 
 **Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
-and padded to a multiple of the device count (`blocklab.training.sharding`). Members
+and padded to a multiple of the device count (`blocklab.training.member_axis`). Members
 never communicate, so XLA inserts no collectives in the step. On a mesh with
 more axes than `members` (e.g. `members=2,data=4`), each member is also
-split over the other axes by `rules` (`blocklab.training.partition`, default
+split over the other axes by `rules` (`blocklab.training.placement`, default
 `"fsdp"`): K sharded models as one program.
 
 **Many processes.** After `blocklab.training.distributed.initialize()`, the mesh spans
@@ -64,8 +64,7 @@ from jaxtyping import ArrayLike, Float, PRNGKeyArray
 from .._validate import ConfigError, check_bool, check_int
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
-from .run import TrainResult
-from .sharding import (
+from .member_axis import (
     AXIS,
     MemberKeys,
     check_seeds,
@@ -80,6 +79,8 @@ from .sharding import (
     to_host,
     wrap_key,
 )
+from .mesh_training import shard_step, state_shardings
+from .run import TrainResult
 from .sources import HostSource
 from .step import (
     TrainState,
@@ -415,7 +416,7 @@ def train_sweep(
             with the next-token loss).
         rules: with a mesh that has axes besides `"members"` (e.g.
             `members=2,data=4`), how each member is split over them: a preset
-            of `blocklab.training.partition` (default `"fsdp"`) or a mapping.
+            of `blocklab.training.placement` (default `"fsdp"`) or a mapping.
             K members, each over several devices, run as one program.
         mesh: a mesh with axis `"members"` (default: all devices of all
             processes).
@@ -498,8 +499,6 @@ def train_sweep(
     if state_shard is None:
         state_shard = sharding
     else:
-        from .mesh import shard_step
-
         step = shard_step(step, mesh, rules or "fsdp")
     size = pad_members(K, mesh.shape[AXIS])
     mk, dk = (global_rows(pad_rows(a, size), mesh) for a in (model_data, data_data))
@@ -586,18 +585,16 @@ def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
                 f"besides {AXIS!r}, but mesh {dict(mesh.shape)} has none."
             )
         return None
-    from .mesh import state_shardings
-
     size = pad_members(K, mesh.shape[AXIS])
     stacked = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct((size, *a.shape), a.dtype)
-        if isinstance(a, jax.ShapeDtypeStruct)
-        else a,
+        lambda a: (
+            jax.ShapeDtypeStruct((size, *a.shape), a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct)
+            else a
+        ),
         shape_state,
     )
-    return state_shardings(
-        stacked, optimizer, mesh, rules or "fsdp", prefix=(AXIS,)
-    )
+    return state_shardings(stacked, optimizer, mesh, rules or "fsdp", prefix=(AXIS,))
 
 
 @eqx.filter_jit

@@ -6,7 +6,7 @@ import argparse
 
 from ...experiments import plan as study
 from ...experiments._render import dumps
-from ...training.partition import parse_mesh
+from ...training.placement import parse_mesh
 
 NAME = "plan"
 HELP = (

@@ -71,12 +71,15 @@ __all__ = [
     "PRESETS",
     "ActivationConstraint",
     "abstract_shard",
+    "check_mesh",
     "logical_axes",
     "mesh_of",
     "param_shardings",
     "parse_mesh",
+    "place",
     "resolve_rules",
     "shard",
+    "with_constraints",
 ]
 
 #: The logical names of parameter dimensions.
@@ -342,7 +345,8 @@ def _mesh_spec(
     return PartitionSpec(*out)
 
 
-def _check_mesh(mesh: Any) -> None:
+def check_mesh(mesh: Any) -> None:
+    """Refuse a `Mesh` that does not span every device (`jax.device_count()`)."""
     if isinstance(mesh, Mesh) and mesh.devices.size != jax.device_count():
         raise ConfigError(
             f"shard: {_mesh_desc(mesh)} has {mesh.devices.size} devices but "
@@ -410,14 +414,20 @@ class ActivationConstraint:
         return jax.lax.with_sharding_constraint(h, NamedSharding(self.mesh, spec))
 
 
-def _with_constraints(model: Any, constraint: Any) -> Any:
+def with_constraints(model: Any, constraint: Any) -> Any:
+    """`model` with `constraint` installed on every `Stack` in it
+    (`Stack.with_constraint`: applied to the hidden state at block boundaries)."""
+
     def put(node):
         return node.with_constraint(constraint) if isinstance(node, Stack) else node
 
     return jax.tree_util.tree_map(put, model, is_leaf=lambda n: isinstance(n, Stack))
 
 
-def _place(x: Any, sharding: NamedSharding) -> Any:
+def place(x: Any, sharding: NamedSharding) -> Any:
+    """`x` on `sharding`: an array is put there (on many processes, each builds
+    its own shards from the same host value); a `jax.ShapeDtypeStruct` gets
+    the sharding attached."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -462,16 +472,16 @@ def shard(
             count differs from `jax.device_count()` (each naming the leaf or
             axis and the mesh).
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     shardings = param_shardings(model, mesh, rules, prefix=prefix)
     out = jax.tree_util.tree_map(
-        lambda x, s: _place(x, s) if s is not None else x,
+        lambda x, s: place(x, s) if s is not None else x,
         model,
         shardings,
         is_leaf=lambda x: x is None,
     )
     if constrain_activations:
-        out = _with_constraints(
+        out = with_constraints(
             out, ActivationConstraint.of(resolve_rules(rules, mesh), mesh)
         )
     return out
@@ -489,7 +499,7 @@ def abstract_shard(model: Any, mesh: Any, rules: str | Rules = "fsdp") -> Any:
     )
     shardings = param_shardings(shapes, mesh, rules)
     return jax.tree_util.tree_map(
-        lambda x, s: _place(x, s) if s is not None else x,
+        lambda x, s: place(x, s) if s is not None else x,
         shapes,
         shardings,
         is_leaf=lambda x: x is None,

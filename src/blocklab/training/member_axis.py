@@ -175,8 +175,11 @@ def key_data(
             f"{owner}: {name} must be int seeds (e.g. [0, 1, 2]) or PRNG keys "
             f"(jax.random.split(jax.random.key(0), K)), got an array of dtype "
             f"{keys.dtype} and shape {tuple(keys.shape)}"
-            + (" (float seeds are refused, not truncated)" if jnp.issubdtype(
-                keys.dtype, jnp.floating) else "")
+            + (
+                " (float seeds are refused, not truncated)"
+                if jnp.issubdtype(keys.dtype, jnp.floating)
+                else ""
+            )
             + "."
         )
     return np.asarray(keys)

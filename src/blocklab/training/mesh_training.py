@@ -4,7 +4,7 @@ r"""Training one model on a mesh: the state's layout, the batch split, the chunk
 `members` axis) run the same `TrainStep` as on one device; only the layout
 of the arrays differs, and GSPMD inserts the collectives:
 
-- the parameters follow `rules` (`blocklab.training.partition.shard`);
+- the parameters follow `rules` (`blocklab.training.placement.shard`);
 - the optimizer state is sharded like the parameters: every leaf of the
   state that has the structure of the parameters (Adam's $m$ and $v$) gets
   the parameter's sharding (`optax.tree_map_params`), the rest (step
@@ -32,13 +32,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._validate import ConfigError
-from .partition import (
+from .placement import (
     ActivationConstraint,
-    _check_mesh,
-    _place,
-    _with_constraints,
+    check_mesh,
     param_shardings,
+    place,
     resolve_rules,
+    with_constraints,
 )
 from .step import TrainState, TrainStep, draw_batch, init_state
 
@@ -46,8 +46,10 @@ __all__ = [
     "ShardedSource",
     "check_batch",
     "place_state",
+    "reshard_state",
     "run_chunk",
     "shard_step",
+    "sharded_state",
     "state_shardings",
 ]
 
@@ -112,7 +114,7 @@ def _is_inexact(x: Any) -> bool:
 def place_state(state: TrainState, shardings: TrainState) -> TrainState:
     """Every array of `state` put onto its sharding (shapes get it attached)."""
     return jax.tree_util.tree_map(
-        lambda x, s: _place(x, s) if s is not None and _is_arrayish(x) else x,
+        lambda x, s: place(x, s) if s is not None and _is_arrayish(x) else x,
         state,
         shardings,
         is_leaf=lambda x: x is None,
@@ -192,11 +194,11 @@ def sharded_state(
     the optimizer state is built by one compiled `optimizer.init` whose
     outputs land directly on their shardings (never whole on one device).
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     resolved = resolve_rules(rules, mesh)
     # The constraint is static metadata of the model: install it first, so
     # the shardings' tree is the state's.
-    model = _with_constraints(model, ActivationConstraint.of(resolved, mesh))
+    model = with_constraints(model, ActivationConstraint.of(resolved, mesh))
     shape = eqx.filter_eval_shape(init_state, model, optimizer)
     shardings = state_shardings(shape, optimizer, mesh, rules)
     placed = place_state(_state_like(model, None, None, None), shardings).model
@@ -213,9 +215,9 @@ def sharded_state(
 
 def reshard_state(state: TrainState, mesh: Mesh, rules: Any, optimizer: Any) -> tuple:
     """A given `TrainState` (e.g. to resume) moved onto `mesh` by `rules`."""
-    _check_mesh(mesh)
+    check_mesh(mesh)
     resolved = resolve_rules(rules, mesh)
-    model = _with_constraints(state.model, ActivationConstraint.of(resolved, mesh))
+    model = with_constraints(state.model, ActivationConstraint.of(resolved, mesh))
     state = TrainState(model, state.opt_state, state.step, state.finite)
     shardings = state_shardings(state, optimizer, mesh, rules)
     return place_state(state, shardings), shardings
