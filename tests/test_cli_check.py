@@ -55,7 +55,7 @@ def test_json_is_one_object_with_the_rows_in_exercise_order(stubbed, capsys):
 
 
 def test_table_prints_every_column_and_flags_failures(stubbed, capsys):
-    assert cli.main(["check", "--seeds", "3"]) == 0
+    assert cli.main(["check", "--num-seeds", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(
         "| claim | closed form | measured | discrepancy | tolerance | holds |"

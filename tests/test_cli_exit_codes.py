@@ -3,8 +3,8 @@
 - every study module has the same surface (`report_section`,
   `report_estimate`, a result with `table` / `to_json` / `figures`), and its
   command has the study's name;
-- `seeds` lists seeds, `num_seeds` counts them; the old count `seeds=N` /
-  `--seeds N` still works, with a deprecation message;
+- `seeds` lists seeds, `num_seeds` counts them (the old count `seeds=N` /
+  `--seeds N` is refused: tests/test_removed_paths.py);
 - exit status 2 means a bad argument whichever layer refuses it (argparse, a
   command's `validate`, or `ConfigError` deep in `blocklab.nn` during the run);
   1 a failure while working; 130 an interrupt.
@@ -12,14 +12,12 @@
 
 import inspect
 import json
-import warnings
 
-import numpy as np
 import pytest
 
 from blocklab._validate import ConfigError
 from blocklab.cli import app as cli
-from blocklab.experiments import check, signal
+from blocklab.experiments import signal
 from blocklab.experiments.protocol import STUDIES, study
 
 SECTION = ["out_dir", "quick", "full", "progress"]
@@ -47,50 +45,17 @@ def test_study_lookup_by_name_command_or_alias():
 
 
 # ------------------------------------------------------------------ seeds
-def test_num_seeds_counts_seeds_and_the_old_count_still_works():
-    """`seeds=2` (the old count) gives the very numbers of `num_seeds=2`, with a
-    DeprecationWarning that names the new spelling."""
+def test_num_seeds_counts_seeds():
     opts = dict(num_blks=2, num_hiddens=16, num_heads=4)
     new = signal.signal_propagation(("pre",), num_seeds=2, **opts)
-    with pytest.warns(DeprecationWarning, match="pass num_seeds=2"):
-        old = signal.signal_propagation(("pre",), seeds=2, **opts)
     assert new.options["num_seeds"] == 2
     assert new.stats["pre"].stream_rms.shape == (2, 2)  # (num_seeds, N)
-    np.testing.assert_array_equal(
-        old.stats["pre"].stream_rms, new.stats["pre"].stream_rms
-    )
-    with pytest.raises(ConfigError, match="pass num_seeds only"):
-        signal.signal_propagation(("pre",), num_seeds=4, seeds=2, **opts)
-
-
-def test_check_refuses_both_spellings():
-    with pytest.raises(ConfigError, match="num_seeds only"):
-        check.run_check(num_seeds=3, seeds=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(DeprecationWarning, match="num_seeds=1"):
-            check.run_check(seeds=1)
 
 
 def run_json(argv, capsys):
     status = cli.main([*argv, "--json"])
     captured = capsys.readouterr()
     return status, json.loads(captured.out), captured.err
-
-
-def test_cli_seeds_count_is_deprecated_but_accepted(capsys, monkeypatch):
-    seen = []
-
-    def fake(placements, **kw):
-        seen.append(kw["num_seeds"])
-        raise KeyboardInterrupt  # stop before any work
-
-    monkeypatch.setattr(signal, "signal_propagation", fake)
-    status, _, err = run_json(["signal", "--seeds", "2"], capsys)
-    assert status == 130 and seen == [2]
-    assert "--seeds 2 is deprecated" in err and "--num-seeds 2" in err
-    status, out, _ = run_json(["signal", "--seeds", "2", "--num-seeds", "3"], capsys)
-    assert status == 2 and out["type"] == "ConfigError"
 
 
 # ------------------------------------------------------------- exit codes

@@ -245,7 +245,7 @@ def test_an_interrupted_report_keeps_its_finished_sections(sections, tmp_path, c
 # ------------------------------------------- success at tiny sizes (slow: training)
 TINY_RUNS = {
     "activations": "--act gelu --steps 3 --batch-size 2 --num-hiddens 16 "
-    "--num-heads 2 --num-blks 1 --num-steps 8 --png {tmp}/t.png",
+    "--num-heads 2 --num-blks 1 --seq-len 8 --png {tmp}/t.png",
     "signal": "--placements pre --num-seeds 1 --blocks 2 --num-hiddens 16 "
     "--out {tmp}/s",
     # a rate of 1e30 diverges at once: null losses, a `diverged` field, and a

@@ -200,7 +200,7 @@ def test_checkpoints_are_the_chapters_blocks_at_depth_32():
     "bad, message",
     [
         (["--num-seeds", "0"], "--num-seeds must lie in [1, inf], got 0"),
-        (["--seeds", "-2"], "--num-seeds must lie in [1, inf], got -2"),
+        (["--num-seeds", "-2"], "--num-seeds must lie in [1, inf], got -2"),
         (["--blocks", "0"], "--blocks must lie in [1, inf], got 0"),
         (["--alpha", "-1"], "--alpha must be a finite scale > 0"),
         (["--alpha", "inf"], "--alpha must be a finite scale > 0"),

@@ -17,7 +17,7 @@ from blocklab.cli.commands import COMMANDS
 from blocklab.experiments import activations as study
 
 TINY = [
-    "--num-hiddens", "16", "--num-heads", "2", "--num-blks", "1", "--num-steps", "8",
+    "--num-hiddens", "16", "--num-heads", "2", "--num-blks", "1", "--seq-len", "8",
     "--batch-size", "4", "--no-progress",
 ]  # fmt: skip
 

@@ -112,31 +112,6 @@ def test_too_short_and_bad_sizes(tmp_path):
         TimeMachine(seq_len=2, num_train=1, num_val=-1, path=path)
 
 
-@pytest.mark.parametrize(
-    "build",
-    [
-        lambda **kw: TimeMachine(num_train=20, num_val=2, **kw),
-        lambda **kw: TokenDataset(np.arange(40) % 7, num_val=2, **kw),
-        lambda **kw: TokenDataset.from_text("abcabcabcabcabcabcabc", **kw),
-    ],
-    ids=["TimeMachine", "TokenDataset", "from_text"],
-)
-def test_num_steps_is_the_deprecated_name_of_seq_len(build):
-    new = build(seq_len=5)
-    assert new.seq_len == 5
-    with pytest.warns(DeprecationWarning, match="use seq_len="):
-        old = build(num_steps=5)
-    assert old.seq_len == 5
-    # Windows of seq_len + 1 tokens: the same batches under either name.
-    for a, b in zip(new.val_batch(), old.val_batch(), strict=True):
-        np.testing.assert_array_equal(a, b)
-        assert a.shape[-1] == 5
-    with pytest.warns(DeprecationWarning, match="use .seq_len"):
-        assert new.num_steps == 5
-    with pytest.raises(ConfigError, match="give seq_len= only"):
-        build(seq_len=5, num_steps=5)
-
-
 def test_token_dataset_from_text_has_its_own_sorted_vocabulary():
     text = "Hello, World! 123"
     data = TokenDataset.from_text(text, 4, num_val=2)

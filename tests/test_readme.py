@@ -3,9 +3,9 @@
 The blocks are extracted from README.md and executed one after the other in
 one fresh interpreter (a subprocess), sharing one namespace as a reader's
 session would. Each block is compiled with the file name `README.md` and its
-own line numbers, so a traceback points at the README line that failed. Old
-flat import paths (`blocklab.attention`, `bl.gelu`, ...) are errors here, as
-in the rest of the suite: the README must show the new ones.
+own line numbers, so a traceback points at the README line that failed. The
+flat layout's import paths (`blocklab.attention`, `bl.gelu`, ...) were removed
+in 0.3: the README must show the current ones.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,7 @@ _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 #: Runs the blocks given as (first line, source) pairs in one namespace.
 _RUNNER = """\
-import time, warnings
-warnings.filterwarnings(
-    "error", message=".*moved to blocklab", category=DeprecationWarning
-)
+import time
 namespace = {"__name__": "__main__"}
 start = time.perf_counter()
 for line, source in BLOCKS:
@@ -104,18 +100,15 @@ def test_an_old_import_path_in_a_block_fails_the_run(tmp_path):
         [(1, "import blocklab as bl\nbl.gelu\n")], tmp_path, timeout=120
     )
     assert result.returncode != 0
-    assert "moved to blocklab.nn.functional" in result.stderr
+    assert "AttributeError: module 'blocklab' has no attribute 'gelu'" in result.stderr
 
 
 def resolve(dotted: str):
-    """The module or attribute that `dotted` (`blocklab.nn.moe.moe_loss`) names."""
-    from blocklab._compat import MOVED_MODULES
-
+    """The module or attribute that `dotted` (`blocklab.nn.functional.gelu`)
+    names; `ImportError` or `AttributeError` when it names nothing."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         module = ".".join(parts[:cut])
-        if module.removeprefix("blocklab.") in MOVED_MODULES:  # also when cached
-            raise DeprecationWarning(f"{module} moved to blocklab.<layer>")
         try:
             obj = importlib.import_module(module)
         except ModuleNotFoundError:
@@ -137,7 +130,7 @@ def _bl_names(markdown: str) -> set[str]:
     return set(re.findall(r"\bbl\.([A-Za-z_]\w*)", code))
 
 
-#: Old paths the README names as old (the layout section's deprecation note).
+#: Old paths the README may name as old (removed in 0.3).
 OLD_PATHS_NAMED_AS_OLD = {"blocklab.attention"}
 
 
@@ -147,13 +140,11 @@ def test_every_documented_path_is_a_current_one(doc):
 
     markdown = (ROOT / doc).read_text(encoding="utf-8")
     paths = _documented_paths(markdown)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        for path in sorted(paths - OLD_PATHS_NAMED_AS_OLD):
-            resolve(path)  # raises on a missing or a deprecated (moved) path
-        for path in sorted(paths & OLD_PATHS_NAMED_AS_OLD):
-            with pytest.raises(DeprecationWarning, match="moved to blocklab"):
-                resolve(path)  # named as old, and old indeed
+    for path in sorted(paths - OLD_PATHS_NAMED_AS_OLD):
+        resolve(path)  # raises on a path that names nothing
+    for path in sorted(paths & OLD_PATHS_NAMED_AS_OLD):
+        with pytest.raises((ImportError, AttributeError)):
+            resolve(path)  # named as old, and gone indeed
     names = _bl_names(markdown)
     assert sorted(names - set(bl.__all__)) == []
     for _, source in python_blocks(markdown):
@@ -166,16 +157,14 @@ def test_the_path_check_can_fail():
         "blocklab.attention",
         "blocklab.nn.nothing_here",
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        with pytest.raises(DeprecationWarning, match="moved to blocklab.nn.functional"):
-            resolve("blocklab.gelu")
-    with pytest.raises(DeprecationWarning, match="blocklab.attention moved"):
+    with pytest.raises(AttributeError, match="no attribute 'gelu'"):
+        resolve("blocklab.gelu")
+    with pytest.raises(AttributeError, match="no attribute 'attention'"):
         resolve("blocklab.attention.MultiHeadAttention")
     with pytest.raises(AttributeError):
         resolve("blocklab.nn.nothing_here")
     assert _bl_names("```python\nbl.gelu(x)\n```\n") == {"gelu"}
-    assert resolve("blocklab.nn.moe.moe_loss").__name__ == "moe_loss"
+    assert resolve("blocklab.nn.functional.gelu").__name__ == "gelu"
 
 
 @pytest.mark.slow  # about 130 s of CPU time (compilation, mostly)

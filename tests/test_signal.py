@@ -186,12 +186,6 @@ def test_sweep_over_seeds_equals_a_loop_over_runs():
     np.testing.assert_array_equal(
         np.asarray(count.stream_rms), np.asarray(swept.stream_rms)
     )
-    # the old spelling of a count, seeds=3: the same run, with a warning
-    with pytest.warns(DeprecationWarning, match="use num_seeds=3"):
-        old = sg.signal_sweep("post", 3, **opts)
-    np.testing.assert_array_equal(
-        np.asarray(old.stream_rms), np.asarray(swept.stream_rms)
-    )
     # one seed per compiled call (memory-bounded): the same values
     chunked = sg.signal_sweep("post", [0, 1, 2], chunk=1, **opts)
     np.testing.assert_allclose(

@@ -11,7 +11,6 @@ This namespace re-exports what most users call; everything else is imported
 from its layer, e.g. `from blocklab.nn.functional import gelu`.
 """
 
-from . import _compat
 from ._validate import ConfigError
 from .data import TimeMachine, TokenDataset
 from .diagnostics import (
@@ -67,7 +66,7 @@ from .training import (
     train_sweep,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # errors
@@ -129,8 +128,6 @@ __all__ = [
     "to_huggingface_state_dict",
 ]
 
-_compat.install()
-
 #: Layer packages imported on first use (`bl.experiments`, `bl.cli`).
 _LAZY_PACKAGES = ("experiments", "cli")
 
@@ -148,7 +145,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
-    return _compat.moved_attribute(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

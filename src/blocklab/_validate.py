@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,7 +33,6 @@ __all__ = [
     "check_choice",
     "check_ids",
     "check_key",
-    "renamed_keyword",
 ]
 
 
@@ -157,30 +155,6 @@ def check_key(owner: str, name: str, key: Any) -> Any:
     )
 
 
-def renamed_keyword(
-    owner: str, new: str, new_value: Any, old: str, old_value: Any, why: str = ""
-) -> Any:
-    """The value of a keyword that was renamed from `old` to `new`.
-
-    Returns `new_value`, or `old_value` with a `DeprecationWarning` naming the
-    new keyword when only the old one was given; giving both is a
-    `ConfigError`. `None` means "not given" for both.
-    """
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ConfigError(
-            f"{owner}: give {new}= only ({old}= is its deprecated name), got "
-            f"{new}={new_value!r} and {old}={old_value!r}."
-        )
-    warnings.warn(
-        f"{owner}: {old}= is deprecated; use {new}={old_value!r}{why}.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old_value
-
-
 class _IdMessages(Sequence):
     """`check_ids`' message table for `eqx.branched_error_if`, indexed by the id.
 
@@ -239,7 +213,9 @@ def _error_if_on_every_device(value: Any, pred: Any, msgs: Sequence[str]) -> Any
     )(value, pred)
 
 
-def check_ids(owner: str, name: str, ids: Any, size: int, *, what: str = "vocab") -> Any:
+def check_ids(
+    owner: str, name: str, ids: Any, size: int, *, what: str = "vocab"
+) -> Any:
     r"""Refuse integer ids outside `[0, size)`; returns `ids` (to thread through jit).
 
     Concrete ids (NumPy, or JAX arrays outside a trace) are checked in NumPy

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.resources
 import re
-import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_int, renamed_keyword
+from .._validate import ConfigError, check_int
 
 __all__ = [
     "TimeMachine",
@@ -88,15 +87,6 @@ def _read_corpus(path: Path) -> str:
     return raw
 
 
-def _seq_len(owner: str, seq_len: int | None, num_steps: int | None) -> int | None:
-    """`seq_len`, or its deprecated name `num_steps` (which means optimizer
-    steps in `train_lm`)."""
-    return renamed_keyword(
-        owner, "seq_len", seq_len, "num_steps", num_steps,
-        " (num_steps means optimizer steps in train_lm)",
-    )  # fmt: skip
-
-
 class _Windowed(eqx.Module):
     """A token corpus cut into windows of `seq_len + 1` tokens (the shared
     machinery of `TimeMachine` and `TokenDataset`)."""
@@ -105,17 +95,6 @@ class _Windowed(eqx.Module):
     seq_len: int = eqx.field(static=True)
     num_train: int = eqx.field(static=True)
     num_val: int = eqx.field(static=True)
-
-    @property
-    def num_steps(self) -> int:
-        """Deprecated name of `seq_len` (the sequence length, not optimizer steps)."""
-        warnings.warn(
-            f"{type(self).__name__}.num_steps is deprecated; use .seq_len (the "
-            "sequence length).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.seq_len
 
     def windows(
         self, starts: Int[Array, " B"]
@@ -162,30 +141,24 @@ class TimeMachine(_Windowed):
 
     def __init__(
         self,
-        seq_len: int | None = None,
+        seq_len: int = 128,
         num_train: int = 100000,
         num_val: int = 3000,
         *,
         path: str | Path | None = None,
-        num_steps: int | None = None,
     ):
         """Args:
-        seq_len: characters per input sequence $n$ (windows have $n + 1$);
-            default 128.
+        seq_len: characters per input sequence $n$ (windows have $n + 1$).
         num_train: number of training windows (the first ones).
         num_val: number of validation windows (the next ones).
         path: a text file to use instead of the shipped corpus.
-        num_steps: deprecated name of `seq_len` (warns).
 
         Raises:
             ConfigError: a non-positive size, a missing, unreadable or empty
                 corpus, or a corpus too short for `num_train + num_val` windows.
         """
         owner = "TimeMachine"
-        seq_len = _seq_len(owner, seq_len, num_steps)
-        seq_len = check_int(
-            owner, "seq_len", 128 if seq_len is None else seq_len, min=1
-        )
+        seq_len = check_int(owner, "seq_len", seq_len, min=1)
         num_train = check_int(owner, "num_train", num_train, min=1)
         num_val = check_int(owner, "num_val", num_val, min=0)
         path = corpus_path() if path is None else Path(path)
@@ -311,7 +284,6 @@ class TokenDataset(_Windowed):
         num_val: int = 0,
         vocab_size: int | None = None,
         vocab: tuple[str, ...] | None = None,
-        num_steps: int | None = None,
     ):
         """Args:
         tokens: a 1-D sequence of non-negative integer token ids.
@@ -321,7 +293,6 @@ class TokenDataset(_Windowed):
         num_val: validation windows (the ones after the training windows).
         vocab_size: default `max(tokens) + 1` (or `len(vocab)`).
         vocab: optional symbol of each id (used by `decode`).
-        num_steps: deprecated name of `seq_len` (warns).
 
         Raises:
             ConfigError: tokens that are not a 1-D integer array, an id outside
@@ -329,7 +300,6 @@ class TokenDataset(_Windowed):
                 `num_train + num_val` windows.
         """
         owner = "TokenDataset"
-        seq_len = _seq_len(owner, seq_len, num_steps)
         if seq_len is None:
             raise ConfigError(
                 f"{owner}: seq_len (tokens per input sequence) is required, e.g. "
@@ -400,13 +370,11 @@ class TokenDataset(_Windowed):
         *,
         num_train: int | None = None,
         num_val: int = 0,
-        num_steps: int | None = None,
     ) -> TokenDataset:
         """A character dataset of `text` with its own vocabulary (sorted characters).
 
-        `seq_len` as for `TokenDataset`; `num_steps` is its deprecated name.
+        `seq_len` as for `TokenDataset`.
         """
-        seq_len = _seq_len("TokenDataset.from_text", seq_len, num_steps)
         if not isinstance(text, str) or not text:
             raise ConfigError(
                 "TokenDataset.from_text: text must be a non-empty str, got "

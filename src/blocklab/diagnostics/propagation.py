@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._validate import ConfigError, check_int, renamed_keyword
+from .._validate import ConfigError, check_int
 from ..nn import init
 from ..nn.attention import MultiHeadAttention
 from ..nn.block import PLACEMENTS, TransformerBlock
@@ -358,7 +358,7 @@ def _seed_fn(placement, options):
 
 def signal_sweep(
     placement: str,
-    seeds: int | Sequence[int] | PRNGKeyArray | None = None,
+    seeds: Sequence[int] | PRNGKeyArray | None = None,
     *,
     num_seeds: int | None = None,
     chunk: int | None = None,
@@ -372,8 +372,7 @@ def signal_sweep(
     Args:
         placement: as for `chapter_stack`.
         seeds: a sequence of int seeds, or an array of PRNG keys; seed s uses
-            `jax.random.key(s)`. (A number S here is the deprecated spelling
-            of `num_seeds=S`.)
+            `jax.random.key(s)`.
         num_seeds: instead of `seeds`, a count S: seeds 0..S-1.
         chunk: seeds per compiled call, to bound memory on deep or wide
             stacks (each seed holds its stack, gradients and activations);
@@ -383,12 +382,12 @@ def signal_sweep(
     Returns:
         `SignalStats` whose fields have shape `(S, N)`.
     """
-    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
-        num_seeds = renamed_keyword(
-            "signal_sweep", "num_seeds", num_seeds, "seeds", seeds,
-            " (seeds= is a list of seeds; a count is num_seeds=)",
-        )  # fmt: skip
-        seeds = None
+    if isinstance(seeds, numbers.Number):
+        raise ConfigError(
+            "signal_sweep: seeds must be a sequence of int seeds or an array of "
+            f"PRNG keys, got the number {seeds!r}; a count S of seeds (0..S-1) "
+            "is num_seeds=S."
+        )
     if (seeds is None) == (num_seeds is None):
         raise ConfigError(
             "signal_sweep: give the seeds as seeds=[...] (a sequence or PRNG keys) "

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import ArrayLike, Float
 
-from .._validate import ConfigError, renamed_keyword
+from .._validate import ConfigError
 from ..nn.config import GATED_ACTS, BlockConfig, check_act
 
 __all__ = [
@@ -395,13 +395,7 @@ def collapse_rho0(num_tokens: int) -> float:
     return 1.0 / (num_tokens - 1)
 
 
-def collapse_spread(
-    num_blks: int | None = None,
-    alpha: float | None = None,
-    num_tokens: int | None = None,
-    *,
-    num_blocks: int | None = None,
-) -> float:
+def collapse_spread(num_blks: int, alpha: float, num_tokens: int) -> float:
     r"""Predicted token spread after $k$ post-LN blocks, FFN sublayers ignored (ex. 5a).
 
     Write the tokens as $x_i = \mu + \delta_i$ and $\rho = n\|\mu\|^2 /
@@ -422,19 +416,14 @@ def collapse_spread(
     $1.6 \cdot 0.135^2 = 0.029$) to every token: an additive common component
     the formula leaves out.
 
-    `num_blks` is $k$ (`num_blocks=` is its deprecated name).
+    `num_blks` is $k$.
     """
-    num_blks = renamed_keyword(
-        "collapse_spread", "num_blks", num_blks, "num_blocks", num_blocks
-    )
     if not isinstance(num_blks, int) or num_blks < 0:
         raise ConfigError(
             f"collapse_spread: num_blks must be a non-negative int, got {num_blks!r}."
         )
     if alpha is None or not alpha >= 0:
         raise ConfigError(f"collapse_spread: alpha must be >= 0, got alpha={alpha!r}.")
-    if num_tokens is None:
-        raise ConfigError("collapse_spread: num_tokens is required.")
     rho = collapse_rho0(num_tokens) * (1.0 + alpha**4) ** num_blks
     return (1.0 + rho) ** -0.5
 
@@ -453,8 +442,6 @@ def init_alpha(num_hiddens: int, std: float) -> float:
 def post_ln_identity_factor(
     c: float | Sequence[float] | Float[ArrayLike, " n"],
     num_blks: int | None = None,
-    *,
-    num_blocks: int | None = None,
 ) -> float:
     r"""Post-LN's stand-in for pre-LN's identity term: $\prod_j (1 + c_j)^{-1/2}$.
 
@@ -466,12 +453,8 @@ def post_ln_identity_factor(
     $u_j$ by $\prod_j r(u_j)^{-1} = \prod_j (1 + c_j)^{-1/2}$. Pass a sequence
     of the $2N$ mean squares $c_j$, or a common $c$ and `num_blks` $N$:
     $(1 + c)^{-N}$, exponentially small in depth, where pre-LN's identity
-    term is 1 at every depth. (`num_blocks=` is the deprecated name of
-    `num_blks`.)
+    term is 1 at every depth.
     """
-    num_blks = renamed_keyword(
-        "post_ln_identity_factor", "num_blks", num_blks, "num_blocks", num_blocks
-    )
     if num_blks is None:
         cs = np.asarray(c, np.float64)
         return float(np.prod((1.0 + cs) ** -0.5))

@@ -46,7 +46,6 @@ from ..nn.block import PLACEMENTS, TransformerBlock
 from ..nn.ffn import ACTS, FeedForward, ffn_width
 from ..nn.functional import gelu, layer_norm, rms_norm
 from ..nn.normalization import NORMS
-from ._seeds import resolve_num_seeds
 from .protocol import check_report_flags
 
 __all__ = ["CheckResult", "KEYS", "check_rows", "run_check"]
@@ -863,7 +862,6 @@ def run_check(
     num_seeds: int = 6,
     quick: bool = False,
     gpt1: bool | None = None,
-    seeds: int | None = None,
 ) -> CheckResult:
     """Measure every claim of the table (see the module docstring).
 
@@ -878,7 +876,7 @@ def run_check(
         A `CheckResult`.
     """
     owner = "run_check"
-    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=6, min=2)
+    num_seeds = check_int(owner, "num_seeds", num_seeds, min=2)
     quick = check_bool(owner, "quick", quick)
     gpt1 = not quick if gpt1 is None else check_bool(owner, "gpt1", gpt1)
     rows = check_rows(num_seeds=num_seeds, quick=quick, gpt1=gpt1)

@@ -49,7 +49,6 @@ from ..diagnostics.propagation import (
 )
 from ..diagnostics.theory import c_attn_1, c_ffn_1, collapse_spread
 from ..nn.block import PLACEMENTS
-from ._seeds import resolve_num_seeds
 from .plotting import line_plot
 from .protocol import check_report_flags
 
@@ -242,7 +241,6 @@ def signal_propagation(
     qk_norm: bool = False,
     alpha: float = 1.0,
     ffn: bool = True,
-    seeds: int | None = None,
 ) -> SignalPropagation:
     """The chapter's signal experiment for each placement, vmapped over seeds.
 
@@ -254,7 +252,6 @@ def signal_propagation(
         qk_norm: RMS-normalize queries and keys in every block.
         alpha: scale of every weight matrix after the Xavier draw (> 0).
         ffn: `False` replaces every FFN by a zero sublayer.
-        seeds: deprecated spelling of `num_seeds` (a `DeprecationWarning`).
 
     Returns:
         A `SignalPropagation`.
@@ -268,7 +265,6 @@ def signal_propagation(
             raise ConfigError(
                 f"{owner}: placements must be among {list(PLACEMENTS)}, got {p!r}."
             )
-    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
     num_seeds, num_blks, num_hiddens, num_heads, alpha = _check_protocol(
         owner, num_seeds, num_blks, num_hiddens, num_heads, alpha
     )
@@ -300,7 +296,6 @@ def signal_arch(
     num_blks: int = 32,
     num_hiddens: int = 256,
     num_heads: int = 4,
-    seeds: int | None = None,
 ) -> SignalPropagation:
     """`signal_stats` on the `stack` of a real architecture's decoder, over seeds.
 
@@ -310,13 +305,12 @@ def signal_arch(
     `DecoderLM(config, key=key(s))` with its own initialization and reads a
     standard-normal input `(2, 64, d)` and readout drawn from the same key,
     as the chapter's experiment does (the stack is measured, not the
-    embeddings). Seeds 0..num_seeds-1 (`seeds=` is the deprecated spelling).
+    embeddings). Seeds 0..num_seeds-1.
     Raises `ConfigError` when the decoder module is unavailable.
     """
     owner = "signal_arch"
     if arch not in ARCHS:
         raise ConfigError(f"{owner}: arch must be one of {list(ARCHS)}, got {arch!r}.")
-    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
     num_seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
         owner, num_seeds, num_blks, num_hiddens, num_heads, 1.0
     )
@@ -349,7 +343,7 @@ def signal_config(config: Any, label: str, *, num_seeds: int = 3) -> SignalPropa
     built (the vocabulary does not enter it), so a large vocabulary costs
     nothing here.
     """
-    from ..nn.decoder import DecoderConfig, DecoderLM  # a later layer
+    from ..nn import DecoderConfig, DecoderLM  # a later layer
 
     owner = "signal_config"
     if not isinstance(config, DecoderConfig):
@@ -673,13 +667,12 @@ def run_exercises(
     num_hiddens: int = 256,
     num_heads: int = 4,
     pre: SignalStats | None = None,
-    seeds: int | None = None,
 ) -> dict[str, Any]:
     """Run the named exercises at one protocol; returns name -> typed result.
 
     `pre` reuses a pre-LN run of that protocol (plain: no QK-norm, alpha 1,
     full FFN) for exercises 3c and 4 instead of running one. Seeds
-    0..num_seeds-1 (`seeds=` is the deprecated spelling).
+    0..num_seeds-1.
     """
     owner = "run_exercises"
     for n in names:
@@ -687,7 +680,6 @@ def run_exercises(
             raise ConfigError(
                 f"{owner}: exercises must be among {list(EXERCISES)}, got {n!r}."
             )
-    num_seeds = resolve_num_seeds(owner, num_seeds, seeds, default=3)
     num_seeds, num_blks, num_hiddens, num_heads, _ = _check_protocol(
         owner, num_seeds, num_blks, num_hiddens, num_heads, 1.0
     )

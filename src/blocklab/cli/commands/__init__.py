@@ -31,38 +31,14 @@ COMMANDS = (*REPORT_SECTIONS, "launch", "plan")
 
 
 def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
-    """`--num-seeds N` (seeds 0..N-1), and the deprecated count `--seeds N`.
+    """`--num-seeds N`: seeds 0..N-1 (the default depends on other options).
 
     One meaning per name: `--seeds` lists seeds (`blocklab activations --seeds
-    0 1 2`); a count is `--num-seeds`. `num_seeds_of` resolves the two.
+    0 1 2`); a count is `--num-seeds`.
     """
     parser.add_argument("--num-seeds", type=int, default=None, metavar="N", help=help)
-    parser.add_argument(
-        "--seeds", type=int, default=None, dest="deprecated_seeds", metavar="N",
-        help="deprecated spelling of --num-seeds",
-    )  # fmt: skip
 
 
-def num_seeds_of(args, owner: str, default: int) -> int:
-    """`--num-seeds` (else `default`), or the deprecated `--seeds N`, which is
-    accepted with a note on stderr (once per parsed command line)."""
-    import sys
-
-    from ..._validate import ConfigError
-
-    old = getattr(args, "deprecated_seeds", None)
-    if old is None:
-        return default if args.num_seeds is None else args.num_seeds
-    if args.num_seeds is not None:
-        raise ConfigError(
-            f"{owner}: --num-seeds={args.num_seeds} and --seeds={old} both given; "
-            "give --num-seeds only (--seeds N is its deprecated spelling)."
-        )
-    if not getattr(args, "_warned_seeds", False):
-        print(
-            f"{owner}: --seeds {old} is deprecated: --seeds lists seeds (as in "
-            f"blocklab activations); use --num-seeds {old}.",
-            file=sys.stderr,
-        )
-        args._warned_seeds = True
-    return old
+def num_seeds_of(args, default: int) -> int:
+    """`--num-seeds`, else `default`."""
+    return default if args.num_seeds is None else args.num_seeds

@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-blks", type=int, default=2)
     parser.add_argument(
-        "--seq-len", "--num-steps", dest="seq_len", type=int, default=128,
-        help="sequence length (characters per training sequence; --num-steps is "
-        "its deprecated name: --steps counts optimizer steps)",
+        "--seq-len", type=int, default=128,
+        help="sequence length (characters per training sequence; --steps counts "
+        "optimizer steps)",
     )  # fmt: skip
     parser.add_argument(
         "--png", default="train_losses.png",

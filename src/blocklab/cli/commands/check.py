@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _num_seeds(args: argparse.Namespace) -> int:
-    return num_seeds_of(args, "blocklab check", 8 if args.full else 4)
+    return num_seeds_of(args, 8 if args.full else 4)
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Every value checked before any work."""
     owner = "blocklab signal"
-    check_int(owner, "--num-seeds", num_seeds_of(args, owner, 3), min=1)
+    check_int(owner, "--num-seeds", num_seeds_of(args, 3), min=1)
     for name in ("blocks", "num_hiddens"):
         check_int(owner, f"--{name.replace('_', '-')}", getattr(args, name), min=1)
     if args.num_hiddens % 4:
@@ -106,7 +106,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
-    num_seeds = num_seeds_of(args, "blocklab signal", 3)
+    num_seeds = num_seeds_of(args, 3)
     size = dict(num_seeds=num_seeds, num_blks=args.blocks, num_hiddens=args.num_hiddens)
     if args.pretrained is not None:
         result = study.signal_pretrained(args.pretrained, num_seeds=num_seeds)
