@@ -69,7 +69,7 @@ def test_help_lists_the_exit_codes():
 def test_a_config_error_deep_in_the_library_during_the_run_exits_2(capsys, monkeypatch):
     """An activation that only `blocklab.nn.ffn` knows to refuse, reached
     during the run (past argparse and `validate`): exit 2 with a JSON error."""
-    from blocklab.experiments import census
+    from blocklab.experiments import parameter_census as census
     from blocklab.nn.ffn import FeedForward
 
     def deep(**_):
@@ -95,7 +95,7 @@ def test_a_width_that_does_not_divide_the_heads_exits_2(capsys):
 
 
 def test_a_plain_error_while_working_exits_1(capsys, monkeypatch):
-    from blocklab.experiments import census
+    from blocklab.experiments import parameter_census as census
 
     def broken(**_):
         raise ArithmeticError("failed half way")

@@ -2,7 +2,6 @@
 every exit path, exit statuses are 0 / 1 / 2 / 130, bad output paths are refused
 before any work, and an interrupted report keeps its finished sections."""
 
-import importlib
 import json
 import math
 
@@ -10,6 +9,7 @@ import pytest
 
 from blocklab.cli import app as cli
 from blocklab.cli.commands import REPORT_SECTIONS
+from blocklab.experiments.protocol import study
 
 
 def strict(text):
@@ -114,7 +114,7 @@ def test_a_bad_output_path_is_refused_before_any_work(name, no_work, tmp_path, c
 
 
 def test_a_value_error_while_working_is_status_1(monkeypatch, capsys, tmp_path):
-    from blocklab.experiments import census
+    from blocklab.experiments import parameter_census as census
 
     def broken(**_):
         raise ValueError("the study failed half way")
@@ -131,7 +131,7 @@ def test_a_value_error_while_working_is_status_1(monkeypatch, capsys, tmp_path):
 def test_an_unexpected_exception_is_status_1_with_a_json_error(
     monkeypatch, capsys, tmp_path
 ):
-    from blocklab.experiments import census
+    from blocklab.experiments import parameter_census as census
 
     def bug(**_):
         raise RuntimeError("a bug")
@@ -208,7 +208,7 @@ def sections(monkeypatch):
     """Every section a marker; `interrupt_at` makes one raise KeyboardInterrupt."""
     state = {"interrupt_at": None}
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.experiments.{name}")
+        module = study(name).module
 
         def section(out_dir, *, quick, full, progress, _name=name):
             if _name == state["interrupt_at"]:

@@ -1,82 +1,57 @@
-"""One meaning per name: renamed keywords still work, with a DeprecationWarning
-naming the new keyword, and give the new keyword's values; both at once is a
-`ConfigError`."""
+"""One meaning per name: a name means one thing across the package (a count is
+`num_*`, a list is the plural; a registry of objects and a list of their names
+are two names; a function and a module are two names). The renamed keywords of
+0.2 are gone (tests/test_removed_paths.py)."""
 
-import math
+import inspect
 
-import pytest
-
-from blocklab import ConfigError
-from blocklab._validate import renamed_keyword
+import blocklab as bl
 from blocklab.diagnostics import theory
 
 
-def test_renamed_keyword_returns_the_one_given():
-    assert renamed_keyword("f", "new", 3, "old", None) == 3
-    assert renamed_keyword("f", "new", None, "old", None) is None
-    with pytest.warns(DeprecationWarning, match=r"f: old= is deprecated; use new=4"):
-        assert renamed_keyword("f", "new", None, "old", 4) == 4
-    with pytest.raises(ConfigError, match=r"give new= only .* new=1 and old=2"):
-        renamed_keyword("f", "new", 1, "old", 2)
-
-
-def test_collapse_spread_takes_num_blks_and_the_old_num_blocks():
-    # hand-worked: rho_0 = 1/(n-1) = 1/63, (1 + alpha^4)^k = 2^8 = 256
-    expected = (1 + 256 / 63) ** -0.5
-    assert theory.collapse_spread(8, 1.0, 64) == pytest.approx(expected, rel=1e-12)
-    assert theory.collapse_spread(num_blks=8, alpha=1.0, num_tokens=64) == (
-        pytest.approx(expected, rel=1e-12)
-    )
-    with pytest.warns(DeprecationWarning, match="num_blocks= is deprecated"):
-        old = theory.collapse_spread(num_blocks=8, alpha=1.0, num_tokens=64)
-    assert old == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ConfigError, match="give num_blks= only"):
-        theory.collapse_spread(8, 1.0, 64, num_blocks=8)
-    with pytest.raises(ConfigError, match="num_tokens is required"):
-        theory.collapse_spread(8, 1.0)
-
-
-def test_post_ln_identity_factor_takes_num_blks_and_the_old_num_blocks():
-    expected = (1 + 0.5) ** -12  # (1 + c)^(-N), c = 0.5, N = 12
-    assert theory.post_ln_identity_factor(0.5, 12) == pytest.approx(expected)
-    with pytest.warns(DeprecationWarning, match="use num_blks=12"):
-        assert theory.post_ln_identity_factor(0.5, num_blocks=12) == (
-            pytest.approx(expected)
-        )
-    # a sequence of c_j: prod (1 + c_j)^(-1/2)
-    assert theory.post_ln_identity_factor([0.5, 1.0]) == pytest.approx(
-        1 / math.sqrt(1.5 * 2.0)
-    )
-
-
-def test_no_public_keyword_is_named_num_blocks_any_more():
-    import inspect
-
-    import blocklab.diagnostics.theory as th
-
-    for name in th.__all__:
-        fn = getattr(th, name)
+def test_no_public_function_takes_num_blocks_any_more():
+    for name in theory.__all__:
+        fn = getattr(theory, name)
         if callable(fn) and not isinstance(fn, type):
-            params = inspect.signature(fn).parameters
-            if "num_blocks" in params:
-                assert params["num_blocks"].kind is inspect.Parameter.KEYWORD_ONLY
-                assert params["num_blocks"].default is None, name
+            assert "num_blocks" not in inspect.signature(fn).parameters, name
 
 
-def test_a_trailing_underscore_means_in_place_only():
-    """`DecoderConfig.kv_heads_` / `.head_dim_` (resolved sizes) are deprecated
-    for `cfg.block.num_kv_heads` / `.head_dim`; `rms_norm_` stays in place."""
-    from blocklab import DecoderConfig
+def test_study_registry_and_study_names_are_two_names():
+    """`STUDIES` is the registry of `Study` objects; `STUDY_NAMES` their names,
+    in the report's order, derived from it (one source of truth)."""
+    from blocklab.cli.commands import REPORT_SECTIONS
+    from blocklab.experiments import protocol
 
-    cfg = DecoderConfig.llama(
-        vocab_size=32, num_hiddens=48, num_heads=6, num_kv_heads=None, num_blks=1,
-        max_len=16,
-    )  # fmt: skip
-    # hand-worked: no kv heads given -> K = H = 6; p = d / H = 48 / 6 = 8
-    assert (cfg.block.num_kv_heads, cfg.block.head_dim) == (6, 8)
-    with pytest.warns(
-        DeprecationWarning, match=r"use DecoderConfig.block.num_kv_heads"
-    ):
-        assert cfg.kv_heads_ == 6
-    with pytest.warns(DeprecationWarning, match=r"use DecoderConfig.block.head_dim"):
-        assert cfg.head_dim_ == 8
+    assert all(isinstance(s, protocol.Study) for s in protocol.STUDIES)
+    assert protocol.STUDY_NAMES == tuple(s.name for s in protocol.STUDIES)
+    assert bl.experiments.STUDY_NAMES == protocol.STUDY_NAMES == REPORT_SECTIONS
+    assert all(isinstance(n, str) for n in bl.experiments.STUDY_NAMES)
+    assert not hasattr(bl.experiments, "STUDIES")  # the old list of module names
+
+
+def test_every_study_module_loads_from_its_registry_entry():
+    from blocklab.experiments import protocol
+
+    for s in protocol.STUDIES:
+        assert s.module.__name__ == f"blocklab.experiments.{s.module_name}"
+        assert getattr(bl.experiments, s.module_name) is s.module
+        assert callable(s.module.report_section), s.name
+
+
+def test_census_is_a_function_and_parameter_census_the_study_module():
+    from blocklab.experiments import parameter_census
+    from blocklab.experiments.protocol import study
+
+    assert callable(bl.census) and not inspect.ismodule(bl.census)
+    assert study("census").module is parameter_census
+    assert not hasattr(bl.experiments, "census")
+
+
+def test_gated_acts_is_the_tuple_of_nn_and_the_hf_map_has_its_own_name():
+    from blocklab.interop import hf_common
+    from blocklab.nn import config
+
+    assert isinstance(config.GATED_ACTS, tuple)
+    assert not hasattr(hf_common, "GATED_ACTS")
+    assert hf_common.HF_ACT_TO_GATED["silu"] == "swiglu"
+    assert set(hf_common.HF_ACT_TO_GATED.values()) <= set(config.GATED_ACTS)

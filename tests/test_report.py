@@ -12,6 +12,7 @@ from blocklab.cli import main
 from blocklab.cli import report as report
 from blocklab.cli.commands import REPORT_SECTIONS
 from blocklab.cli.report import write_report
+from blocklab.experiments.protocol import study
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def stub_sections(monkeypatch):
     progress`); lr_sensitivity estimates 600 s, the others 1 s."""
     called = []
     for name in REPORT_SECTIONS:
-        module = importlib.import_module(f"blocklab.experiments.{name}")
+        module = study(name).module
 
         def section(out_dir, *, quick, full, progress, _name=name):
             called.append((_name, {"quick": quick, "full": full}))
@@ -180,7 +181,7 @@ def test_an_earlier_report_survives_until_a_section_finishes(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(
-        importlib.import_module("blocklab.experiments.census"),
+        importlib.import_module("blocklab.experiments.parameter_census"),
         "report_section",
         interrupted,
     )

@@ -258,7 +258,8 @@ def _gaussian_expectation(
 
 
 def _gelu_tanh(z: np.ndarray) -> np.ndarray:
-    """The tanh-GELU in float64 NumPy (the chapter's and `blocklab.gelu`'s)."""
+    """The tanh-GELU in float64 NumPy (the chapter's and
+    `blocklab.nn.functional.gelu`'s)."""
     return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
 
 

@@ -8,12 +8,12 @@ written atomically). Every study module also has
 `report_section(out_dir, *, quick, full, progress)` and
 `report_estimate(*, quick, full)`, one signature for all
 (`blocklab.experiments.protocol`, whose `STUDIES` registers them with their
-commands: `blocklab <study>`). The CLI (`blocklab.cli.commands`) and the
-report only parse arguments, call these and print what they render;
-notebooks call them directly:
+commands: `blocklab <study>`; `STUDY_NAMES` are their names). The CLI
+(`blocklab.cli.commands`) and the report only parse arguments, call these
+and print what they render; notebooks call them directly:
 
     import blocklab as bl
-    result = bl.experiments.census.run_census(num_hiddens=512)
+    result = bl.experiments.parameter_census.run_census(num_hiddens=512)
     print(result.table())
 
 Layering: experiments import the library (models, training, diagnostics,
@@ -29,17 +29,14 @@ import importlib
 from typing import Any
 
 from ._render import dumps, markdown_table, nonfinite_paths, to_jsonable
+from .protocol import STUDIES as _STUDIES
+from .protocol import STUDY_NAMES
 
-#: The study modules, importable as `blocklab.experiments.<name>` (registered
-#: with their commands in `blocklab.experiments.protocol.STUDIES`).
-STUDIES = (
-    "census", "norms", "check", "activations", "signal", "lr_sensitivity", "mup",
-    "proxies",
-)  # fmt: skip
-_LAZY = (*STUDIES, "protocol")
+#: The study modules, importable as `blocklab.experiments.<module>`.
+_LAZY = tuple(s.module_name for s in _STUDIES)
 
 __all__ = [
-    "STUDIES",
+    "STUDY_NAMES",
     "dumps",
     "markdown_table",
     "nonfinite_paths",

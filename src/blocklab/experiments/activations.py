@@ -15,7 +15,7 @@ seed see the same batches. A run that diverges is frozen at its last finite
 model and reported (its later checkpoints are `None` in JSON, its step in
 `diverged`); nothing is raised.
 
-Exercise 10 is the same study over every activation of `blocklab.ACTS`.
+Exercise 10 is the same study over every activation of `blocklab.nn.ACTS`.
 """
 
 from __future__ import annotations
@@ -299,10 +299,10 @@ def compare_activations(
     """Train `CharLM` for every (act, seed) and read the chapter's checkpoints.
 
     Defaults are the chapter's protocol (section 11.1.4.2, seed 0 only);
-    exercise 10 is `compare_activations(blocklab.ACTS, seeds=(0, 1, 2))`.
+    exercise 10 is `compare_activations(blocklab.nn.ACTS, seeds=(0, 1, 2))`.
 
     Args:
-        acts: FFN activations (`blocklab.ACTS`); the FFN width follows the
+        acts: FFN activations (`blocklab.nn.ACTS`); the FFN width follows the
             matched-parameter rule (`4d` ungated, `round(8d/3)` gated).
         seeds: distinct non-negative int seeds; seed s draws the weights and
             the batches.

@@ -506,7 +506,7 @@ def signal_rows(
     rows.append(
         _row(
             "ex. 4a: E[GELU(z)^2], z ~ N(0, 0.4): quadrature vs Monte Carlo of "
-            "blocklab.gelu",
+            "blocklab.nn.functional.gelu",
             gelu_m2,
             g2.mean(),
             disc,

@@ -14,9 +14,10 @@ Each study module in `blocklab.experiments` exposes the same surface:
 - `report_estimate(*, quick, full) -> float`: the section's expected seconds
   on 2 CPU cores.
 
-`STUDIES` registers them in the report's order, each with the subcommand
-that runs it (`blocklab <command>`; the command is named after the study, and
-an older name stays an alias).
+`STUDIES` registers them (as `Study` objects) in the report's order, each
+with the subcommand that runs it (`blocklab <command>`, named after the
+study; an older command name stays an alias); `STUDY_NAMES` lists their
+names in that order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from types import ModuleType
 
 from .._validate import ConfigError, check_bool
 
-__all__ = ["STUDIES", "Study", "check_report_flags", "study"]
+__all__ = ["STUDIES", "STUDY_NAMES", "Study", "check_report_flags", "study"]
 
 
 def check_report_flags(
@@ -55,16 +56,23 @@ class Study:
     """One study: its module, its command and its report section.
 
     Attributes:
-        name: the module `blocklab.experiments.<name>`.
+        name: the study's name (its report section, `blocklab report --only`).
         command: the subcommand that runs it: `blocklab <command>`, the study's
             name with `-` for `_`.
-        aliases: older subcommand names that still run it.
+        aliases: other subcommand names that run it.
         title: one line for help texts.
+        module_name: its module, `blocklab.experiments.<module_name>`
+            (default: `name`).
     """
 
     name: str
     title: str
     aliases: tuple[str, ...] = ()
+    module_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.module_name:
+            object.__setattr__(self, "module_name", self.name)
 
     @property
     def command(self) -> str:
@@ -72,7 +80,7 @@ class Study:
 
     @property
     def module(self) -> ModuleType:
-        return importlib.import_module(f"blocklab.experiments.{self.name}")
+        return importlib.import_module(f"blocklab.experiments.{self.module_name}")
 
     @property
     def report_section(self) -> Callable[..., str]:
@@ -99,7 +107,11 @@ class Study:
 
 #: The studies, in the order of `blocklab report`.
 STUDIES: tuple[Study, ...] = (
-    Study("census", "parameter census of transformer blocks"),
+    Study(
+        "census",
+        "parameter census of transformer blocks",
+        module_name="parameter_census",
+    ),
     Study("norms", "cost of the normalizers vs X -> 2X (exercise 9)"),
     Study("activations", "GELU vs SwiGLU on CharLM (11.1.4.2)", aliases=("train",)),
     Study("signal", "signal propagation at initialization (ex. 3-7)"),
@@ -113,6 +125,9 @@ STUDIES: tuple[Study, ...] = (
     Study("proxies", "small-scale proxies: LR sensitivity per intervention"),
 )
 
+#: The studies' names, in the order of `blocklab report`.
+STUDY_NAMES: tuple[str, ...] = tuple(s.name for s in STUDIES)
+
 
 def study(name: str) -> Study:
     """The study called `name`: its study name, command or an alias."""
@@ -120,7 +135,7 @@ def study(name: str) -> Study:
         if name in (s.name, s.command, *s.aliases):
             return s
     raise ConfigError(
-        f"blocklab.experiments.study: unknown study {name!r}; choose from "
+        f"blocklab.experiments.protocol.study: unknown study {name!r}; choose from "
         f"{[s.name for s in STUDIES]} (or their commands "
         f"{[s.command for s in STUDIES]})."
     )

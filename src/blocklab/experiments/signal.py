@@ -245,7 +245,7 @@ def signal_propagation(
     """The chapter's signal experiment for each placement, vmapped over seeds.
 
     Args:
-        placements: any of `blocklab.PLACEMENTS` (distinct).
+        placements: any of `blocklab.nn.PLACEMENTS` (distinct).
         num_seeds: number of seeds S >= 1 (seeds 0..S-1, one compiled program).
         num_blks: depth N (the chapter: 32).
         num_hiddens, num_heads: width d (256) and heads (4).

@@ -1,9 +1,10 @@
 """Layer 4, interoperation: Hugging Face families and the chapter's PyTorch state dicts.
 
-`huggingface` is the conversion machinery; each family is a module (`gpt2`,
-`llama`, `olmo2`, `gemma3`, `mixtral`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
-`phi3`) built on the public helpers of
-`hf_common`; `porting` maps the chapter's PyTorch state dicts; `pretrained`
+`huggingface` is the conversion machinery; each of the 10 families (GPT-2,
+Llama, Mistral, Qwen 2, Qwen 3, OLMo 2, Gemma 2, Gemma 3, Phi-3, Mixtral) is a
+module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
+`gemma3`, `phi3`, `mixtral`) built on the public helpers of `hf_common`;
+`porting` maps the chapter's PyTorch state dicts; `pretrained`
 reads and writes checkpoint folders (config.json + safetensors, through
 `safetensors_io`) without torch. torch and transformers are imported lazily,
 only when a torch model is passed.

@@ -34,8 +34,8 @@ from ..nn.ffn import ffn_width
 __all__ = [
     "Derived",
     "FAMILIES",
-    "GATED_ACTS",
     "HARMLESS_FIELDS",
+    "HF_ACT_TO_GATED",
     "HFFamily",
     "RULE_KINDS",
     "Rule",
@@ -600,8 +600,9 @@ def rope_fields(theta: float | None) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": 10000.0 if theta is None else theta}
 
 
-#: `transformers` activation -> blocklab's gated FFN activation.
-GATED_ACTS = {
+#: `transformers` activation name -> blocklab's gated FFN activation
+#: (`blocklab.nn.config.GATED_ACTS` lists the gated activations themselves).
+HF_ACT_TO_GATED = {
     "silu": "swiglu",
     "swish": "swiglu",
     "gelu_pytorch_tanh": "geglu",
@@ -614,11 +615,14 @@ _HF_GATED = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "reglu": "relu"}
 def gated_act(cls: str, hf_config: Any, field: str) -> str:
     """blocklab's gated activation for the config's `field`, or `refuse`."""
     act = get_field(hf_config, field)
-    if act not in GATED_ACTS:
+    if act not in HF_ACT_TO_GATED:
         raise refuse(
-            cls, field, act, f"supported activations: {sorted(GATED_ACTS)} (gated FFN)"
+            cls,
+            field,
+            act,
+            f"supported activations: {sorted(HF_ACT_TO_GATED)} (gated FFN)",
         )
-    return GATED_ACTS[act]
+    return HF_ACT_TO_GATED[act]
 
 
 def hf_gated_act(act: str) -> str:
@@ -636,8 +640,9 @@ def no_softcapping(cls: str, hf_config: Any) -> None:
 
 
 def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConfig:
-    """The config of a Llama-shaped model (Llama, OLMo 2, Mixtral) built by
-    `preset` (e.g. `DecoderConfig.llama`), with the family's `extra` fields."""
+    """The config of a Llama-shaped model (Llama, Mistral, Qwen 2, Qwen 3,
+    OLMo 2, Phi-3, Mixtral) built by `preset` (e.g. `DecoderConfig.llama`),
+    with the family's `extra` fields."""
     theta = rope_theta(cls, get_field(hf, "rope_parameters"), "rope_parameters")
     legacy = get_field(hf, "rope_scaling")  # 5.x: an alias of rope_parameters
     if legacy is not None and legacy != get_field(hf, "rope_parameters"):

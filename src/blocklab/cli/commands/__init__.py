@@ -21,10 +21,10 @@ The report's sections are not here: each study module has its own
 `blocklab.experiments.protocol.STUDIES`.
 """
 
-from ...experiments.protocol import STUDIES
+from ...experiments.protocol import STUDY_NAMES
 
 #: The sections of `blocklab report` (study names), in the order it presents them.
-REPORT_SECTIONS = tuple(s.name for s in STUDIES)
+REPORT_SECTIONS = STUDY_NAMES
 
 #: Subcommand modules (`blocklab NAME`): one per study, then `launch` and `plan`.
 COMMANDS = (*REPORT_SECTIONS, "launch", "plan")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...experiments import census as study
+from ...experiments import parameter_census as study
 from ...experiments._render import dumps
 from ...nn.block import PLACEMENTS
 from ...nn.ffn import ACTS
