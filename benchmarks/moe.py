@@ -10,7 +10,8 @@
 2. Training step. A CharLM whose FFNs are 8-expert top-2 MoEs against a dense
    SwiGLU CharLM with the same active parameters (FFN width 2w), one AdamW
    step each (the MoE step includes the router's auxiliary losses through
-   `blocklab.nn.moe.moe_loss`). Target: the MoE step within 1.5x of the dense one.
+   `blocklab.training.losses.moe_loss`). Target: the MoE step within 1.5x of
+   the dense one.
 
 Usage: `python benchmarks/moe.py [--tokens 4096] [--d 128] [--batch 32]`.
 Prints Markdown tables.
@@ -95,7 +96,7 @@ def train_table(d: int, batch: int, seq: int, dispatch: str, reps: int) -> list[
             logits.astype(jnp.float32), Y
         ).mean()
 
-    moe_loss = bl.nn.moe.moe_loss(lm)
+    moe_loss = bl.training.losses.moe_loss(lm)
 
     def dense_loss(model, batch, key=None):
         return lm(model(batch[0]), batch[1]), {}

@@ -7,8 +7,8 @@ FFN of width w = round(8d/3)); in the MoE one every FFN is a
 (2 x w // 2 hidden units) plus the router's 8 x d. Each model trains over
 seeds 0, 1, 2 as one vmapped `train_sweep` (AdamW 1e-3); the MoE loss adds
 the load-balancing loss (0.01 x) and the router z-loss (0.001 x) through
-`blocklab.nn.moe.moe_loss`. A probe records every block's expert load (fraction of
-token slots per expert) on a fixed batch during training.
+`blocklab.training.losses.moe_loss`. A probe records every block's expert load
+(fraction of token slots per expert) on a fixed batch during training.
 
 Protocols:
   default   d = 64, 4 heads, 2 blocks, 16 x 64 characters per batch, 300 steps
@@ -83,7 +83,7 @@ def active_ffn_params(model):
 runs = {}
 for name, make, extra in (
     ("dense", make_dense, {}),
-    ("moe", make_moe, {"loss_fn": bl.nn.moe.moe_loss(), "probe": expert_load}),
+    ("moe", make_moe, {"loss_fn": bl.training.losses.moe_loss(), "probe": expert_load}),
 ):
     result = bl.train_sweep(
         make,

@@ -244,7 +244,7 @@ _LOSSES = {}
 def _loss(name):
     """The loss `fn(X, Y)` and its vocabulary (models built once per module)."""
     if name not in _LOSSES:
-        from blocklab.nn.moe import moe_loss
+        from blocklab.training.losses import moe_loss
 
         if name == "lm_loss":
             # the model is compiled; the targets reach lm_loss concrete

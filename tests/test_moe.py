@@ -359,7 +359,7 @@ def test_moe_forward_and_loss_on_a_charlm():
     logits, (stats,) = eqx.filter_jit(bl.nn.moe.moe_forward)(model, X)
     np.testing.assert_allclose(logits, eqx.filter_jit(model)(X), rtol=1e-5, atol=1e-5)
     assert stats.load.shape == (N_BLKS, E_STACK)
-    loss_fn = bl.nn.moe.moe_loss(aux_coef=0.5, z_coef=0.25)
+    loss_fn = bl.training.losses.moe_loss(aux_coef=0.5, z_coef=0.25)
     loss, aux = eqx.filter_jit(loss_fn)(model, (X, Y))
     task = optax.softmax_cross_entropy_with_integer_labels(logits, Y).mean()
     np.testing.assert_allclose(aux["task"], task, rtol=1e-5)
@@ -388,7 +388,7 @@ def test_vmapped_seed_sweep_trains_moe_blocks_with_aux_losses():
         model_keys=[0, 1],
         data_keys=[10, 11],
         learning_rates=1e-2,
-        loss_fn=bl.nn.moe.moe_loss(aux_coef=0.01, z_coef=0.001),
+        loss_fn=bl.training.losses.moe_loss(aux_coef=0.01, z_coef=0.001),
         batch_size=8,
         steps_per_call=15,
         validate=False,

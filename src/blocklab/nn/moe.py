@@ -24,26 +24,24 @@ The auxiliary quantities of a call over $N$ tokens (`MoEFeedForward.trace`):
 
 `stack_moe_stats` / `moe_forward` collect them per block out of a `Stack`'s
 scan; `load_balancing_loss` pools them over blocks as `transformers` does, and
-`moe_loss` adds them to a language-model loss with coefficients.
+`blocklab.training.losses.moe_loss` adds them to a language-model loss with
+coefficients.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._validate import (
     ConfigError,
     check_bool,
     check_choice,
-    check_ids,
     check_int,
     check_key,
 )
@@ -61,7 +59,6 @@ __all__ = [
     "load_balancing_loss",
     "stack_moe_stats",
     "moe_forward",
-    "moe_loss",
 ]
 
 #: The routing rules: Mixtral's renormalized top-k, and the plain top-k of the softmax.
@@ -497,56 +494,3 @@ def load_balancing_loss(
     f = jnp.mean(load.reshape(-1, E), axis=0)
     P = jnp.mean(router_prob.reshape(-1, E), axis=0)
     return E * jnp.sum(top_k * f * P)
-
-
-def _token_cross_entropy(logits: Array, Y: Array) -> Array:
-    if np.size(Y) == 0:
-        raise ConfigError(
-            "moe_loss: the batch is empty (targets of shape "
-            f"{tuple(np.shape(Y))}); the mean loss over no tokens is NaN."
-        )
-    Y = check_ids("moe_loss", "target ids", Y, logits.shape[-1])
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, Y[..., None], axis=-1))
-
-
-def moe_loss(
-    task_loss: Callable[[Any, Any], Any] | None = None,
-    *,
-    aux_coef: float = 0.01,
-    z_coef: float = 0.001,
-) -> Callable[..., tuple[Array, dict[str, Array]]]:
-    r"""A `loss_fn(model, batch, key) -> (loss, aux)` adding the router losses.
-
-    For a batch `(X, Y)`, the model's output on `X` is computed through
-    `moe_forward` and scored by `task_loss(output, Y)` (default: the mean
-    next-token cross-entropy of the logits, in float32); then
-    $$\ell = \ell_\text{task} + c_\text{aux} \frac1L \sum_l L_\text{aux}^{(l)}
-    + c_z \frac1L \sum_l L_z^{(l)},$$
-    the means over all MoE blocks of all stacks (Switch uses
-    $c_\text{aux} = 0.01$, ST-MoE $c_z = 0.001$; `transformers`' Mixtral adds
-    0.001 times the pooled `load_balancing_loss`). This is the form
-    `blocklab.make_train_step(..., loss_fn=...)` and `train_sweep` take.
-
-    Returns:
-        `fn(model, batch, key=None) -> (loss, {"task", "aux", "z", "load"})`,
-        `load` the `(L, E)` expert loads of the batch.
-    """
-    from .._validate import check_float
-
-    aux_coef = check_float("moe_loss", "aux_coef", aux_coef, min=0.0)
-    z_coef = check_float("moe_loss", "z_coef", z_coef, min=0.0)
-    task_loss = _token_cross_entropy if task_loss is None else task_loss
-
-    def fn(model, batch, key=None):
-        X, Y = batch
-        logits, stats = moe_forward(model, X, key=key)
-        task = task_loss(logits, Y)
-        aux = jnp.mean(jnp.concatenate([s.aux_loss.reshape(-1) for s in stats]))
-        z = jnp.mean(jnp.concatenate([s.z_loss.reshape(-1) for s in stats]))
-        load = jnp.concatenate([s.load.reshape(-1, s.load.shape[-1]) for s in stats])
-        total = task + aux_coef * aux + z_coef * z
-        return total, {"task": task, "aux": aux, "z": z, "load": load}
-
-    return fn

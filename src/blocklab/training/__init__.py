@@ -6,7 +6,7 @@ mesh by logical-axis rules (`placement`), one model trained on a mesh
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
-from .losses import lm_loss, next_token_loss
+from .losses import lm_loss, moe_loss, next_token_loss
 from .member_axis import check_seeds, member_mesh, pad_members, sharded_map
 from .optimizer import optimizer, schedule_factor
 from .placement import logical_axes, mesh_of, shard
@@ -46,6 +46,7 @@ __all__ = [
     "make_train_step",
     "member_mesh",
     "mesh_of",
+    "moe_loss",
     "next_token_loss",
     "optimizer",
     "pad_members",

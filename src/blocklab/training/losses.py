@@ -1,18 +1,22 @@
-r"""The training losses: the next-token cross-entropy and its packed-document form.
+r"""The training losses: next-token cross-entropy, packed documents, MoE router losses.
 
 A **loss** is `loss_fn(model, batch, key) -> loss` (a float scalar) or
 `-> (loss, aux)` (`aux` any pytree of arrays, e.g. an accuracy), where `key`
 is a fresh PRNG key per step (for dropout; ignore it otherwise); that is the
 form `make_train_step` (`blocklab.training.step`) takes. The chapter's loss
 is `next_token_loss`: `lm_loss(model, X, Y)` on a batch `(X, Y)`.
+`moe_loss(...)` builds the loss of a mixture of experts: a task loss plus
+the router's load-balancing and z-losses (`blocklab.nn.moe`).
 
-`lm_loss` promotes the logits to float32 (or wider) before its log-softmax,
-so under mixed precision (`precision="bf16"`) the loss is still computed and
-returned in float32.
+Both score tokens with one cross-entropy, `token_cross_entropy`: the logits
+are promoted to float32 (or wider) before the log-softmax, so under mixed
+precision (`precision="bf16"`) the loss is still computed and returned in
+float32, and the target ids are checked against the vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,8 +26,53 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_float, check_ids
+from ..nn.moe import moe_forward
 
-__all__ = ["lm_loss", "next_token_loss"]
+__all__ = ["lm_loss", "moe_loss", "next_token_loss", "token_cross_entropy"]
+
+
+def _wide(logits: Array) -> Array:
+    """`logits` in float32, or wider when they are wider already."""
+    return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
+def token_cross_entropy(
+    logits: Float[Array, "*N V"],
+    targets: Int[Array, "*N"],
+    *,
+    owner: str = "token_cross_entropy",
+) -> Float[Array, "*N"]:
+    r"""Per-token cross-entropy $\log\sum_v e^{z_v} - z_y$ (`-log softmax(z)[y]`).
+
+    The one cross-entropy of the training losses (`lm_loss`, `moe_loss`).
+    The logits $z$ are promoted to float32 (or wider) before the
+    log-softmax, whatever their dtype (bfloat16 under mixed precision), and
+    the result has that dtype.
+
+    Args:
+        logits: `(..., V)` unnormalized log-probabilities over `V` tokens.
+        targets: `(...)` token ids, each in `[0, V)`.
+        owner: the name error messages start with (the calling loss).
+
+    Raises:
+        ConfigError: concrete targets with an id outside `[0, V)` (a
+            negative one would silently give a finite, wrong loss; one past
+            the vocabulary a NaN): the message names the id and its index.
+        EquinoxRuntimeError (under `jit`): a traced target id outside
+            `[0, V)` (`blocklab._validate.check_ids`).
+    """
+    logits = _wide(logits)
+    targets = check_ids(owner, "target ids", targets, logits.shape[-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def _check_not_empty(owner: str, targets: Any) -> None:
+    if np.size(targets) == 0:
+        raise ConfigError(
+            f"{owner}: the batch is empty (targets of shape "
+            f"{tuple(np.shape(targets))}); the mean loss over no tokens is NaN. "
+            "Draw at least one sequence."
+        )
 
 
 def lm_loss(
@@ -67,23 +116,16 @@ def lm_loss(
         EquinoxRuntimeError (under `jit`): a traced target id outside
             `[0, vocab)` (`blocklab._validate.check_ids`).
     """
-    if np.size(Y) == 0:
-        raise ConfigError(
-            f"lm_loss: the batch is empty (targets of shape {tuple(np.shape(Y))}); "
-            "the mean loss over no tokens is NaN. Draw at least one sequence."
-        )
+    _check_not_empty("lm_loss", Y)
     if segment_ids is None:
         logits, keep = model(X), None
     else:
         seg_x, keep = _segment_targets(segment_ids, np.shape(X))
         logits = model(X, segment_ids=seg_x)
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    vocab = logits.shape[-1]
-    Y = check_ids("lm_loss", "target ids", Y, vocab)
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, Y)
+    per_token = token_cross_entropy(logits, Y, owner="lm_loss")
     z_loss = check_float("lm_loss", "z_loss", z_loss, min=0.0)
     if z_loss:
-        log_z = jax.nn.logsumexp(logits, axis=-1)
+        log_z = jax.nn.logsumexp(_wide(logits), axis=-1)
         per_token = per_token + z_loss * jnp.square(log_z)
     if keep is None:
         return per_token.mean()
@@ -122,3 +164,50 @@ def next_token_loss(
     """
     X, Y = batch
     return lm_loss(model, X, Y)
+
+
+def _mean_token_cross_entropy(
+    logits: Float[Array, "B T V"], Y: Int[Array, "B T"]
+) -> Float[Array, ""]:
+    """`moe_loss`'s default task loss: the mean of `token_cross_entropy`."""
+    _check_not_empty("moe_loss", Y)
+    return jnp.mean(token_cross_entropy(logits, Y, owner="moe_loss"))
+
+
+def moe_loss(
+    task_loss: Callable[[Any, Any], Any] | None = None,
+    *,
+    aux_coef: float = 0.01,
+    z_coef: float = 0.001,
+) -> Callable[..., tuple[Array, dict[str, Array]]]:
+    r"""A `loss_fn(model, batch, key) -> (loss, aux)` adding the router losses.
+
+    For a batch `(X, Y)`, the model's output on `X` is computed through
+    `moe_forward` and scored by `task_loss(output, Y)` (default: the mean
+    next-token cross-entropy of the logits, in float32); then
+    $$\ell = \ell_\text{task} + c_\text{aux} \frac1L \sum_l L_\text{aux}^{(l)}
+    + c_z \frac1L \sum_l L_z^{(l)},$$
+    the means over all MoE blocks of all stacks (Switch uses
+    $c_\text{aux} = 0.01$, ST-MoE $c_z = 0.001$; `transformers`' Mixtral adds
+    0.001 times the pooled `load_balancing_loss`). This is the form
+    `blocklab.make_train_step(..., loss_fn=...)` and `train_sweep` take.
+
+    Returns:
+        `fn(model, batch, key=None) -> (loss, {"task", "aux", "z", "load"})`,
+        `load` the `(L, E)` expert loads of the batch.
+    """
+    aux_coef = check_float("moe_loss", "aux_coef", aux_coef, min=0.0)
+    z_coef = check_float("moe_loss", "z_coef", z_coef, min=0.0)
+    task_loss = _mean_token_cross_entropy if task_loss is None else task_loss
+
+    def fn(model, batch, key=None):
+        X, Y = batch
+        logits, stats = moe_forward(model, X, key=key)
+        task = task_loss(logits, Y)
+        aux = jnp.mean(jnp.concatenate([s.aux_loss.reshape(-1) for s in stats]))
+        z = jnp.mean(jnp.concatenate([s.z_loss.reshape(-1) for s in stats]))
+        load = jnp.concatenate([s.load.reshape(-1, s.load.shape[-1]) for s in stats])
+        total = task + aux_coef * aux + z_coef * z
+        return total, {"task": task, "aux": aux, "z": z, "load": load}
+
+    return fn
