@@ -3,12 +3,15 @@ r"""One rule for optimizer hyperparameter values, shared by `train_model` and sw
 Each known optax hyperparameter has a valid interval; a value outside it
 makes the run climb, blow up or divide by zero:
 
-| name | valid | why |
-|---|---|---|
-| `learning_rate` | $(0, \infty)$ | $\theta \leftarrow \theta - \eta u$ descends only for $\eta > 0$ |
-| `weight_decay` | $[0, \infty)$ | $-\eta\lambda\theta$ with $\lambda < 0$ grows the weights |
-| `b1`, `b2`, `momentum`, `decay`, `rho` | $[0, 1)$ | EMA decays: at $\ge 1$ the average never forgets (Adam's bias correction $1 - \beta^t$ is 0 or negative) |
-| `eps`, `eps_root`, `initial_accumulator_value` | $[0, \infty)$ | added under a square root or to a denominator |
+- `learning_rate` in $(0, \infty)$: $\theta \leftarrow \theta - \eta u$
+  descends only for $\eta > 0$;
+- `weight_decay` in $[0, \infty)$: $-\eta\lambda\theta$ with $\lambda < 0$
+  grows the weights;
+- `b1`, `b2`, `momentum`, `decay`, `rho` in $[0, 1)$: EMA decays; at
+  $\ge 1$ the average never forgets (Adam's bias correction $1 - \beta^t$ is
+  0 or negative);
+- `eps`, `eps_root`, `initial_accumulator_value` in $[0, \infty)$: added
+  under a square root or to a denominator.
 
 Every other hyperparameter (a schedule's own arguments) must be finite.
 `check_values` reads the values as `(K,)` arrays (K members; one run is

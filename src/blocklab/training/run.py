@@ -113,7 +113,7 @@ def _injected(opt_state: Any) -> list[dict]:
     return found
 
 
-def _check_descends(owner: str, optimizer: Any, state: TrainState) -> None:
+def _check_descends(owner: str, tx: Any, state: TrainState) -> None:
     """Refuse a fresh optimizer whose hyperparameters make it climb or blow up.
 
     Injected hyperparameters are checked against their valid intervals
@@ -129,7 +129,7 @@ def _check_descends(owner: str, optimizer: Any, state: TrainState) -> None:
     if has_lr:
         return
     try:
-        climb = float(climbs(optimizer, state.opt_state, state.model))
+        climb = float(climbs(tx, state.opt_state, state.model))
     except Exception:  # noqa: BLE001 - the real step will report it
         return
     if climb > 0:

@@ -456,16 +456,15 @@ def train_sweep(
                 "hyperparams['learning_rate'], not both."
             )
         hp["learning_rate"] = learning_rates
-    if optimizer is None:
-        if "learning_rate" not in hp:
-            raise ConfigError(
-                f"{owner}: learning_rates is required with the default optimizer "
-                "(sweep_optimizer(optax.adamw, weight_decay=0.0))."
-            )
-        optimizer = _chapter_optimizer()
+    if optimizer is None and "learning_rate" not in hp:
+        raise ConfigError(
+            f"{owner}: learning_rates is required with the default optimizer "
+            "(sweep_optimizer(optax.adamw, weight_decay=0.0))."
+        )
+    tx = _chapter_optimizer() if optimizer is None else optimizer
     values = _member_values(owner, hp, K)
     step = make_train_step(
-        optimizer, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
+        tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
     )
     if isinstance(step.source, HostSource):
         raise ConfigError(
@@ -476,7 +475,7 @@ def train_sweep(
             "sources with train_model."
         )
     shape_state = eqx.filter_eval_shape(
-        lambda k: init_state(make_model(k), optimizer), jax.random.key(0)
+        lambda k: init_state(make_model(k), tx), jax.random.key(0)
     )
     injected = getattr(shape_state.opt_state, "hyperparams", None)
     if values and not isinstance(injected, dict):
@@ -495,7 +494,7 @@ def train_sweep(
     has_aux = step.check(shape_state, owner=owner)
     mesh = member_mesh() if mesh is None else mesh
     sharding = member_sharding(mesh)
-    state_shard = _state_sharding(owner, mesh, rules, shape_state, optimizer, K)
+    state_shard = _state_sharding(owner, mesh, rules, shape_state, tx, K)
     if state_shard is None:
         state_shard = sharding
     else:
@@ -504,8 +503,8 @@ def train_sweep(
     mk, dk = (global_rows(pad_rows(a, size), mesh) for a in (model_data, data_data))
     hv = {n: global_rows(pad_rows(v, size), mesh) for n, v in values.items()}
 
-    states = _init_states(make_model, optimizer, state_shard, mk, hv)
-    _check_members_descend(owner, optimizer, states, injected, K)
+    states = _init_states(make_model, tx, state_shard, mk, hv)
+    _check_members_descend(owner, tx, states, injected, K)
 
     def record(models):
         probed = _probe_members(probe, models, sharding)
@@ -569,7 +568,7 @@ def _final_states(states: TrainState, K: int) -> TrainState:
     )
 
 
-def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
+def _state_sharding(owner, mesh, rules, shape_state, tx, K):
     """The members' state layout by `rules` when the mesh has axes besides
     `members` (each member split over them); `None` for a 1-D member mesh."""
     if AXIS not in mesh.axis_names:
@@ -594,13 +593,13 @@ def _state_sharding(owner, mesh, rules, shape_state, optimizer, K):
         ),
         shape_state,
     )
-    return state_shardings(stacked, optimizer, mesh, rules or "fsdp", prefix=(AXIS,))
+    return state_shardings(stacked, tx, mesh, rules or "fsdp", prefix=(AXIS,))
 
 
 @eqx.filter_jit
-def _init_states(make_model, optimizer, sharding, model_keys, values):
+def _init_states(make_model, tx, sharding, model_keys, values):
     def one(k, vals):
-        state = init_state(make_model(wrap_key(k)), optimizer)
+        state = init_state(make_model(wrap_key(k)), tx)
         if not vals:
             return state
         hyper = dict(state.opt_state.hyperparams)
@@ -623,7 +622,7 @@ def _run_chunk(fixed, states, n, sharding):
     return eqx.filter_shard(states, state_shard), eqx.filter_shard(losses, member_shard)
 
 
-def _check_members_descend(owner, optimizer, states, injected, K) -> None:
+def _check_members_descend(owner, tx, states, injected, K) -> None:
     """Refuse members whose injected hyperparameters (swept or fixed) are out
     of range, or whose first update climbs (a negative learning rate fixed
     inside the optimizer)."""
@@ -636,7 +635,7 @@ def _check_members_descend(owner, optimizer, states, injected, K) -> None:
     if isinstance(injected, dict) and "learning_rate" in injected:
         return
     try:
-        climb = to_host(_member_climbs(optimizer, states))[:K]
+        climb = to_host(_member_climbs(tx, states))[:K]
     except Exception:  # noqa: BLE001 - the real step will report it
         return
     bad = np.flatnonzero(climb > 0)
@@ -650,8 +649,8 @@ def _check_members_descend(owner, optimizer, states, injected, K) -> None:
 
 
 @eqx.filter_jit
-def _member_climbs(optimizer, states):
-    return eqx.filter_vmap(lambda s: climbs(optimizer, s.opt_state, s.model))(states)
+def _member_climbs(tx, states):
+    return eqx.filter_vmap(lambda s: climbs(tx, s.opt_state, s.model))(states)
 
 
 @eqx.filter_jit
