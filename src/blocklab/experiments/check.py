@@ -770,42 +770,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-EXPLANATIONS = """\
-Rows marked **no** disagree beyond seed noise (three standard errors of the
-mean over seeds, or over tokens for exercise 3b). Each is a simple model
-leaving something out, not a defect of the library:
-
-- **c_attn_1 at finite n (ex. 4b).** With independent N(0, 1) logits, the
-  exact E sum_j a_j^2 at n = 64 is 0.0388, 9 % below the large-n value e/64.
-  The measurement sits near e/64 only because the model also drops a term of
-  the same size: the softmax favours keys whose tokens point along
-  w = W_k^T q / sqrt(p), so the weighted mean of the value tokens has a
-  component of squared norm sigma^2 = 1 along w, which adds sigma^2/d =
-  1/256 to the mean square. With that term the prediction holds.
-- **Token collapse with the FFN (ex. 5a, 5c).** The formula ignores the FFN
-  sublayers, and the attention-only stack (FFN replaced by zero) follows it
-  at k = 8, 16 and 32. The full block collapses faster: the tanh-GELU has a
-  positive mean (0.135 at the pre-activation variance 0.4), so every FFN
-  writes the same vector W_2 E[GELU] into every token, an additive common
-  component of mean square 1.6 x 0.135^2 = 0.029 per sublayer that raises
-  rho most when it is small (early blocks). GPT-1's initialization shows the
-  same: the attention-only stack matches the prediction, the full one does not.
-- **Attention-only collapse, small excess (ex. 5a).** On some seed sets the
-  measured spread sits 5-15 % above the formula at k = 16 and 32, at the edge
-  of the 99 % seed interval (seeds 0-11 of `signal_sweep` agree to 0.3 %, the
-  seeds used here are 10-15 % high at k = 16). Exactly uniform attention
-  (W_q = W_k = 0) does not remove it, so it is not the softmax. A
-  second-order effect goes the same way: the formula multiplies rho by the
-  mean gain E g = 1 + alpha^4 per block, while the spread follows the mean
-  of log g, smaller by about Var(g) / (2 (E g)^2), which is 1/d per block at
-  alpha = 1 (Var g = 8/d; Jensen). That accounts for an excess of about 3 %
-  at k = 16 and 6 % at k = 32, roughly half of what these seeds show.
-- **Common branch mean square (ex. 3b).** prod_j (1 + c_j)^-1/2 matches the
-  measured product of norm scalings, but (1 + c)^-N with c the average c_j
-  does not: the c_j are far from common (post-LN attention outputs grow
-  as the tokens collapse onto their mean), and by Jensen's inequality the
-  common-c form is smaller.
-"""
+#: Why the rows that do not hold disagree: the study's findings, in Markdown
+#: beside this module (shipped as package data), appended to the report section.
+EXPLANATIONS = Path(__file__).with_name("check_findings.md").read_text(encoding="utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
