@@ -95,7 +95,7 @@ def test_qk_norm_bounds_logits_by_sqrt_head_dim():
     # Unit gains and eps -> 0: |q . k| / sqrt(p) <= ||q|| ||k|| / sqrt(p) = sqrt(p),
     # whatever the scale of W_q, W_k (here x 1000).
     mha = bl.MultiHeadAttention(
-        D, H, qk_norm=True, qk_norm_eps=0.0, key=jax.random.key(3)
+        D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(3)
     )
     mha = bl.nn.init.scale(mha, 1000.0)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)), jnp.float32)
@@ -115,7 +115,7 @@ def test_qk_norm_logits_invariant_to_query_weight_scale():
     # Exact in exact arithmetic: in float64 (weights too) it holds to a few
     # float64 ulps; float32 weights would already miss by ~5e-8.
     mha = bl.MultiHeadAttention(
-        D, H, qk_norm=True, qk_norm_eps=0.0, key=jax.random.key(4)
+        D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(4)
     )
     mha = bl.load_state_dict(mha, bl.state_dict(mha), dtype=jnp.float64)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)))

@@ -16,7 +16,7 @@ CACHE_CONFIGS = {
     "gqa_rope_window_qk": (16, 4, dict(num_kv_heads=2, rope_theta=100.0, window=3,
                                        qk_norm="head")),
     "mqa_full_qk_scale": (12, 3, dict(num_kv_heads=1, head_dim=6, rope_theta=1e4,
-                                      qk_norm="full", scale=0.3)),
+                                      qk_norm="full", attn_scale=0.3)),
     "mha_global": (8, 2, dict()),
 }  # fmt: skip
 
@@ -145,7 +145,9 @@ def _max_rel(a, b):
 
 def _compare(seed, dtype, tol, impls=IMPLS):
     d, H, opts, T, batch, lens, seg, pos, softcap = _draw(seed)
-    mha = bl.MultiHeadAttention(d, H, softcap=softcap, key=jax.random.key(seed), **opts)
+    mha = bl.MultiHeadAttention(
+        d, H, attn_softcap=softcap, key=jax.random.key(seed), **opts
+    )
     mha = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, mha)
     x = jax.random.normal(jax.random.key(seed + 100), (*batch, T, d), dtype)
     ct = jax.random.normal(jax.random.key(seed + 200), (*batch, T, d), dtype)
@@ -228,7 +230,9 @@ def test_bad_impl_lists_the_choices(monkeypatch):
     with pytest.raises(ConfigError, match=f"attention_impl.*{choices}"):
         bl.DecoderConfig(vocab_size=5, num_hiddens=8, num_heads=2, num_blks=1,
                          attention_impl="cudnn")  # fmt: skip
-    mha = bl.MultiHeadAttention(8, 2, dropout=0.1, softcap=2.0, key=jax.random.key(0))
+    mha = bl.MultiHeadAttention(
+        8, 2, dropout=0.1, attn_softcap=2.0, key=jax.random.key(0)
+    )
     with pytest.raises(ConfigError, match=f"with_attention_impl.*{choices}"):
         bl.with_attention_impl(mha, "xla")
     x = jnp.ones((4, 8))
@@ -273,7 +277,7 @@ def test_auto_rule_and_non_finite_guard(small_blocks):
 @pytest.mark.slow  # 22 s; the cached and chunked paths each have default tests
 def test_chunked_prefill_in_a_cache_equals_the_reference(small_blocks):
     mha = bl.MultiHeadAttention(8, 4, num_kv_heads=2, rope_theta=1e4, window=3,
-                                softcap=2.0, key=jax.random.key(0))  # fmt: skip
+                                attn_softcap=2.0, key=jax.random.key(0))  # fmt: skip
     x = jax.random.normal(jax.random.key(1), (2, 11, 8))
     cache = mha.init_cache((2,), 16)
     ref, c_ref = mha.step(x, cache, 0, impl="reference")

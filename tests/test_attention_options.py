@@ -20,12 +20,12 @@ CONFIGS = {
     "mqa": (16, 4, dict(num_kv_heads=1)),
     "head_dim": (16, 4, dict(head_dim=6, num_kv_heads=2)),
     "indivisible": (10, 4, dict(head_dim=4)),
-    "scale": (16, 2, dict(scale=0.3)),
+    "scale": (16, 2, dict(attn_scale=0.3)),
     "window": (16, 4, dict(window=3)),
     "window0": (16, 4, dict(window=0)),
     "qk_head": (16, 4, dict(qk_norm="head", num_kv_heads=2)),
     "qk_full": (16, 4, dict(qk_norm="full", num_kv_heads=2)),
-    "qk_gemma": (16, 4, dict(qk_norm=True, qk_norm_unit_offset=True)),
+    "qk_gemma": (16, 4, dict(qk_norm=True, norm="gemma_rms")),
     "rope": (16, 4, dict(rope_theta=100.0, num_kv_heads=2)),
     "all": (
         12,
@@ -33,11 +33,11 @@ CONFIGS = {
         dict(
             num_kv_heads=2,
             head_dim=4,
-            scale=0.4,
+            attn_scale=0.4,
             rope_theta=1e4,
             window=2,
             qk_norm="full",
-            qk_norm_unit_offset=True,
+            norm="gemma_rms",
         ),
     ),
 }
@@ -67,11 +67,11 @@ def _ref_options(opts):
     return dict(
         num_kv_heads=opts.get("num_kv_heads"),
         head_dim=opts.get("head_dim"),
-        scale=opts.get("scale"),
+        scale=opts.get("attn_scale"),
         rope_theta=opts.get("rope_theta"),
         window=opts.get("window"),
         qk_norm={False: None, True: "head"}.get(qk, qk),
-        unit_offset=opts.get("qk_norm_unit_offset", False),
+        unit_offset=opts.get("norm") == "gemma_rms",
     )
 
 
@@ -115,7 +115,7 @@ def test_shapes_and_attributes():
     head = bl.MultiHeadAttention(12, 4, head_dim=5, qk_norm=True, key=jax.random.key(0))
     assert head.q_norm.weight.shape == head.k_norm.weight.shape == (5,)
     gemma = bl.MultiHeadAttention(
-        8, 2, qk_norm="head", qk_norm_unit_offset=True, key=jax.random.key(0)
+        8, 2, qk_norm="head", norm="gemma_rms", key=jax.random.key(0)
     )
     np.testing.assert_array_equal(gemma.q_norm.weight, 0.0)  # gain 1 + 0
 

@@ -126,7 +126,7 @@ def test_factories_replace_the_sublayers():
         return Doubler()
 
     def ffn_factory(*, key):
-        return bl.FeedForward(D, "relu", width=8, key=key)
+        return bl.FeedForward(D, "relu", ffn_width=8, key=key)
 
     blk = bl.TransformerBlock(
         D,
@@ -186,19 +186,19 @@ BUILDERS = {
         ("block", {"attn_bias": "yes"}, r"attn_bias must be a bool"),
         ("block", {"qk_norm": "false"}, r"qk_norm must be one of \[False, True, "),
         ("attention", {"qk_norm": 1}, r"qk_norm must be one of"),
-        ("attention", {"qk_norm_unit_offset": None}, r"qk_norm_unit_offset must be"),
+        ("attention", {"norm": "gemma"}, r"norm must be one of"),
         ("attention", {"num_kv_heads": True}, r"num_kv_heads must be an int"),
         ("attention", {"num_kv_heads": 3}, r"num_kv_heads must divide num_heads"),
         ("attention", {"head_dim": 2.0}, r"head_dim must be an int"),
-        ("attention", {"scale": 0.0}, r"scale must lie in \(0.0, inf\]"),
+        ("attention", {"attn_scale": 0.0}, r"attn_scale must lie in \(0.0, inf\]"),
         ("attention", {"rope_theta": float("nan")}, r"rope_theta must be finite"),
         ("attention", {"rope_theta": 1e4, "head_dim": 3}, r"RoPE needs an even"),
         ("attention", {"window": -1}, r"window must lie in \[0, inf\]"),
-        ("attention", {"qk_norm_eps": -1e-6}, r"qk_norm_eps must lie in \[0.0, inf\]"),
+        ("attention", {"norm_eps": -1e-6}, r"norm_eps must lie in \[0.0, inf\]"),
         ("block", {"norm_eps": float("nan")}, r"eps must be finite"),
         ("block", {"dropout": float("nan")}, r"dropout must be finite"),
         ("block", {"dropout": "0.1"}, r"dropout must be a real number"),
-        ("ffn", {"width": 8.5}, r"width must be an int"),
+        ("ffn", {"ffn_width": 8.5}, r"ffn_width must be an int"),
     ],
 )
 def test_options_of_the_wrong_type_or_value_are_refused(

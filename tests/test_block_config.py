@@ -3,6 +3,9 @@
 import dataclasses
 import inspect
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import equinox as eqx
 import jax
@@ -12,12 +15,11 @@ import pytest
 from blocklab import ConfigError
 from blocklab.diagnostics.counting import census, count_params
 from blocklab.diagnostics.theory import block_param_count
-from blocklab.nn import attention, config, ffn
+from blocklab.nn import DecoderConfig, config
 from blocklab.nn.attention import MultiHeadAttention
 from blocklab.nn.block import TransformerBlock
 from blocklab.nn.charlm import CharLM
 from blocklab.nn.config import BlockConfig
-from blocklab.nn.decoder import DecoderConfig
 from blocklab.nn.ffn import FeedForward
 
 KEY = jax.random.key(0)
@@ -28,27 +30,6 @@ def _abstract_block(cfg):
 
 
 # ------------------------------------------------------------- checked once
-def _count_calls(monkeypatch, module, names):
-    """Wrap `module.<name>` for each name; return the dict of call counts."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        original = getattr(module, name)
-
-        def wrapped(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, wrapped)
-    return calls
-
-
-ATTENTION_CHECKS = (
-    "check_sizes", "check_dropout", "check_qk_norm", "check_rope", "check_float",
-    "check_int", "check_bool",
-)  # fmt: skip
-FFN_CHECKS = ("check_act", "check_int", "check_bool", "ffn_width")
-
-
 def test_a_block_checks_its_options_once_in_the_config(monkeypatch):
     post_init = BlockConfig.__post_init__
     built = []
@@ -58,26 +39,20 @@ def test_a_block_checks_its_options_once_in_the_config(monkeypatch):
         post_init(self)
 
     monkeypatch.setattr(BlockConfig, "__post_init__", counting_post_init)
-    in_attention = _count_calls(monkeypatch, attention, ATTENTION_CHECKS)
-    in_ffn = _count_calls(monkeypatch, ffn, FFN_CHECKS)
-
     blk = TransformerBlock(
         24, 4, num_kv_heads=2, qk_norm="full", rope_theta=1e4, act="geglu", key=KEY
     )
     assert len(built) == 1 and blk.cfg is built[0]
-    assert sum(in_attention.values()) == 0 and sum(in_ffn.values()) == 0
 
-    # A config built beforehand is not checked again by the block.
+    # A config built beforehand is not checked again, by any module.
     TransformerBlock(blk.cfg, key=KEY)
-    TransformerBlock.from_config(blk.cfg, key=KEY)
+    MultiHeadAttention(blk.cfg, key=KEY)
+    FeedForward(blk.cfg, key=KEY)
     assert len(built) == 1
-    assert sum(in_attention.values()) == 0 and sum(in_ffn.values()) == 0
-
-    # Built standalone, attention and FFN check their own arguments.
+    # The keyword spelling of each module builds one config.
     MultiHeadAttention(24, 4, key=KEY)
     FeedForward(24, "gelu", key=KEY)
-    assert in_attention["check_sizes"] == 1 and in_ffn["check_act"] == 1
-    assert len(built) == 1
+    assert len(built) == 3
 
 
 @pytest.fixture
@@ -98,12 +73,13 @@ def test_an_invalid_config_cannot_reach_a_block(plain_python):
         TransformerBlock(cfg, norm="layer", key=KEY)
     with pytest.raises(ConfigError, match=r"got num_heads=4 beside it"):
         TransformerBlock(cfg, 4, key=KEY)
-    with pytest.raises(ConfigError, match=r"MultiHeadAttention: .* got scale=0.5"):
-        MultiHeadAttention(cfg, scale=0.5, key=KEY)
+    with pytest.raises(ConfigError, match=r"MultiHeadAttention: .* got attn_scale=0.5"):
+        MultiHeadAttention(cfg, attn_scale=0.5, key=KEY)
     with pytest.raises(ConfigError, match=r"FeedForward: .* got act='gelu'"):
         FeedForward(cfg, "gelu", key=KEY)
-    with pytest.raises(ConfigError, match=r"cfg must be a BlockConfig, got dict"):
-        TransformerBlock.from_config({"num_hiddens": 16}, key=KEY)
+    for module in (TransformerBlock, MultiHeadAttention):
+        with pytest.raises(TypeError, match=r"unknown option 'scale'.*attn_scale"):
+            module(16, 4, scale=0.5, key=KEY)
 
 
 REFUSALS = [
@@ -138,10 +114,18 @@ def test_every_refusal_names_the_field_and_the_value(change, pattern, plain_pyth
         TransformerBlock(**options, key=KEY)
 
 
-def test_the_keyword_defaults_are_the_config_defaults():
-    params = inspect.signature(TransformerBlock.__init__).parameters
-    for field in dataclasses.fields(BlockConfig)[2:]:
-        assert params[field.name].default == field.default, field.name
+def test_no_module_lists_the_options_again():
+    """The modules take a config or its fields as **options: no option is a
+    parameter of theirs, so none has a second default or a second check."""
+    fields = {f.name for f in dataclasses.fields(BlockConfig)} - {
+        "num_hiddens", "num_heads", "act"
+    }  # fmt: skip
+    for module in (TransformerBlock, MultiHeadAttention, FeedForward):
+        params = inspect.signature(module.__init__).parameters
+        assert not fields & set(params), module
+        assert params["options"].kind is inspect.Parameter.VAR_KEYWORD
+    decoder = {f.name for f in dataclasses.fields(DecoderConfig)}
+    assert not fields & decoder and "block" in decoder
 
 
 # ------------------------------------------------------------- resolved values
@@ -296,3 +280,161 @@ def test_the_keyword_grid_of_the_old_api_still_matches():
             eqx.filter_eval_shape(TransformerBlock, 40, 4, key=KEY, **opts)
         )
         assert block_param_count(40, 4, **opts) == built
+
+
+# ------------------------------------------------------------- one declaration
+#: A valid value, other than the default, for every field of BlockConfig
+#: (d = 16, H = 4). A new field without an entry here fails
+#: `test_every_field_has_a_probe`, so the reachability test covers it.
+PROBES = {
+    "num_hiddens": 24,
+    "num_heads": 2,
+    "dropout": 0.25,
+    "norm": "layer",
+    "act": "geglu",
+    "placement": "sandwich",
+    "bias": True,
+    "qk_norm": "full",
+    "norm_eps": 1e-3,
+    "num_kv_heads": 2,
+    "head_dim": 6,
+    "ffn_width": 20,
+    "attn_scale": 0.3,
+    "rope_theta": 500.0,
+    "window": 3,
+    "attn_bias": True,
+    "ffn_bias": True,
+    "attn_out_bias": True,
+    "attn_softcap": 7.0,
+    "attention_impl": "chunked",
+}
+
+
+def test_every_field_has_a_probe():
+    assert set(PROBES) == {f.name for f in dataclasses.fields(BlockConfig)}
+
+
+def _leaf_values(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _same_module(a, b):
+    structure = jax.tree_util.tree_structure
+    assert structure(a) == structure(b)
+    for x, y in zip(_leaf_values(a), _leaf_values(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_every_option_reaches_every_module_with_one_meaning(name, plain_python):
+    """Each field of BlockConfig, set by each construction path, builds the
+    same config and the same weights: the keyword spelling of the block, of
+    the attention and of the FFN, the block of a DecoderConfig (both its
+    spellings), the decoder's read-through, its built stack, and CharLM."""
+    d, H = 16, 4
+    option = {name: PROBES[name]}
+    sizes = {"num_hiddens": d, "num_heads": H, **option}
+    cfg = BlockConfig(**sizes)
+    assert getattr(cfg, name) == getattr(BlockConfig(**sizes), name)
+    by_keywords = TransformerBlock(**sizes, key=KEY)
+    by_config = TransformerBlock(cfg, key=KEY)
+    assert by_keywords.cfg == cfg and by_config.cfg == cfg
+    _same_module(by_keywords, by_config)  # window/rope_theta leaves included
+
+    attn_key, ffn_key = jax.random.split(KEY)
+    _same_module(MultiHeadAttention(**sizes, key=attn_key), by_config.attention)
+    _same_module(MultiHeadAttention(cfg, key=attn_key), by_config.attention)
+    _same_module(FeedForward(cfg, key=ffn_key), by_config.ffn)
+
+    # A decoder: learned positions, so that the block is exactly `cfg` (with
+    # RoPE the decoder supplies its default base); a RoPE probe needs "rope".
+    positions = "rope" if name == "rope_theta" else "learned"
+    dec = DecoderConfig(50, num_blks=2, positions=positions, **sizes)
+    assert dec.block == cfg and getattr(dec, name) == getattr(cfg, name)
+    assert DecoderConfig(50, num_blks=2, positions=positions, block=cfg) == dec
+    assert DecoderConfig(**dec.to_dict()) == dec
+    assert dataclasses.replace(dec, **option).block == cfg
+    from blocklab.nn import DecoderLM
+
+    model = eqx.filter_eval_shape(DecoderLM, dec, key=KEY)
+    assert model.stack.blocks.cfg == cfg
+    want = eqx.filter_eval_shape(TransformerBlock, cfg, key=KEY)
+    shapes = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(model.stack.blocks)]
+    assert shapes == [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
+    if name in ("rope_theta", "window"):  # data: the value is in the leaves
+        attn = DecoderLM(dec, key=KEY).stack.blocks.attention
+        want = by_config.attention
+        np.testing.assert_array_equal(getattr(attn, name)[0], getattr(want, name))
+
+    if name not in ("num_hiddens", "num_heads", "act"):
+        lm = eqx.filter_eval_shape(CharLM, 28, d, H, 1, key=KEY, **option)
+        assert lm.block == cfg
+
+
+SCRATCH = """
+import dataclasses, jax, equinox as eqx
+import blocklab as bl
+from blocklab import ConfigError
+from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
+assert bl.__file__.startswith(ROOT), bl.__file__
+k = jax.random.key(0)
+blk = bl.TransformerBlock(16, 4, scratch_option=3, key=k)
+assert blk.cfg.scratch_option == 3
+assert bl.MultiHeadAttention(16, 4, scratch_option=5, key=k) is not None
+for cls in (DecoderConfig, MoEDecoderConfig):
+    cfg = cls(50, 16, 4, 2, scratch_option=3)
+    assert cfg.scratch_option == 3 and cfg.block.scratch_option == 3
+    assert dataclasses.replace(cfg, scratch_option=4).scratch_option == 4
+    model = DecoderLM(cfg, key=k)
+    assert model.stack.blocks.cfg.scratch_option == 3
+    again = DecoderLM(**model.config(), key=k)
+    assert again.cfg == cfg and again.cfg.scratch_option == 3
+lm = bl.CharLM(28, 16, 4, 1, scratch_option=2, key=k)
+assert lm.stack.blocks.cfg.scratch_option == 2
+try:
+    bl.TransformerBlock(16, 4, scratch_option=-1, key=k)
+except ConfigError as e:
+    assert "scratch_option" in str(e), e
+else:
+    raise AssertionError("a bad scratch_option was accepted")
+print("reached")
+"""
+
+
+def test_a_new_option_needs_one_edit(tmp_path):
+    """Add a field (and its check) to a copy of BlockConfig, edit nothing
+    else: the option reaches TransformerBlock, the attention, DecoderConfig
+    (both configs), DecoderLM's stack, its saved config and CharLM."""
+    import shutil
+
+    import blocklab
+
+    src = tmp_path / "blocklab"
+    shutil.copytree(
+        blocklab.__path__[0], src, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    path = src / "nn" / "config.py"
+    text = path.read_text()
+    field = '    attention_impl: str = "auto"\n'
+    check = "    @property\n    def gated(self)"
+    assert text.count(field) == 1 and text.count(check) == 1
+    text = text.replace(field, field + "    scratch_option: int = 0\n")
+    text = text.replace(
+        check,
+        "    def _check_scratch(self):\n"
+        '        value = check_int("BlockConfig", "scratch_option", '
+        "self.scratch_option, min=0)\n"
+        '        object.__setattr__(self, "scratch_option", value)\n\n' + check,
+    )
+    post = "    def __post_init__(self):\n"
+    assert text.count(post) == 1
+    text = text.replace(post, post + "        self._check_scratch()\n")
+    path.write_text(text)
+    code = f"ROOT = {str(src)!r}\n" + textwrap.dedent(SCRATCH)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("reached")

@@ -227,7 +227,7 @@ def test_decoder_models_round_trip(tmp_path, family):
     """DecoderLM (with per-layer window / RoPE leaves) and its MoE variant
     come back with their config class and every leaf bit-exact."""
     from blocklab import DecoderConfig, DecoderLM
-    from blocklab.interop.mixtral import MoEDecoderConfig
+    from blocklab.nn import MoEDecoderConfig
 
     cfg = (
         DecoderConfig.gemma3(num_blks=3)

@@ -85,11 +85,12 @@ def test_ffn_rejects_bad_act_and_widths():
         bl.nn.ffn.ffn_width(8, "elu")
     with pytest.raises(
         ValueError,
-        match=r"give width or multiple_of, not both \(got width=8, multiple_of=4\)",
+        match=r"give ffn_width or multiple_of, not both \(got ffn_width=8, "
+        r"multiple_of=4\)",
     ):
-        bl.FeedForward(8, width=8, multiple_of=4, key=KEY)
-    with pytest.raises(ValueError, match=r"width must be a positive int, got 0"):
-        bl.FeedForward(8, width=0, key=KEY)
+        bl.FeedForward(8, ffn_width=8, multiple_of=4, key=KEY)
+    with pytest.raises(ValueError, match=r"ffn_width must lie in \[1, inf\], got 0"):
+        bl.FeedForward(8, ffn_width=0, key=KEY)
     with pytest.raises(ValueError, match=r"multiple_of must be a positive int, got -1"):
         bl.nn.ffn.ffn_width(8, "gelu", -1)
 

@@ -84,7 +84,7 @@ def test_ffn_multiple_of_sets_the_module_width_without_allocating():
 
 
 def test_explicit_width_overrides_the_rule():
-    ffn = bl.FeedForward(D, "gelu", width=7, key=jax.random.key(0))
+    ffn = bl.FeedForward(D, "gelu", ffn_width=7, key=jax.random.key(0))
     assert ffn.W_1.weight.shape == (7, D) and ffn.W_g is None
 
 

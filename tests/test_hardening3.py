@@ -232,7 +232,7 @@ def test_edge_values_inside_the_ranges_are_accepted():
 
 
 def _moe_lm():
-    from blocklab.interop.mixtral import MoEDecoderConfig
+    from blocklab.nn import MoEDecoderConfig
 
     cfg = MoEDecoderConfig.mixtral(32, 16, 2, 1, max_len=8, num_experts=4, top_k=2)
     return bl.DecoderLM(cfg, key=jax.random.key(0))

@@ -25,7 +25,7 @@ from blocklab.interop import (
     to_huggingface_state_dict,
 )
 from blocklab.interop.hf_common import resolve_family, unsupported_settings
-from blocklab.nn.decoder import DecoderConfig, DecoderLM
+from blocklab.nn import DecoderConfig, DecoderLM
 
 V, D, H, T = 48, 32, 4, 12
 

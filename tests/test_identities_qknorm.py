@@ -21,7 +21,7 @@ TOL = 1e-10
 
 def _layer(d=32, h=4, seed=0, **kw):
     kw.setdefault("qk_norm", True)
-    kw.setdefault("qk_norm_eps", 0.0)
+    kw.setdefault("norm_eps", 0.0)
     return MultiHeadAttention(d, h, key=jax.random.key(seed), **kw)
 
 
@@ -104,7 +104,7 @@ def test_step_angle_falls_as_inverse_alpha_squared(alpha):
 def test_invariance_breaks_with_eps_or_without_qk_norm():
     # direct check that the hypotheses matter: with eps > 0 the output moves
     x = _x(7, (6, 32))
-    for attn in (_layer(qk_norm_eps=1e-1), _layer(qk_norm=False)):
+    for attn in (_layer(norm_eps=1e-1), _layer(qk_norm=False)):
         p = attn.head_dim
         scaled = eqx.tree_at(
             lambda a: a.W_q.weight, attn, attn.W_q.weight.at[:p].multiply(3.0)
@@ -115,7 +115,7 @@ def test_invariance_breaks_with_eps_or_without_qk_norm():
 def test_hypotheses_are_enforced():
     x = _x(8, (4, 32))
     with pytest.raises(ValueError, match="needs QK-norm with eps = 0"):
-        ids.qk_norm_weight_orthogonality(_layer(qk_norm_eps=1e-6), x)
+        ids.qk_norm_weight_orthogonality(_layer(norm_eps=1e-6), x)
     with pytest.raises(ValueError, match="needs QK-norm with eps = 0"):
         ids.qk_norm_weight_orthogonality(_layer(qk_norm=False), x)
     with pytest.raises(ValueError, match="W_q has a bias"):

@@ -151,7 +151,7 @@ def test_qk_norm_eps_zero_with_an_all_zero_padding_token():
             H,
             qk_norm=True,
             attn_factory=lambda key: bl.MultiHeadAttention(
-                D, H, qk_norm=True, qk_norm_eps=0.0, bias=False, key=key
+                D, H, qk_norm=True, norm_eps=0.0, bias=False, key=key
             ),
             key=key,
         )

@@ -285,7 +285,7 @@ def test_experts_are_one_stacked_feedforward():
     assert moe.router.weight.shape == (4, D) and moe.router.bias is None
     # Expert e is the FeedForward built from the e-th expert key.
     expert_key = jax.random.split(jax.random.key(0))[1]
-    ffn = bl.FeedForward(D, width=24, key=jax.random.split(expert_key, 4)[2])
+    ffn = bl.FeedForward(D, ffn_width=24, key=jax.random.split(expert_key, 4)[2])
     x = jax.random.normal(jax.random.key(1), (3, D))
     np.testing.assert_allclose(
         _call(moe.expert(2), x), _call(ffn, x), rtol=1e-6, atol=1e-6

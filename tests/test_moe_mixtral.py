@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import blocklab as bl
-from blocklab.interop import MoEDecoderConfig, to_huggingface_state_dict
+from blocklab.interop import to_huggingface_state_dict
+from blocklab.nn import MoEDecoderConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

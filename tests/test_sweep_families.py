@@ -22,8 +22,7 @@ import pytest
 
 from blocklab.data.datasets import TokenDataset
 from blocklab.diagnostics.propagation import signal_stats
-from blocklab.interop.mixtral import MoEDecoderConfig
-from blocklab.nn.decoder import DecoderConfig, DecoderLM
+from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
 from blocklab.training.losses import lm_loss
 from blocklab.training.member_axis import sharded_map
 from blocklab.training.run import train_model
@@ -196,8 +195,8 @@ SCRIPT = textwrap.dedent(
     import jax
     import numpy as np
     from blocklab.data.datasets import TokenDataset
-    from blocklab.interop.mixtral import MoEDecoderConfig
-    from blocklab.nn.decoder import DecoderConfig, DecoderLM
+    from blocklab.nn import MoEDecoderConfig
+    from blocklab.nn import DecoderConfig, DecoderLM
     from blocklab.training.sweep import train_sweep
 
     data = TokenDataset((np.arange(400) * 7) % 31, seq_len=8, num_train=120, num_val=8)

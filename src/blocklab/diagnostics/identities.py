@@ -298,7 +298,7 @@ def _head_loss(attn, x, projection, head, readout, owner):
     if attn.q_norm is None or attn.q_norm.eps != 0 or attn.k_norm.eps != 0:
         raise ConfigError(
             f"{owner}: the identity needs QK-norm with eps = 0; build the layer as "
-            "MultiHeadAttention(..., qk_norm=True, qk_norm_eps=0.0)."
+            "MultiHeadAttention(..., qk_norm=True, norm_eps=0.0)."
         )
     if projection not in _QK_PROJECTIONS:
         raise ConfigError(
@@ -353,7 +353,7 @@ def _head_grad(attn, x, R, projection, head, W_h):
 
 _HEAD_DOC = """
     Args:
-        attn: `MultiHeadAttention(d, h, qk_norm=True, qk_norm_eps=0.0)`
+        attn: `MultiHeadAttention(d, h, qk_norm=True, norm_eps=0.0)`
             without bias (any dtype; evaluated in float64).
         x: `(T, d)` input sequence.
         projection: `"W_q"` or `"W_k"`.

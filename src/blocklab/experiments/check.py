@@ -164,7 +164,7 @@ def identity_rows() -> list[dict[str, Any]]:
         ids.layer_norm_jacobian(x[0], gain),
         ids.rms_norm_gradient_orthogonality(x[0], weight=gain),
     ]
-    attn = MultiHeadAttention(64, 4, qk_norm=True, qk_norm_eps=0.0, key=next(k))
+    attn = MultiHeadAttention(64, 4, qk_norm=True, norm_eps=0.0, key=next(k))
     xs = jax.random.normal(next(k), (16, 64))
     results += [
         ids.qk_norm_scale_invariance(attn, xs, 3.0, head=1),
@@ -327,7 +327,7 @@ def count_rows(*, quick: bool = False) -> list[dict[str, Any]]:
 def _aligned_qk_attention(gain_q, gain_k, *, d: int = 256, h: int = 4, key):
     """QK-norm attention whose queries and keys lie along +-e_i*, i* = argmax|gq gk|."""
     p = d // h
-    attn = MultiHeadAttention(d, h, qk_norm=True, qk_norm_eps=0.0, key=key)
+    attn = MultiHeadAttention(d, h, qk_norm=True, norm_eps=0.0, key=key)
     i_star = int(np.argmax(np.abs(np.asarray(gain_q) * np.asarray(gain_k))))
     a = jax.random.normal(jax.random.fold_in(key, 1), (d,))
     W = jnp.zeros((d, d)).at[np.arange(h) * p + i_star].set(a)
@@ -383,7 +383,7 @@ def qk_rows() -> list[dict[str, Any]]:
     )
     inflated = init.scale(
         MultiHeadAttention(
-            256, 4, qk_norm=True, qk_norm_eps=0.0, key=jax.random.fold_in(key, 4)
+            256, 4, qk_norm=True, norm_eps=0.0, key=jax.random.fold_in(key, 4)
         ),
         8.0,
     )

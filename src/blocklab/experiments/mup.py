@@ -38,8 +38,8 @@ import optax
 
 from .._validate import ConfigError, check_choice, check_float, check_int
 from ..data.datasets import TimeMachine
+from ..nn import DecoderConfig, DecoderLM
 from ..nn.charlm import CharLM
-from ..nn.decoder import DecoderConfig, DecoderLM
 from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizer import optimizer as make_optimizer

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from .._validate import ConfigError, check_choice, check_int
-from ..nn.decoder import DecoderConfig, DecoderLM
+from ..nn import DecoderConfig, DecoderLM
 from ..training.mesh_training import state_shardings
 from ..training.placement import parse_mesh, resolve_rules
 from ..training.step import PRECISIONS, init_state

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..nn.decoder import DecoderConfig
+from ..nn.decoder_config import DecoderConfig
 from .gemma3 import gemma3_layer
 from .hf_common import (
     Derived,

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..nn.decoder import DecoderConfig
+from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
     HFFamily,

@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from .._validate import ConfigError
-from ..nn.decoder import DecoderConfig, DecoderLM, set_layer_data
+from ..nn.decoder import DecoderLM, set_layer_data
+from ..nn.decoder_config import DecoderConfig
 from . import (  # noqa: F401 - register the families
     gemma2,
     gemma3,

@@ -1,11 +1,8 @@
 r"""Mixtral (sparse mixture of experts) for `DecoderLM` and `from_huggingface`.
 
-`MoEDecoderConfig` is a `DecoderConfig` whose blocks' FFNs are
-`blocklab.MoEFeedForward`s (built through `TransformerBlock`'s `ffn_factory`
-hook); `DecoderLM(MoEDecoderConfig(...))` is then a Mixtral-style model, and
-`blocklab.moe_forward` / `blocklab.moe_loss` give its router statistics and
-auxiliary losses. Importing this module registers the `"mixtral"` family, so
-`blocklab.from_huggingface` converts a PyTorch `MixtralForCausalLM`:
+`blocklab.nn.MoEDecoderConfig` builds a Mixtral-style `DecoderLM`. Importing
+this module registers the `"mixtral"` family, so `blocklab.from_huggingface`
+converts a PyTorch `MixtralForCausalLM`:
 
 - attention as Llama's (RoPE, grouped-query heads, no biases), with Mixtral's
   `sliding_window` (when set) on every layer;
@@ -19,14 +16,12 @@ auxiliary losses. Importing this module registers the `"mixtral"` family, so
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
-from .._validate import check_choice, check_int
-from ..nn.decoder import DecoderConfig
-from ..nn.moe import DISPATCHES, ROUTINGS, MoEFeedForward
+from ..nn.decoder_config import DecoderConfig
+from ..nn.moe_decoder import MoEDecoderConfig
 from .hf_common import (
     HFFamily,
     Rule,
@@ -41,9 +36,7 @@ from .hf_common import (
     understood,
 )
 
-__all__ = ["MIXTRAL", "MoEDecoderConfig"]
-
-_OWNER = "MoEDecoderConfig"
+__all__ = ["MIXTRAL"]
 
 #: Every `MixtralConfig` field blocklab understands, with its default.
 FIELDS = {
@@ -67,88 +60,6 @@ FIELDS = {
     "router_aux_loss_coef": 0.001,  # the auxiliary loss only
     "tie_word_embeddings": False,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEDecoderConfig(DecoderConfig):
-    """A `DecoderConfig` whose FFNs are top-k mixtures of experts.
-
-    Attributes (besides `DecoderConfig`'s):
-        num_experts: experts per block $E$.
-        top_k: experts per token $k$ ($1 \\le k \\le E$).
-        routing: `"mixtral"` (renormalized top-k) or `"softmax_topk"`.
-        dispatch: `"dense"` or `"sorted"` (see `MoEFeedForward`).
-
-    Each expert is a `FeedForward` of activation `act`, width `ffn_width` and
-    biases `ffn_bias`.
-    """
-
-    num_experts: int = 8
-    top_k: int = 2
-    routing: str = "mixtral"
-    dispatch: str = "dense"
-
-    def __post_init__(self):
-        super().__post_init__()
-
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put("num_experts", check_int(_OWNER, "num_experts", self.num_experts, min=1))
-        put(
-            "top_k",
-            check_int(_OWNER, "top_k", self.top_k, min=1, max=self.num_experts),
-        )
-        put("routing", check_choice(_OWNER, "routing", self.routing, ROUTINGS))
-        put("dispatch", check_choice(_OWNER, "dispatch", self.dispatch, DISPATCHES))
-
-    def ffn_factory(self, *, key: Any) -> MoEFeedForward:
-        """The FFN of every block (`TransformerBlock`'s `ffn_factory` hook)."""
-        return MoEFeedForward(
-            self.num_hiddens,
-            self.num_experts,
-            self.top_k,
-            act=self.act,
-            width=self.ffn_width,
-            routing=self.routing,
-            dispatch=self.dispatch,
-            bias=self.ffn_bias,
-            key=key,
-        )
-
-    @classmethod
-    def mixtral(
-        cls,
-        vocab_size: int = 128,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        num_blks: int = 2,
-        *,
-        num_experts: int = 8,
-        top_k: int = 2,
-        num_kv_heads: int | None = 2,
-        max_len: int = 128,
-        **overrides: Any,
-    ) -> MoEDecoderConfig:
-        """Mixtral: Llama's block (pre-norm RMSNorm eps 1e-5, RoPE theta 1e6,
-        grouped-query attention, untied head) with top-k SwiGLU experts."""
-        fields = dict(
-            norm_eps=1e-5,
-            rope_theta=1e6,
-            num_experts=num_experts,
-            top_k=top_k,
-            routing="mixtral",
-        )
-        fields.update(overrides)
-        return cls.llama(
-            vocab_size,
-            num_hiddens,
-            num_heads,
-            num_blks,
-            num_kv_heads=num_kv_heads,
-            max_len=max_len,
-            **fields,
-        )
 
 
 def mixtral_config(hf: Any) -> MoEDecoderConfig:

@@ -65,7 +65,8 @@ import numpy as np
 
 from .._io import atomic_dir, check_writable
 from .._validate import ConfigError, check_bool
-from ..nn.decoder import DecoderConfig, DecoderLM, set_layer_data
+from ..nn.decoder import DecoderLM, set_layer_data
+from ..nn.decoder_config import DecoderConfig
 from ..training.checkpoint import CheckpointError
 from .hf_common import FAMILIES, HFFamily, StoredAs, family_for_class, resolve_family
 from .huggingface import _all_rules, _skeleton

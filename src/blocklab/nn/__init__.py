@@ -1,22 +1,24 @@
 """Layer 1, the model: pure array functions and the Equinox modules built on them.
 
 `functional` (norms, activations, RoPE, masked softmax), `normalization`,
-`config` (`BlockConfig`, the block's options, checked once),
-`inplace` (donating norms), `attention`, `ffn`, `moe`, `block`, `stack`,
-`charlm`, `decoder` (real architectures) and `init` (re-initialization). It
-imports only `blocklab.data` (the character vocabulary) and the shared
-checks below it.
+`config` (`BlockConfig`, the block's options, declared and checked once),
+`inplace` (donating norms), `attention` (+ `attention_impls`), `cache`, `ffn`,
+`moe`, `block`, `stack`, `charlm`, `decoder_config` and `decoder` (real
+architectures), `moe_decoder`, `generation` and `init` (re-initialization). It
+imports only the shared checks below it.
 """
 
 from .attention import AttentionTrace, MultiHeadAttention, with_attention_impl
 from .block import PLACEMENTS, BlockTrace, TransformerBlock
 from .charlm import CharLM
 from .config import BlockConfig
-from .decoder import DecoderConfig, DecoderLM
+from .decoder import DecoderLM
+from .decoder_config import DecoderConfig
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .generation import generate
 from .inplace import layer_norm_, rms_norm_
 from .moe import MoEFeedForward, MoEStats, MoETrace
+from .moe_decoder import MoEDecoderConfig
 from .normalization import NORMS, LayerNorm, RMSNorm
 from .stack import Stack
 
@@ -31,6 +33,7 @@ __all__ = [
     "FeedForward",
     "GATED_ACTS",
     "LayerNorm",
+    "MoEDecoderConfig",
     "MoEFeedForward",
     "MoEStats",
     "MoETrace",

@@ -13,25 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
 from . import init
 from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
-from .config import (
-    QK_NORMS,
-    BlockConfig,
-    check_dropout,
-    check_qk_norm,
-    check_rope,
-    check_sizes,
-    reject_options_beside_config,
-)
+from .config import QK_NORMS, BlockConfig, as_config
 from .functional import (
     _check_int_array,
     _lengths,
     _softmax_clamped,
+    dense,
+    dense_weight_first,
     dropout,
-    linear,
     rope,
 )
 from .normalization import RMSNorm, check_float_input
@@ -40,8 +33,6 @@ __all__ = [
     "MultiHeadAttention",
     "AttentionCache",
     "AttentionTrace",
-    "check_config",
-    "dense",
     "QK_NORMS",
     "ATTENTION_IMPLS",
     "with_attention_impl",
@@ -55,7 +46,7 @@ class AttentionTrace(NamedTuple):
         output: `(T, d)`, what the layer returns.
         weights: `(heads, Tq, Tk)` softmax weights (float32, before dropout).
         logits: `(heads, Tq, Tk)` scaled logits $s\\, q^\\top k$ (float32,
-            before masking; $s = 1/\\sqrt{p}$ unless `scale` is given).
+            before masking; $s = 1/\\sqrt{p}$ unless `attn_scale` is given).
 
     For a batch `(..., T, d)` every field gains the same leading axes.
     """
@@ -63,43 +54,6 @@ class AttentionTrace(NamedTuple):
     output: Array
     weights: Array
     logits: Array
-
-
-def dense(
-    layer: eqx.nn.Linear, x: Float[Array, "*batch n"]
-) -> Float[Array, "*batch m"]:
-    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$ (`linear`)."""
-    return linear(x, layer.weight, layer.bias)
-
-
-def _dense_weight_first(
-    layer: eqx.nn.Linear, x: Float[Array, "*batch n"]
-) -> Float[Array, "*batch m"]:
-    """`dense(layer, x)` written as $(W x^\top)^\top + b$, the weight on the
-    left: the same products. For the few rows of a decoding step, XLA:CPU
-    fuses the attention's last sum into the product written `x @ W.T` and then
-    reads $W$ transposed, one strided column per output (measured: 94 us
-    against 15 us for the 256 x 256 output projection of one token)."""
-    dtype = jnp.result_type(x.dtype, layer.weight.dtype)
-    rows = x.reshape(-1, x.shape[-1])
-    y = (layer.weight.astype(dtype) @ rows.T).T.reshape(*x.shape[:-1], -1)
-    return y if layer.bias is None else y + layer.bias
-
-
-def check_config(
-    owner: str, num_hiddens: int, num_heads: int, dropout: float, *, divisible=True
-) -> tuple[int, int, float]:
-    """Validate the sizes shared by attention and the block; return them as
-    Python numbers (NumPy scalars accepted). Raises `ConfigError`.
-
-    Kept for callers of the flat layout; the checks are `config.check_sizes`
-    and `config.check_dropout`.
-    """
-    # head_dim=1 stands for "given" (no divisibility rule); it is not returned.
-    d, H, _, _ = check_sizes(
-        owner, num_hiddens, num_heads, head_dim=None if divisible else 1
-    )
-    return d, H, check_dropout(owner, dropout)
 
 
 def _encode_theta(theta: float) -> Int[Array, ""]:
@@ -138,7 +92,7 @@ class MultiHeadAttention(eqx.Module):
     $$Q_i = X W_q^{(i)\top},\; K_j = X W_k^{(j)\top},\; V_j = X W_v^{(j)\top},\quad
     A_i = \mathrm{softmax}_{\text{mask}}\big(s\, Q_i K_{g(i)}^\top\big),\quad
     \mathrm{out} = [A_1 V_{g(1)}, \ldots, A_H V_{g(H)}]\, W_o^\top,$$
-    with $s = 1/\sqrt p$ unless `scale` is given (Gemma: `query_pre_attn_scalar`
+    with $s = 1/\sqrt p$ unless `attn_scale` is given (Gemma: `query_pre_attn_scalar`
     $^{-1/2}$). The queries of a group are computed together against their
     shared keys (no copies of $K$, $V$).
 
@@ -149,11 +103,11 @@ class MultiHeadAttention(eqx.Module):
       one gain per norm shared by all heads (`q_norm.weight` has $p$ entries);
       `"full"` (OLMo 2) normalizes the whole projection, $Hp$ (queries) and
       $Kp$ (keys) features, before the split into heads.
-      `qk_norm_unit_offset=True` uses Gemma's gain $1 + w$.
+      With `norm="gemma_rms"` the QK-norms use Gemma's gain $1 + w$.
     - RoPE (`rope_theta`; Su et al., 2021): queries and keys are rotated at
       their positions (`functional.rope`, half-split convention) after the
       QK-norm, as Llama, OLMo 2 and Gemma 3 do.
-    - Soft-capping (`softcap` $c$, Gemma 2): the scaled logits become
+    - Soft-capping (`attn_softcap` $c$, Gemma 2): the scaled logits become
       $c \tanh(s/c)$ before the mask.
     - Masks: key $k$ is visible from query $q$ iff $k < L_q$ (`valid_lens`)
       and, with a window $w \ge 1$, $q - w < k \le q$ (local, causal sliding
@@ -222,87 +176,33 @@ class MultiHeadAttention(eqx.Module):
         num_hiddens: int | BlockConfig,
         num_heads: int | None = None,
         *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        scale: float | None = None,
-        rope_theta: float | None = None,
-        window: int | None = None,
-        bias: bool = False,
-        qk_norm: bool | str = False,
-        qk_norm_eps: float = 1e-6,
-        qk_norm_unit_offset: bool = False,
-        dropout: float = 0.0,
-        softcap: float | None = None,
-        attention_impl: str = "auto",
         key: PRNGKeyArray,
+        **options: Any,
     ):
-        """Args:
-        num_hiddens: model width $d$; or a `BlockConfig`, alone (with `key`):
-            the block's attention, built from the config without checking it
-            again (`num_kv_heads`, `head_dim`, `attn_scale`, `rope_theta`,
-            `window`, `attn_bias`, `qk_norm`, `norm_eps`, Gemma QK-norms when
-            `norm="gemma_rms"`, `dropout`).
-        num_heads: number of query heads $H$; must divide `num_hiddens` unless
-            `head_dim` is given.
-        num_kv_heads: key/value heads $K$ (default $H$); must divide $H$.
-        head_dim: head width $p$ (default $d / H$).
-        scale: the logit multiplier (default $1/\\sqrt p$), > 0.
-        rope_theta: RoPE base $\\theta$ (> 0); `None` disables RoPE.
-        window: local attention over the last `window` positions (>= 1);
-            0 or `None` is global attention.
-        bias: give the four projections biases.
-        qk_norm: `False`, `True` / `"head"` (per-head RMSNorm over $p$) or
-            `"full"` (RMSNorm over the full projected width).
-        qk_norm_eps: the $\\epsilon$ of those two norms (0 makes the logits
-            exactly invariant to the scale of each head's query/key weights).
-        qk_norm_unit_offset: Gemma-style QK norms (gain $1 + w$, $w$ = 0 at init).
-        dropout: dropout rate on the attention weights, in [0, 1).
-        softcap: soft-cap $c > 0$ of the logits, $c \\tanh(s / c)$ (Gemma 2's
-            `attn_logit_softcapping`); `None` is none.
-        attention_impl: one of `ATTENTION_IMPLS` (default `"auto"`).
-        key: PRNG key for the weights.
+        """Build the attention of a `BlockConfig`, or of its options.
+
+        `MultiHeadAttention(d, H, **options, key=key)` is
+        `MultiHeadAttention(BlockConfig(d, H, **options), key=key)`: the
+        options are `BlockConfig`'s fields, declared, checked and documented
+        there once. The attention reads `num_kv_heads`, `head_dim`,
+        `attn_scale`, `rope_theta`, `window`, `attn_bias`, `attn_out_bias`,
+        `qk_norm` (with the config's `norm_eps`, and Gemma's gain $1 + w$ when
+        `norm="gemma_rms"`), `dropout`, `attn_softcap` and `attention_impl`.
+
+        Args:
+            num_hiddens: model width $d$, or a `BlockConfig` (then alone).
+            num_heads: query heads $H$.
+            key: PRNG key for the weights.
+            **options: the other fields of `BlockConfig`.
         """
         owner = "MultiHeadAttention"
-        if isinstance(num_hiddens, BlockConfig):
-            reject_options_beside_config(
-                owner,
-                MultiHeadAttention.__init__,
-                dict(
-                    num_heads=num_heads, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim, scale=scale, rope_theta=rope_theta,
-                    window=window, bias=bias, qk_norm=qk_norm,
-                    qk_norm_eps=qk_norm_eps,
-                    qk_norm_unit_offset=qk_norm_unit_offset, dropout=dropout,
-                    softcap=softcap, attention_impl=attention_impl,
-                ),
-            )  # fmt: skip
-            cfg = num_hiddens  # validated when it was built
-            d, H, KV, p = cfg.num_hiddens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            scale, rope_theta, window = cfg.attn_scale, cfg.rope_theta, cfg.window
-            bias, qk_norm, qk_norm_eps = cfg.attn_bias, cfg.qk_norm, cfg.norm_eps
-            out_bias = cfg.attn_out_bias
-            unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
-            softcap, attention_impl = cfg.attn_softcap, cfg.attention_impl
-        else:
-            d, H, KV, p = check_sizes(
-                owner, num_hiddens, num_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-            )  # fmt: skip
-            dropout = check_dropout(owner, dropout)
-            scale = check_float(
-                owner, "scale", scale, min=0.0, min_open=True, optional=True
-            )
-            bias = out_bias = check_bool(owner, "bias", bias)
-            qk_norm = check_qk_norm(owner, qk_norm)
-            qk_norm_eps = check_float(owner, "qk_norm_eps", qk_norm_eps, min=0.0)
-            unit = check_bool(owner, "qk_norm_unit_offset", qk_norm_unit_offset)
-            rope_theta = check_rope(owner, rope_theta, p)
-            window = check_int(owner, "window", window, min=0, optional=True)
-            softcap = check_float(
-                owner, "softcap", softcap, min=0.0, min_open=True, optional=True
-            )
-            attention_impl = check_impl(owner, attention_impl)
-
+        cfg = as_config(owner, num_hiddens, num_heads, options)
+        d, H, KV, p = cfg.num_hiddens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scale, rope_theta, window = cfg.attn_scale, cfg.rope_theta, cfg.window
+        bias, qk_norm, qk_norm_eps = cfg.attn_bias, cfg.qk_norm, cfg.norm_eps
+        out_bias = cfg.attn_out_bias
+        unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
+        softcap, attention_impl = cfg.attn_softcap, cfg.attention_impl
         key = check_key(owner, "key", key)
         self.num_hiddens, self.num_heads, self.num_kv_heads = d, H, KV
         self.head_dim, self.dropout = p, dropout
@@ -417,7 +317,7 @@ class MultiHeadAttention(eqx.Module):
         H = self.num_heads
         mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
         mixed = mixed.reshape(*lead, Tq, H * p).astype(dtype)
-        project = _dense_weight_first if Tq == 1 else dense
+        project = dense_weight_first if Tq == 1 else dense
         return project(self.W_o, mixed).astype(dtype)
 
     def _attend_deferred(self, x, q, cache, rows, start, pos):
@@ -592,9 +492,7 @@ class MultiHeadAttention(eqx.Module):
         impl = self._impl(impl, L, x.dtype, False, owner)
         if impl != "reference" and Tq > 1:
             B = int(np.prod(lead)) if lead else 1
-            rule = MaskRule(
-                pos.reshape(B, Tq), (pos + 1).reshape(B, Tq), self.window
-            )
+            rule = MaskRule(pos.reshape(B, Tq), (pos + 1).reshape(B, Tq), self.window)
             mixed, _ = self._kernel(
                 impl, q.reshape(B, KV, G, Tq, p),
                 jnp.swapaxes(new.k, -1, -2).reshape(B, KV, L, p),
@@ -783,7 +681,7 @@ def write_cache(
     heads = slab + jnp.arange(KV)[:, None]  # (m, n, KV, 1)
     v_rows = (heads * L + t).reshape(-1)  # rows of p in v (m n KV Tq)
     # k is (…, KV, p, L): element (h, c, t) at (h p + c) L + t
-    k_at = ((heads[..., None] * p + jnp.arange(p)[:, None]) * L + t[..., None, :])
+    k_at = (heads[..., None] * p + jnp.arange(p)[:, None]) * L + t[..., None, :]
 
     def put_v(buf, new):
         new = new.astype(buf.dtype)
@@ -851,9 +749,11 @@ def with_attention_impl(model: Any, impl: str) -> Any:
 def check_segment_ids(owner: str, segment_ids, shape) -> Array:
     """`segment_ids` checked (integers; shape `(T,)` or broadcasting to
     `shape` = `(..., T)` with last axis `T`) and broadcast to `shape`."""
-    if isinstance(segment_ids, (bool, np.bool_)) or not hasattr(
-        segment_ids, "dtype"
-    ) and not isinstance(segment_ids, (list, tuple, int, np.integer)):
+    if (
+        isinstance(segment_ids, (bool, np.bool_))
+        or not hasattr(segment_ids, "dtype")
+        and not isinstance(segment_ids, (list, tuple, int, np.integer))
+    ):
         raise ConfigError(
             f"{owner}: segment_ids must be an integer array of shape (T,) or "
             f"x.shape[:-1] = {tuple(shape)}, got {type(segment_ids).__name__}."
@@ -865,8 +765,10 @@ def check_segment_ids(owner: str, segment_ids, shape) -> Array:
             f"{seg.dtype}; convert it with .astype(int)."
         )
     try:
-        ok = seg.ndim >= 1 and seg.shape[-1] == shape[-1] and (
-            np.broadcast_shapes(seg.shape, tuple(shape)) == tuple(shape)
+        ok = (
+            seg.ndim >= 1
+            and seg.shape[-1] == shape[-1]
+            and (np.broadcast_shapes(seg.shape, tuple(shape)) == tuple(shape))
         )
     except ValueError:
         ok = False

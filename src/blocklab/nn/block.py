@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_key
 from .attention import AttentionTrace, MultiHeadAttention
-from .config import PLACEMENTS, BlockConfig, reject_options_beside_config
+from .config import PLACEMENTS, BlockConfig, as_config
 from .ffn import FeedForward
 from .functional import dropout
 from .normalization import LayerNorm, RMSNorm, check_float_input, make_norm
@@ -90,89 +90,34 @@ class TransformerBlock(eqx.Module):
         num_hiddens: int | BlockConfig,
         num_heads: int | None = None,
         *,
-        dropout: float = 0.0,
-        norm: str = "rms",
-        act: str = "swiglu",
-        placement: str = "pre",
-        bias: bool = False,
-        qk_norm: bool | str = False,
-        norm_eps: float = 1e-6,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        ffn_width: int | None = None,
-        attn_scale: float | None = None,
-        rope_theta: float | None = None,
-        window: int | None = None,
-        attn_bias: bool | None = None,
-        ffn_bias: bool | None = None,
-        attn_out_bias: bool | None = None,
-        attn_softcap: float | None = None,
-        attention_impl: str = "auto",
         attn_factory: Callable[..., Any] | None = None,
         ffn_factory: Callable[..., Any] | None = None,
         key: PRNGKeyArray,
+        **options: Any,
     ):
-        """Build the block from its options, or from a `BlockConfig`.
+        """Build the block of a `BlockConfig`, or of its options.
 
         `TransformerBlock(d, H, **options, key=key)` is
         `TransformerBlock(BlockConfig(d, H, **options), key=key)`: the options
-        are the fields of `BlockConfig` (validated there, once; a bad one
-        raises `ConfigError`), and the block stores that config as `cfg`.
-        Given a `BlockConfig`, pass no other option (only the factories).
+        (`dropout`, `norm`, `act`, `placement`, `bias`, `qk_norm`, and the
+        rest) are the fields of `BlockConfig`, declared, checked and
+        documented there once; a bad one raises `ConfigError`, an unknown one
+        `TypeError`. The block stores the config as `cfg`.
 
         Args:
-        num_hiddens: model width $d$, or a `BlockConfig` (then alone).
-        num_heads: attention (query) heads; must divide `num_hiddens` unless
-            `head_dim` is given.
-        dropout: rate for attention weights and both branch outputs.
-        norm: `"rms"`, `"layer"` or `"gemma_rms"` (RMSNorm with gain 1 + w).
-        act: one of `"relu"`, `"gelu"`, `"gelu_exact"`, `"swiglu"`, `"geglu"`,
-            `"reglu"`, `"bilinear"`.
-        placement: `"post"`, `"pre"`, `"output"` or `"sandwich"`.
-        bias: biases in the attention and FFN projections (the default of
-            `attn_bias` and `ffn_bias`).
-        qk_norm: `False`, `True` / `"head"` (per-head RMSNorm of queries and
-            keys) or `"full"` (over the full projected width, OLMo 2); these
-            norms use `norm_eps`, and Gemma's 1 + w gain when
-            `norm="gemma_rms"`.
-        norm_eps: the $\\epsilon$ of the block's norms (PyTorch's LayerNorm uses
-            1e-5: set it when porting such weights exactly).
-        num_kv_heads, head_dim, rope_theta, window: as for
-            `MultiHeadAttention` (grouped-query heads, head width, RoPE base,
-            local window).
-        ffn_width: the FFN's hidden width (default `ffn_width(d, act)`).
-        attn_scale: the attention logit multiplier (default $1/\\sqrt p$).
-        attn_bias, ffn_bias: biases of the attention / FFN projections
-            (`None`: `bias`).
-        attn_out_bias: a bias on the output projection $W_o$ (`None`:
-            `attn_bias`).
-        attn_softcap: soft-cap $c$ of the attention logits, $c \\tanh(s/c)$.
-        attention_impl: `"auto"`, `"reference"`, `"fused"` or `"chunked"`
-            (see `MultiHeadAttention`).
-        attn_factory: `attn_factory(key=...)` returns the attention module,
-            called as `attn(x, valid_lens, key=...)` (and `positions=` when
-            the block is given positions); replaces the default.
-        ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
-            `ffn(x, key=...)`, or `ffn.trace(x, key=...)` when it has a
-            `trace` method; replaces the default.
-        key: PRNG key for the weights.
+            num_hiddens: model width $d$, or a `BlockConfig` (then alone, but
+                for the factories).
+            num_heads: attention (query) heads $H$.
+            attn_factory: `attn_factory(key=...)` returns the attention module,
+                called as `attn(x, valid_lens, key=...)` (and `positions=` when
+                the block is given positions); replaces the default.
+            ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
+                `ffn(x, key=...)`, or `ffn.trace(x, key=...)` when it has a
+                `trace` method; replaces the default.
+            key: PRNG key for the weights.
+            **options: the other fields of `BlockConfig`.
         """
-        options = dict(
-            dropout=dropout, norm=norm, act=act, placement=placement, bias=bias,
-            qk_norm=qk_norm, norm_eps=norm_eps, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, ffn_width=ffn_width, attn_scale=attn_scale,
-            rope_theta=rope_theta, window=window, attn_bias=attn_bias,
-            ffn_bias=ffn_bias, attn_out_bias=attn_out_bias, attn_softcap=attn_softcap,
-            attention_impl=attention_impl,
-        )  # fmt: skip
-        if isinstance(num_hiddens, BlockConfig):
-            owner = "TransformerBlock"
-            reject_options_beside_config(
-                owner, TransformerBlock.__init__, dict(num_heads=num_heads, **options)
-            )
-            cfg = num_hiddens
-        else:
-            cfg = BlockConfig(num_hiddens, num_heads, **options)
+        cfg = as_config("TransformerBlock", num_hiddens, num_heads, options)
         key = check_key("TransformerBlock", "key", key)
         self.cfg = cfg
         attn_key, ffn_key = jax.random.split(key)
@@ -194,25 +139,6 @@ class TransformerBlock(eqx.Module):
             if ffn_factory is None
             else ffn_factory(key=ffn_key)
         )
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: BlockConfig,
-        *,
-        attn_factory: Callable[..., Any] | None = None,
-        ffn_factory: Callable[..., Any] | None = None,
-        key: PRNGKeyArray,
-    ) -> TransformerBlock:
-        """`TransformerBlock(cfg, key=key)`, spelled out: the block of a
-        validated `BlockConfig` (checked when it was built, not again)."""
-        if not isinstance(cfg, BlockConfig):
-            raise ConfigError(
-                "TransformerBlock.from_config: cfg must be a BlockConfig, got "
-                f"{type(cfg).__name__}; build one with BlockConfig(num_hiddens, "
-                "num_heads, ...)."
-            )
-        return cls(cfg, attn_factory=attn_factory, ffn_factory=ffn_factory, key=key)
 
     # The chapter's attributes, read from the config.
     @property
@@ -384,9 +310,7 @@ class TransformerBlock(eqx.Module):
         new_cache = []
 
         def attend(y):
-            out, written = self.attention.step(
-                y, cache, start, defer_write=defer_write
-            )
+            out, written = self.attention.step(y, cache, start, defer_write=defer_write)
             new_cache.append(written)
             return out
 

@@ -3,8 +3,9 @@ r"""`BlockConfig`: every option of a transformer block, frozen and validated onc
 A block option lives here as one field, one check in `BlockConfig.__post_init__`
 and one use where the block is built. The modules built from a config
 (`TransformerBlock`, `MultiHeadAttention`, `FeedForward`) trust it and check
-nothing again; built standalone from plain arguments, they check those with
-the same helpers below, so each rule is written once.
+nothing again; their keyword spelling (`TransformerBlock(d, H, act="gelu")`)
+builds the config (`as_config`), so a new option is one field, one check and
+its one use, and reaches every module and `DecoderConfig` with no other edit.
 
 The option tables (`PLACEMENTS`, `QK_NORMS`, `ACTS`, `GATED_ACTS`) and the
 FFN width rule (`ffn_width`) sit here, below the modules that use them.
@@ -13,9 +14,8 @@ FFN width rule (`ffn_width`) sit here, below the modules that use them.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,15 +25,13 @@ from .normalization import NORMS
 
 __all__ = [
     "BlockConfig",
+    "as_config",
+    "ATTENTION_IMPLS",
     "PLACEMENTS",
     "QK_NORMS",
     "ACTS",
     "GATED_ACTS",
     "ffn_width",
-    "check_sizes",
-    "check_dropout",
-    "check_qk_norm",
-    "check_rope",
     "check_act",
 ]
 
@@ -49,7 +47,7 @@ ACTS = ("relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu", "bilinear")
 GATED_ACTS = ("swiglu", "geglu", "reglu", "bilinear")
 
 
-def check_sizes(
+def _check_sizes(
     owner: str,
     num_hiddens: Any,
     num_heads: Any,
@@ -86,7 +84,7 @@ def check_sizes(
     return d, H, K, d // H if head_dim is None else head_dim
 
 
-def check_dropout(owner: str, dropout: Any) -> float:
+def _check_dropout(owner: str, dropout: Any) -> float:
     """Return `dropout` as a Python float in [0, 1)."""
     dropout = check_float(owner, "dropout", dropout)
     if not 0.0 <= dropout < 1.0:
@@ -96,7 +94,7 @@ def check_dropout(owner: str, dropout: Any) -> float:
     return dropout
 
 
-def check_qk_norm(owner: str, qk_norm: Any) -> bool | str:
+def _check_qk_norm(owner: str, qk_norm: Any) -> bool | str:
     """`False` -> `False`, `True` / `"head"` -> `"head"`, `"full"` -> `"full"`."""
     if isinstance(qk_norm, (bool, np.bool_)):
         return "head" if qk_norm else False
@@ -107,7 +105,7 @@ def check_qk_norm(owner: str, qk_norm: Any) -> bool | str:
     )
 
 
-def check_rope(owner: str, rope_theta: Any, head_dim: int) -> float | None:
+def _check_rope(owner: str, rope_theta: Any, head_dim: int) -> float | None:
     """Return the RoPE base as a float > 0 (or `None`); it needs an even `head_dim`."""
     rope_theta = check_float(
         owner, "rope_theta", rope_theta, min=0.0, min_open=True, optional=True
@@ -223,7 +221,7 @@ class BlockConfig:
         def put(name, value):
             object.__setattr__(self, name, value)
 
-        d, H, K, p = check_sizes(
+        d, H, K, p = _check_sizes(
             owner,
             self.num_hiddens,
             self.num_heads,
@@ -234,7 +232,7 @@ class BlockConfig:
             ("num_hiddens", d), ("num_heads", H), ("num_kv_heads", K), ("head_dim", p)
         ):  # fmt: skip
             put(name, value)
-        put("dropout", check_dropout(owner, self.dropout))
+        put("dropout", _check_dropout(owner, self.dropout))
         put("norm", check_choice(owner, "norm", self.norm, sorted(NORMS)))
         put("act", check_act(owner, self.act))
         put("placement", check_choice(owner, "placement", self.placement, PLACEMENTS))
@@ -249,7 +247,7 @@ class BlockConfig:
             if value is None
             else check_bool(owner, "attn_out_bias", value),
         )
-        put("qk_norm", check_qk_norm(owner, self.qk_norm))
+        put("qk_norm", _check_qk_norm(owner, self.qk_norm))
         put("norm_eps", check_float(owner, "norm_eps", self.norm_eps, min=0.0))
         width = check_int(owner, "ffn_width", self.ffn_width, min=1, optional=True)
         put("ffn_width", ffn_width(d, self.act) if width is None else width)
@@ -260,7 +258,7 @@ class BlockConfig:
                 owner, "attn_scale", scale, min=0.0, min_open=True, optional=True
             ),
         )
-        put("rope_theta", check_rope(owner, self.rope_theta, p))
+        put("rope_theta", _check_rope(owner, self.rope_theta, p))
         put("window", check_int(owner, "window", self.window, min=0, optional=True))
         put(
             "attn_softcap",
@@ -293,21 +291,52 @@ class BlockConfig:
         return dataclasses.asdict(self)
 
 
-def reject_options_beside_config(
-    owner: str, fn: Callable[..., Any], given: Mapping[str, Any]
-) -> None:
-    """Refuse an option passed together with a `BlockConfig`.
+def as_config(
+    owner: str,
+    num_hiddens: Any,
+    num_heads: Any,
+    options: Mapping[str, Any],
+    *,
+    default_heads: int | None = None,
+) -> BlockConfig:
+    """The `BlockConfig` a module is built from: the one given, or built here.
 
-    `given` maps `fn`'s parameter names to the values received; each must be
-    the parameter's default (the config carries the options), else
-    `ConfigError` names it and the fix.
+    This is how the keyword spelling of every module reaches the one
+    declaration of its options: `TransformerBlock(d, H, act="gelu")` is
+    `TransformerBlock(BlockConfig(d, H, act="gelu"))`, and likewise for
+    `MultiHeadAttention` and `FeedForward` (whose `num_heads` defaults to
+    `default_heads`). Given a `BlockConfig` (of any subclass), nothing else
+    may be passed beside it; an option that is not a field of `BlockConfig`
+    raises `TypeError` naming it and the fields.
     """
-    params = inspect.signature(fn).parameters
-    for name, value in given.items():
-        default = params[name].default
-        if not (type(value) is type(default) and value == default):
+    if isinstance(num_hiddens, BlockConfig):
+        given = dict(options)
+        if num_heads is not None:
+            given["num_heads"] = num_heads
+        if given:
             raise ConfigError(
-                f"{owner}: the BlockConfig carries every option, got {name}="
-                f"{value!r} beside it; set it in the config instead "
-                "(dataclasses.replace(cfg, ...))."
+                f"{owner}: the BlockConfig carries every option, got "
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} beside it; "
+                "set it in the config instead (dataclasses.replace(cfg, ...))."
             )
+        return num_hiddens
+    fields = {f.name for f in dataclasses.fields(BlockConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        names = ", ".join(sorted(fields - {"num_hiddens", "num_heads"}))
+        raise TypeError(
+            f"{owner}: unknown option {unknown[0]!r}; the options are the fields "
+            f"of BlockConfig: {names}."
+        )
+    if num_heads is None:
+        num_heads = default_heads
+    if num_heads is None:
+        raise ConfigError(
+            f"{owner}: give num_heads beside num_hiddens, or a BlockConfig "
+            f"alone; got num_hiddens={num_hiddens!r} and no num_heads."
+        )
+    try:
+        return BlockConfig(num_hiddens, num_heads, **options)
+    except ConfigError as err:  # name the module the user called
+        message = str(err).removeprefix("BlockConfig: ")
+        raise ConfigError(f"{owner}: {message}") from None

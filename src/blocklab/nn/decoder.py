@@ -1,4 +1,4 @@
-r"""A general decoder-only language model: `DecoderConfig` and `DecoderLM`.
+r"""A general decoder-only language model, `DecoderLM` (configured by `DecoderConfig`).
 
 One class covers GPT-2, Llama, OLMo 2 and Gemma 3 (and the many models that
 differ from them only in sizes): a token embedding (optionally scaled), learned
@@ -9,14 +9,12 @@ data stored in the stacked pytree (the attention's integer `window` and
 `rope_theta` leaves), never in structure, so compile time stays flat in depth.
 
 `blocklab.from_huggingface` converts the `transformers` PyTorch models of these
-families into a `DecoderLM`; the presets `DecoderConfig.gpt2`, `.llama`,
-`.olmo2` and `.gemma3` build small models of each family without `torch`.
+families into a `DecoderLM`; `nn.decoder_config` holds the config and its
+presets.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,465 +24,26 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import (
-    ConfigError,
-    check_bool,
-    check_choice,
-    check_float,
-    check_ids,
-    check_int,
-    check_key,
-)
+from .._validate import ConfigError, check_ids, check_key
 from . import cache as _cache
 from . import init, parametrization
 from .attention import check_segment_ids
 from .block import TransformerBlock
-from .config import QK_NORMS, BlockConfig
+from .decoder_config import CONFIG_CLASSES, DecoderConfig, theta_bits
 from .functional import causal_lengths, linear, segment_positions
-from .normalization import LayerNorm, RMSNorm
+from .normalization import LayerNorm, RMSNorm, make_norm
 from .stack import Stack
 
-__all__ = ["DecoderConfig", "DecoderLM", "DECODER_NORMS", "QK_NORMS", "set_layer_data"]
-
-#: The valid values of `DecoderConfig.norm`.
-DECODER_NORMS = ("rms", "layer", "gemma_rms")
-_OWNER = "DecoderConfig"
-
-#: What Llama and OLMo 2 share: RMSNorm, SwiGLU, RoPE (theta 1e4), untied head.
-_LLAMA_FAMILY = dict(
-    act="swiglu", norm="rms", positions="rope", rope_theta=10000.0,
-    tie_embeddings=False,
-)  # fmt: skip
+__all__ = ["DecoderLM", "set_layer_data"]
 
 
-#: `DecoderConfig` and its subclasses by name, so `DecoderLM.config()` can
-#: name the class a checkpoint must rebuild (e.g. `MoEDecoderConfig`).
-CONFIG_CLASSES: dict[str, type] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    r"""The hyperparameters of a `DecoderLM` (frozen, hashable, validated).
-
-    Attributes:
-        vocab_size: number of token ids $V$.
-        num_hiddens: model width $d$.
-        num_heads: query heads $H$.
-        num_blks: depth $N$ (number of blocks).
-        num_kv_heads: key/value heads $K$ ($H$ divisible by $K$); query head
-            $i$ reads kv head $i // (H/K)$. `None`: $K = H$ (multi-head);
-            $1$ is multi-query.
-        head_dim: per-head width $p$; `None`: $d / H$.
-        ffn_width: FFN hidden width; `None`: `blocklab.ffn_width(d, act)`.
-        act: FFN activation, one of `blocklab.ACTS` (`"gelu"` is the tanh
-            GELU of GPT-2; `"swiglu"` Llama / OLMo 2; `"geglu"` Gemma 3).
-        norm: `"rms"`, `"layer"` (LayerNorm with bias) or `"gemma_rms"`
-            (RMSNorm with gain $1 + w$, $w$ initialized at 0), for every norm
-            of the model: the blocks', the QK-norm and the final norm.
-        norm_eps: the $\epsilon$ of every norm.
-        placement: norm placement in the blocks, one of `blocklab.PLACEMENTS`
-            (`"pre"` GPT-2 / Llama, `"output"` OLMo 2, `"sandwich"` Gemma 3).
-        attn_bias: biases on the four attention projections.
-        ffn_bias: biases on the FFN's linear layers.
-        qk_norm: `False`; `True` or `"head"` (normalize each query/key head
-            over its $p$ features with one gain shared by the heads, Gemma 3);
-            `"full"` (normalize the projected queries over all $H p$ and keys
-            over all $K p$ features before the split into heads, OLMo 2).
-        positions: `"learned"` (absolute position embedding added to the token
-            embedding, GPT-2) or `"rope"` (rotary, half-split convention,
-            applied to queries and keys in every layer).
-        max_len: longest sequence; the rows of the learned position table.
-            With RoPE it only bounds the inputs `DecoderLM` accepts.
-        rope_theta: RoPE base $\theta$ of the global layers (`"rope"` only;
-            default 10000).
-        local_rope_theta: RoPE base of the local (windowed) layers; `None`:
-            `rope_theta`. Gemma 3: 10000 local, 1e6 global.
-        window: sliding-window length $w$ of the local layers (key $k$ is
-            visible from query $q$ when $q - w < k \le q$); `None`: no layer
-            is local.
-        global_layers: 0-based indices of the layers with global attention
-            when `window` is set (Gemma 3: every sixth, 5, 11, ...); `None`:
-            every layer is local. Sorted, unique.
-        attn_scale: the factor on $q \cdot k$ before the softmax; `None`:
-            $1/\sqrt p$. Gemma 3: `query_pre_attn_scalar ** -0.5`.
-        embed_scale: factor on the token embedding, applied in the embedding's
-            dtype (Gemma 3: $\sqrt d$); `None`: no scaling.
-        tie_embeddings: the head reuses the token embedding ($E^\top$);
-            `False` gives the model its own `head` matrix.
-        attn_out_bias: a bias on the attention's output projection $W_o$;
-            `None`: `attn_bias` (Qwen 2: biases on $W_q, W_k, W_v$ only).
-        final_softcap: final-logit soft-capping $c$: the logits $z$ become
-            $c \tanh(z / c)$ (float32; Gemma 2: 30); `None`: no capping.
-        attn_softcap: attention-logit soft-capping $c$ in every block: the
-            scaled scores $s$ become $c \tanh(s / c)$ before the mask (Gemma
-            2: 50); `None`: no capping.
-        parametrization: `"standard"` or `"mup"` (see
-            `blocklab.nn.parametrization`: under μP the query projection and
-            an untied head start at zero, the logits are multiplied by
-            $d_0/d$ and the attention scale is $\sqrt{p_0}/p$ unless
-            `attn_scale` is given; `blocklab.optimizer` applies the rates).
-        base_width: the width $d_0$ at which μP equals standard (required by
-            `"mup"`; every width must scale to an integer at $d_0$).
-        attention_impl: `"auto"` (default), `"reference"`, `"fused"` or
-            `"chunked"`, every layer's (`MultiHeadAttention`;
-            `blocklab.with_attention_impl` switches a built model).
-    """
-
-    vocab_size: int
-    num_hiddens: int
-    num_heads: int
-    num_blks: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_width: int | None = None
-    act: str = "swiglu"
-    norm: str = "rms"
-    norm_eps: float = 1e-6
-    placement: str = "pre"
-    attn_bias: bool = False
-    ffn_bias: bool = False
-    qk_norm: bool | str = False
-    positions: str = "rope"
-    max_len: int = 2048
-    rope_theta: float | None = None
-    local_rope_theta: float | None = None
-    window: int | None = None
-    global_layers: tuple[int, ...] | None = None
-    attn_scale: float | None = None
-    embed_scale: float | None = None
-    tie_embeddings: bool = True
-    attn_out_bias: bool | None = None
-    final_softcap: float | None = None
-    attn_softcap: float | None = None
-    parametrization: str = "standard"
-    base_width: int | None = None
-    attention_impl: str = "auto"
-
-    def __post_init__(self):
-        """Check the model's own fields here and the block's in `BlockConfig`
-        (built once, as `self.block`), so each rule is written once."""
-
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        for name in ("vocab_size", "num_blks", "max_len"):
-            put(name, check_int(_OWNER, name, getattr(self, name), min=1))
-        put(
-            "positions",
-            check_choice(_OWNER, "positions", self.positions, ("learned", "rope")),
-        )
-        put(
-            "embed_scale",
-            check_float(
-                _OWNER, "embed_scale", self.embed_scale, min=0.0, min_open=True,
-                optional=True,
-            ),
-        )  # fmt: skip
-        put("tie_embeddings", check_bool(_OWNER, "tie_embeddings", self.tie_embeddings))
-        put(
-            "final_softcap",
-            check_float(
-                _OWNER, "final_softcap", self.final_softcap, min=0.0, min_open=True,
-                optional=True,
-            ),
-        )  # fmt: skip
-        rope = self.positions == "rope"
-        for name in ("rope_theta", "local_rope_theta"):
-            value = getattr(self, name)
-            if value is not None and not rope:
-                raise ConfigError(
-                    f"{_OWNER}: {name}={value!r} needs positions='rope', got "
-                    f"positions={self.positions!r}."
-                )
-            put(
-                name,
-                check_float(_OWNER, name, value, min=1.0, min_open=True, optional=True),
-            )
-        if rope and self.rope_theta is None:
-            put("rope_theta", 10000.0)
-        put("window", check_int(_OWNER, "window", self.window, min=1, optional=True))
-        layers = self.global_layers
-        if layers is not None:
-            if self.window is None:
-                raise ConfigError(
-                    f"{_OWNER}: global_layers={layers!r} needs a window (the other "
-                    "layers are local); set window or drop global_layers."
-                )
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ConfigError(
-                    f"{_OWNER}: global_layers must be a sequence of layer indices, "
-                    f"got {layers!r}."
-                )
-            idx = tuple(
-                check_int(_OWNER, "global_layers[i]", i, min=0, max=self.num_blks - 1)
-                for i in layers
-            )
-            if list(idx) != sorted(set(idx)):
-                raise ConfigError(
-                    f"{_OWNER}: global_layers must be sorted and unique, got "
-                    f"{layers!r}."
-                )
-            put("global_layers", idx)
-        if self.local_rope_theta is not None and self.window is None:
-            raise ConfigError(
-                f"{_OWNER}: local_rope_theta={self.local_rope_theta!r} needs local "
-                "layers; set window (and global_layers)."
-            )
-        self._check_parametrization(put)
-        thetas, windows = self.layer_thetas(), self.layer_windows()
-        block = BlockConfig(
-            self.num_hiddens,
-            self.num_heads,
-            norm=self.norm,
-            act=self.act,
-            placement=self.placement,
-            qk_norm=self.qk_norm,
-            norm_eps=self.norm_eps,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            ffn_width=self.ffn_width,
-            attn_scale=self.attn_scale,
-            # Built with the first layer's values; `set_layer_data` writes
-            # every layer's (they are data in the stacked pytree).
-            rope_theta=None if thetas is None else thetas[0],
-            window=None if self.window is None else windows[0],
-            attn_bias=self.attn_bias,
-            ffn_bias=self.ffn_bias,
-            attn_out_bias=self.attn_out_bias,
-            attn_softcap=self.attn_softcap,
-            attention_impl=self.attention_impl,
-        )
-        object.__setattr__(self, "_block", block)
-        # The block's checked values, as Python numbers; the optional sizes
-        # stay `None` when not given (the defaults follow the other fields).
-        for name in ("num_hiddens", "num_heads", "norm", "act", "placement"):
-            put(name, getattr(block, name))
-        for name in ("norm_eps", "attn_scale", "attn_bias", "ffn_bias"):
-            put(name, getattr(block, name))
-        put("attn_softcap", block.attn_softcap)
-        put("attention_impl", block.attention_impl)
-        if self.attn_out_bias is not None:
-            put("attn_out_bias", block.attn_out_bias)
-        for name in ("num_kv_heads", "head_dim", "ffn_width"):
-            if getattr(self, name) is not None:
-                put(name, getattr(block, name))
-
-    def _check_parametrization(self, put) -> None:
-        """`parametrization` / `base_width`, and μP's attention scale."""
-        d, H = self.num_hiddens, self.num_heads
-        if not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1
-            for v in (d, H)
-        ) or (self.head_dim is None and d % H):
-            return  # BlockConfig names the bad size
-        p = d // H if self.head_dim is None else self.head_dim
-        sizes = {"head_dim": p}
-        if isinstance(self.ffn_width, int):
-            sizes["ffn_width"] = self.ffn_width
-        name, base = parametrization.check_base_width(
-            _OWNER, self.parametrization, self.base_width, d, sizes
-        )
-        put("parametrization", name)
-        put("base_width", base)
-        if name == "mup" and self.attn_scale is None and isinstance(p, int) and p > 0:
-            put("attn_scale", parametrization.attention_scale(name, p, d, base))
-
-    @property
-    def readout_multiplier(self) -> float:
-        """The factor on the logits: 1, or $d_0/d$ under μP."""
-        return parametrization.readout_multiplier(
-            self.parametrization, self.num_hiddens, self.base_width
-        )
-
-    @property
-    def block(self) -> BlockConfig:
-        """The `BlockConfig` of the layers (built and checked with this config).
-
-        Its `window` and `rope_theta` are the first layer's; each layer's own
-        are data in the stacked attention (`layer_windows`, `layer_thetas`).
-        """
-        return self._block
-
-    # Derived sizes ---------------------------------------------------------
-
-    @property
-    def kv_heads_(self) -> int:
-        """Deprecated: `cfg.block.num_kv_heads` (the resolved kv head count)."""
-        _warn_resolved("kv_heads_", "num_kv_heads")
-        return self.block.num_kv_heads
-
-    @property
-    def head_dim_(self) -> int:
-        """Deprecated: `cfg.block.head_dim` (the resolved per-head width)."""
-        _warn_resolved("head_dim_", "head_dim")
-        return self.block.head_dim
-
-    def is_global(self, layer: int) -> bool:
-        """Whether layer `layer` attends to every earlier position."""
-        if self.window is None:
-            return True
-        return self.global_layers is not None and layer in self.global_layers
-
-    def layer_windows(self) -> tuple[int, ...]:
-        """Per-layer window (0 = global attention)."""
-        return tuple(
-            0 if self.is_global(i) else self.window for i in range(self.num_blks)
-        )
-
-    def layer_thetas(self) -> tuple[float, ...] | None:
-        """Per-layer RoPE base (`None` with learned positions)."""
-        if self.positions != "rope":
-            return None
-        local = (
-            self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
-        )
-        return tuple(
-            self.rope_theta if self.is_global(i) else local
-            for i in range(self.num_blks)
-        )
-
-    def __init_subclass__(cls, **kwargs: Any):
-        super().__init_subclass__(**kwargs)
-        CONFIG_CLASSES[cls.__name__] = cls
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-friendly values (tuples as lists)."""
-        out = dataclasses.asdict(self)
-        if out["global_layers"] is not None:
-            out["global_layers"] = list(out["global_layers"])
-        return out
-
-    # Presets (small defaults; no torch needed) -----------------------------
-
-    @classmethod
-    def gpt2(
-        cls,
-        vocab_size: int = 128,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        num_blks: int = 2,
-        *,
-        max_len: int = 128,
-        **overrides: Any,
-    ) -> DecoderConfig:
-        """GPT-2: pre-LN LayerNorm (eps 1e-5), tanh-GELU MLP of width 4d with
-        biases everywhere, learned positions, tied head."""
-        fields = dict(
-            act="gelu",
-            norm="layer",
-            norm_eps=1e-5,
-            placement="pre",
-            attn_bias=True,
-            ffn_bias=True,
-            positions="learned",
-            max_len=max_len,
-            tie_embeddings=True,
-        )
-        fields.update(overrides)
-        return cls(vocab_size, num_hiddens, num_heads, num_blks, **fields)
-
-    @classmethod
-    def llama(
-        cls,
-        vocab_size: int = 128,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        num_blks: int = 2,
-        *,
-        num_kv_heads: int | None = 2,
-        max_len: int = 128,
-        **overrides: Any,
-    ) -> DecoderConfig:
-        """Llama: pre-norm RMSNorm (eps 1e-6), SwiGLU, RoPE (theta 1e4),
-        grouped-query attention, no biases, untied head."""
-        fields = dict(
-            _LLAMA_FAMILY, num_kv_heads=num_kv_heads, norm_eps=1e-6,
-            placement="pre", max_len=max_len,
-        )  # fmt: skip
-        return cls(
-            vocab_size, num_hiddens, num_heads, num_blks, **{**fields, **overrides}
-        )
-
-    @classmethod
-    def olmo2(
-        cls,
-        vocab_size: int = 128,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        num_blks: int = 2,
-        *,
-        num_kv_heads: int | None = None,
-        max_len: int = 128,
-        **overrides: Any,
-    ) -> DecoderConfig:
-        """OLMo 2: norm on each branch output (`"output"`), RMSNorm (eps 1e-5),
-        full-width QK-norm, SwiGLU, RoPE (theta 1e4), no biases, untied head."""
-        fields = dict(
-            _LLAMA_FAMILY, num_kv_heads=num_kv_heads, norm_eps=1e-5,
-            placement="output", qk_norm="full", max_len=max_len,
-        )  # fmt: skip
-        return cls(
-            vocab_size, num_hiddens, num_heads, num_blks, **{**fields, **overrides}
-        )
-
-    @classmethod
-    def gemma3(
-        cls,
-        vocab_size: int = 128,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        num_blks: int = 6,
-        *,
-        num_kv_heads: int | None = 2,
-        head_dim: int | None = 16,
-        window: int = 16,
-        global_every: int = 6,
-        query_pre_attn_scalar: float | None = None,
-        max_len: int = 128,
-        **overrides: Any,
-    ) -> DecoderConfig:
-        """Gemma 3 (text): sandwich norms with the Gemma RMSNorm ($1 + w$, eps
-        1e-6), per-head QK-norm, GeGLU (tanh), embeddings scaled by $\\sqrt d$,
-        local layers (window `window`, RoPE theta 1e4) with every
-        `global_every`-th layer global (theta 1e6), attention scale
-        `query_pre_attn_scalar ** -0.5` (default `head_dim`), tied head."""
-        check_int(_OWNER, "global_every", global_every, min=1)
-        p = head_dim if head_dim is not None else num_hiddens // num_heads
-        scalar = p if query_pre_attn_scalar is None else query_pre_attn_scalar
-        fields = dict(
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            act="geglu",
-            norm="gemma_rms",
-            norm_eps=1e-6,
-            placement="sandwich",
-            qk_norm="head",
-            positions="rope",
-            rope_theta=1e6,
-            local_rope_theta=10000.0,
-            window=window,
-            global_layers=tuple(range(global_every - 1, num_blks, global_every)),
-            attn_scale=float(scalar) ** -0.5,
-            embed_scale=float(num_hiddens) ** 0.5,
-            max_len=max_len,
-            tie_embeddings=True,
-        )
-        fields.update(overrides)
-        return cls(vocab_size, num_hiddens, num_heads, num_blks, **fields)
-
-
-def _theta_bits(theta: float) -> np.ndarray:
-    """RoPE base as the attention stores it: the int32 bit pattern of the float32."""
-    return np.array(theta, np.float32).view(np.int32)
-
-
-def _set_layer_data(stack: Stack, cfg: DecoderConfig) -> Stack:
+def set_layer_data(stack: Stack, cfg: DecoderConfig) -> Stack:
     """Write the per-layer window and RoPE base into the stacked attention leaves.
 
-    Also used on a skeleton built by `eqx.filter_eval_shape`, whose integer
-    leaves are abstract until written here.
+    Also used on a skeleton built by `eqx.filter_eval_shape` (`interop` loads
+    weights into one), whose integer leaves are abstract until written here.
     """
-    if cfg.window is not None:
+    if cfg.block.window is not None:
         stack = eqx.tree_at(
             lambda s: s.blocks.attention.window,
             stack,
@@ -495,21 +54,9 @@ def _set_layer_data(stack: Stack, cfg: DecoderConfig) -> Stack:
         stack = eqx.tree_at(
             lambda s: s.blocks.attention.rope_theta,
             stack,
-            jnp.asarray(np.stack([_theta_bits(t) for t in thetas])),
+            jnp.asarray(np.stack([theta_bits(t) for t in thetas])),
         )
     return stack
-
-
-#: Public name for `interop` (which loads weights into an abstract skeleton).
-set_layer_data = _set_layer_data
-
-
-def _final_norm(cfg: DecoderConfig) -> RMSNorm | LayerNorm:
-    if cfg.norm == "layer":
-        return LayerNorm(cfg.num_hiddens, cfg.norm_eps)
-    if cfg.norm == "gemma_rms":
-        return RMSNorm(cfg.num_hiddens, cfg.norm_eps, unit_offset=True)
-    return RMSNorm(cfg.num_hiddens, cfg.norm_eps)
 
 
 @eqx.filter_jit
@@ -528,7 +75,7 @@ def _build(cfg: DecoderConfig, key):
     def make_block(k):
         return TransformerBlock(block, ffn_factory=ffn_factory, key=k)
 
-    stack = _set_layer_data(
+    stack = set_layer_data(
         Stack(make_block, cfg.num_blks, unroll=1, key=stack_key), cfg
     )
     pos = embedding(cfg.max_len, pos_key) if cfg.positions == "learned" else None
@@ -608,7 +155,7 @@ class DecoderLM(eqx.Module):
         check_key("DecoderLM", "key", key)
         self.cfg = config
         self.token_emb, self.pos_emb, self.stack, self.head = _build(config, key)
-        self.norm = _final_norm(config)
+        self.norm = make_norm(config.norm, config.num_hiddens, config.norm_eps)
         if config.parametrization != "standard":
             # the table's zero-initialised leaves (query, untied readout)
             parts = {"stack": self.stack, "head": self.head}
@@ -677,10 +224,7 @@ class DecoderLM(eqx.Module):
             `(logits, cache)`: `(*batch, T, vocab)` float32 logits and the
             cache with the new lengths.
         """
-        return _cache.prefill(
-            self, ids, cache, lengths, owner="DecoderLM.prefill",
-            vocab=self.cfg.vocab_size,
-        )  # fmt: skip
+        return _cache.prefill(self, ids, cache, lengths, owner="DecoderLM.prefill")
 
     def decode_step(
         self, ids: Int[ArrayLike, "*batch"], cache: _cache.DecoderCache
@@ -690,9 +234,7 @@ class DecoderLM(eqx.Module):
         `(*batch, vocab)` float32 logits (those of `self` at that position)
         and the cache one longer. Its cost depends on `cache.max_len`, not on
         the position."""
-        return _cache.decode_step(
-            self, ids, cache, owner="DecoderLM.decode_step", vocab=self.cfg.vocab_size
-        )
+        return _cache.decode_step(self, ids, cache, owner="DecoderLM.decode_step")
 
     def hidden(
         self,
@@ -789,17 +331,3 @@ class DecoderLM(eqx.Module):
         z = z if c == 1.0 else z * c
         cap = self.cfg.final_softcap
         return z if cap is None else cap * jnp.tanh(z / cap)
-
-
-CONFIG_CLASSES["DecoderConfig"] = DecoderConfig
-
-
-def _warn_resolved(old: str, new: str) -> None:
-    # A trailing underscore means "in place" in blocklab (`rms_norm_`), as in
-    # PyTorch; resolved sizes live on the BlockConfig instead.
-    warnings.warn(
-        f"DecoderConfig.{old} is deprecated; use DecoderConfig.block.{new} "
-        "(a trailing underscore means in-place in blocklab).",
-        DeprecationWarning,
-        stacklevel=3,
-    )

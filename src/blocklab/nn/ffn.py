@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_int, check_key
+from .._validate import ConfigError, check_key
 from . import init
-from .attention import dense
-from .config import (
-    ACTS,
-    GATED_ACTS,
-    BlockConfig,
-    check_act,
-    ffn_width,
-    reject_options_beside_config,
-)
-from .functional import ACTIVATIONS
+from .config import ACTS, GATED_ACTS, BlockConfig, as_config, ffn_width
+from .functional import ACTIVATIONS, dense
 from .normalization import check_float_input
 
 __all__ = ["FeedForward", "ACTS", "GATED_ACTS", "ffn_width"]
@@ -45,7 +39,7 @@ class FeedForward(eqx.Module):
     and `bilinear` (no activation):
     $$\mathrm{FFN}(x) = W_2\, \big(\phi(W_g x) \odot W_1 x\big).$$
     Widths follow `ffn_width`, so all seven settings hold about $8d^2$
-    weights (all gated ones exactly the same number); any explicit `width`
+    weights (all gated ones exactly the same number); any explicit `ffn_width`
     (Llama's `intermediate_size`) may be given instead. `W_g` is Llama's
     `gate_proj`, `W_1` its `up_proj`, `W_2` its `down_proj`.
     """
@@ -60,55 +54,46 @@ class FeedForward(eqx.Module):
     def __init__(
         self,
         num_hiddens: int | BlockConfig,
-        act: str = "swiglu",
+        act: str | None = None,
         *,
-        bias: bool = False,
-        width: int | None = None,
         multiple_of: int | None = None,
         key: PRNGKeyArray,
+        **options: Any,
     ):
-        """Args:
-        num_hiddens: model width $d$; or a `BlockConfig`, alone (with `key`):
-            the block's FFN (`act`, `ffn_bias`, `ffn_width`), built from the
-            config without checking it again.
-        act: one of `ACTS`.
-        bias: give the linear layers biases.
-        width: hidden width; default `ffn_width(num_hiddens, act, multiple_of)`.
-        multiple_of: round the default width up with the Llama rule.
-        key: PRNG key for the weights.
+        """Build the FFN of a `BlockConfig`, or of its options.
+
+        `FeedForward(d, act, **options, key=key)` is the FFN of
+        `BlockConfig(d, 1, act=act, **options)`: it reads `act`, `ffn_width`
+        (default `ffn_width(d, act)`; Llama's rule is
+        `ffn_width=ffn_width(d, act, multiple_of=m)`) and `ffn_bias` (default
+        `bias`), declared, checked and documented in `BlockConfig`.
+
+        Args:
+            num_hiddens: model width $d$, or a `BlockConfig` (then alone).
+            act: one of `ACTS` (default `"swiglu"`).
+            multiple_of: size the width by Llama's rule instead,
+                `ffn_width(d, act, multiple_of)` (not with `ffn_width`).
+            key: PRNG key for the weights.
+            **options: the other fields of `BlockConfig`.
         """
         owner = "FeedForward"
-        if isinstance(num_hiddens, BlockConfig):
-            reject_options_beside_config(
-                owner,
-                FeedForward.__init__,
-                dict(act=act, bias=bias, width=width, multiple_of=multiple_of),
-            )
-            cfg = num_hiddens  # validated when it was built
-            num_hiddens, act, bias, width = (
-                cfg.num_hiddens, cfg.act, cfg.ffn_bias, cfg.ffn_width
-            )  # fmt: skip
-        else:
-            check_act(owner, act)
-            num_hiddens = check_int(owner, "num_hiddens", num_hiddens)
-            if num_hiddens < 1:
+        if act is not None:
+            options = {**options, "act": act}
+        if multiple_of is not None:
+            if "ffn_width" in options:
                 raise ConfigError(
-                    f"{owner}: num_hiddens must be a positive int, got {num_hiddens!r}."
+                    f"{owner}: give ffn_width or multiple_of, not both (got "
+                    f"ffn_width={options['ffn_width']!r}, multiple_of={multiple_of!r})."
                 )
-            width = check_int(owner, "width", width, optional=True)
-            multiple_of = check_int(owner, "multiple_of", multiple_of, optional=True)
-            bias = check_bool(owner, "bias", bias)
-            if width is not None and multiple_of is not None:
-                raise ConfigError(
-                    f"{owner}: give width or multiple_of, not both "
-                    f"(got width={width}, multiple_of={multiple_of})."
-                )
-            if width is None:
-                width = ffn_width(num_hiddens, act, multiple_of)
-            elif width < 1:
-                raise ConfigError(
-                    f"{owner}: width must be a positive int, got {width!r}."
-                )
+            rule = options.get("act", "swiglu")
+            options = {
+                **options,
+                "ffn_width": ffn_width(num_hiddens, rule, multiple_of),
+            }
+        cfg = as_config(owner, num_hiddens, None, options, default_heads=1)
+        num_hiddens, act, bias, width = (
+            cfg.num_hiddens, cfg.act, cfg.ffn_bias, cfg.ffn_width
+        )  # fmt: skip
         key = check_key(owner, "key", key)
         self.num_hiddens, self.act, self.width = num_hiddens, act, width
         k1, k2, kg = jax.random.split(key, 3)

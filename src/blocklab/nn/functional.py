@@ -19,6 +19,8 @@ from .._validate import ConfigError, check_float, check_int, check_key
 
 __all__ = [
     "linear",
+    "dense",
+    "dense_weight_first",
     "rms_norm",
     "layer_norm",
     "relu",
@@ -114,6 +116,25 @@ def linear(
         y = jnp.matmul(rows, weight.T.astype(dtype), preferred_element_type=wide)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def dense(layer: Any, x: Float[Array, "*batch n"]) -> Float[Array, "*batch m"]:
+    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$ (`linear`)."""
+    return linear(x, layer.weight, layer.bias)
+
+
+def dense_weight_first(
+    layer: Any, x: Float[Array, "*batch n"]
+) -> Float[Array, "*batch m"]:
+    """`dense(layer, x)` written as $(W x^\top)^\top + b$, the weight on the
+    left: the same products. For the few rows of a decoding step, XLA:CPU
+    fuses the attention's last sum into the product written `x @ W.T` and then
+    reads $W$ transposed, one strided column per output, which is several
+    times slower (`benchmarks/generate.py`)."""
+    dtype = jnp.result_type(x.dtype, layer.weight.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    y = (layer.weight.astype(dtype) @ rows.T).T.reshape(*x.shape[:-1], -1)
+    return y if layer.bias is None else y + layer.bias
 
 
 def check_norm_args(owner: str, x: Any, **gains: Any) -> None:
@@ -587,5 +608,7 @@ def token_spread(h: Float[Array, "*batch T d"]) -> Float[Array, ""]:
     # An all-zero H has collapsed (every token is the zero vector): 0, not 0/0.
     total = jnp.linalg.norm(hf.ravel())
     return jnp.where(
-        total > 0, jnp.linalg.norm(centred.ravel()) / jnp.where(total > 0, total, 1), 0.0
+        total > 0,
+        jnp.linalg.norm(centred.ravel()) / jnp.where(total > 0, total, 1),
+        0.0,
     )
