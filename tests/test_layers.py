@@ -2,6 +2,7 @@
 top-level namespace is a curated re-export (the flat layout's paths are gone:
 tests/test_removed_paths.py)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -38,8 +39,8 @@ OLD_ALL = (
 
 def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("lint-imports")
-    if exe is None:
-        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    # A missing tool fails: the contract is part of what the suite proves.
+    assert exe is not None, "import-linter is not installed (pip install -e '.[dev]')"
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     return subprocess.run(
         [exe, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True
@@ -70,6 +71,43 @@ def test_an_upward_import_breaks_the_contract(tmp_path, module, line):
     out = _lint(tmp_path, tmp_path / "src")
     assert out.returncode != 0
     assert "BROKEN" in out.stdout or "broken" in out.stdout
+
+
+def _cycles(root: Path) -> list[tuple[str, str]]:
+    """Pairs of modules (not packages) that reach each other by imports, in a
+    fresh interpreter on `root` (grimp, which import-linter is built on)."""
+    code = (
+        "import grimp, json\n"
+        "g = grimp.build_graph('blocklab')\n"
+        "pairs = set()\n"
+        "for m in g.modules:\n"
+        "    for n in g.find_modules_directly_imported_by(m):\n"
+        "        if g.chain_exists(importer=n, imported=m):\n"
+        "            pairs.add(tuple(sorted((m, n))))\n"
+        "print(json.dumps(sorted(pairs)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [tuple(p) for p in json.loads(out.stdout)]
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle between any two modules, inside a layer too (a
+    function-level import counts: grimp reads every import statement)."""
+    assert _cycles(ROOT / "src") == []
+
+
+def test_a_cycle_inside_a_layer_is_found(tmp_path):
+    shutil.copytree(SRC, tmp_path / "blocklab")
+    target = tmp_path / "blocklab" / "nn" / "functional.py"
+    target.write_text(
+        target.read_text() + "\n\ndef _f():\n    from .block import TransformerBlock\n"
+    )
+    assert ("blocklab.nn.block", "blocklab.nn.functional") in _cycles(tmp_path)
 
 
 def test_the_curated_surface_is_sorted_by_group_and_about_half_the_old_one():
