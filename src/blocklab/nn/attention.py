@@ -26,6 +26,7 @@ from .functional import (
     dense_weight_first,
     dropout,
     rope,
+    rope_theta_bits,
 )
 from .normalization import RMSNorm, check_float_input
 
@@ -54,10 +55,6 @@ class AttentionTrace(NamedTuple):
     output: Array
     weights: Array
     logits: Array
-
-
-def _encode_theta(theta: float) -> Int[Array, ""]:
-    return jax.lax.bitcast_convert_type(jnp.float32(theta), jnp.int32)
 
 
 class AttentionCache(NamedTuple):
@@ -220,7 +217,7 @@ class MultiHeadAttention(eqx.Module):
             q_width, k_width = (p, p) if self.qk_norm == "head" else (H * p, KV * p)
             self.q_norm = RMSNorm(q_width, qk_norm_eps, unit_offset=unit)
             self.k_norm = RMSNorm(k_width, qk_norm_eps, unit_offset=unit)
-        self.rope_theta = None if rope_theta is None else _encode_theta(rope_theta)
+        self.rope_theta = None if rope_theta is None else rope_theta_bits(rope_theta)
         self.window = None if window is None else jnp.asarray(window, jnp.int32)
 
     def _visible(self, valid_lens, lead, T, segment_ids=None):

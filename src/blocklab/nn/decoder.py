@@ -29,8 +29,8 @@ from . import cache as _cache
 from . import init, parametrization
 from .attention import check_segment_ids
 from .block import TransformerBlock
-from .decoder_config import CONFIG_CLASSES, DecoderConfig, theta_bits
-from .functional import causal_lengths, linear, segment_positions
+from .decoder_config import CONFIG_CLASSES, DecoderConfig
+from .functional import causal_lengths, linear, rope_theta_bits, segment_positions
 from .normalization import LayerNorm, RMSNorm, make_norm
 from .stack import Stack
 
@@ -54,7 +54,7 @@ def set_layer_data(stack: Stack, cfg: DecoderConfig) -> Stack:
         stack = eqx.tree_at(
             lambda s: s.blocks.attention.rope_theta,
             stack,
-            jnp.asarray(np.stack([theta_bits(t) for t in thetas])),
+            jnp.stack([rope_theta_bits(t) for t in thetas]),
         )
     return stack
 

@@ -19,13 +19,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from . import parametrization
 from .config import BlockConfig, ffn_width
 
-__all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS", "theta_bits"]
+__all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
 
 #: The valid values of the block's `norm` in a decoder (also its final norm).
 DECODER_NORMS = ("rms", "layer", "gemma_rms")
@@ -40,11 +38,6 @@ _LLAMA_FAMILY = dict(
 #: `DecoderConfig` and its subclasses by name, so `DecoderLM.config()` can
 #: name the class a checkpoint must rebuild (e.g. `MoEDecoderConfig`).
 CONFIG_CLASSES: dict[str, type] = {}
-
-
-def theta_bits(theta: float) -> np.ndarray:
-    """RoPE base as the attention stores it: the int32 bit pattern of the float32."""
-    return np.array(theta, np.float32).view(np.int32)
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -34,6 +34,7 @@ __all__ = [
     "masked_softmax",
     "rope",
     "rope_frequencies",
+    "rope_theta_bits",
     "rotate_half",
     "segment_positions",
     "attention_entropy",
@@ -495,6 +496,16 @@ def rotate_half(x: Float[Array, "*batch p"]) -> Float[Array, "*batch p"]:
     r"""$[x_1, x_2] \mapsto [-x_2, x_1]$, $x_1, x_2$ the halves of the last axis."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope_theta_bits(theta: float) -> Int[Array, ""]:
+    """A RoPE base stored as data: the int32 bit pattern of its float32 value.
+
+    Attention layers keep their base as this integer leaf (so optimizers and
+    parameter counts skip it, and the layers of one scanned stack may differ
+    in it); `jax.lax.bitcast_convert_type(bits, jnp.float32)` decodes it.
+    """
+    return jnp.asarray(np.array(theta, np.float32).view(np.int32))
 
 
 def rope(
