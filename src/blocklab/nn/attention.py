@@ -142,7 +142,7 @@ class MultiHeadAttention(eqx.Module):
     token cannot reach a row that does not see it, neither its output nor
     any gradient of the attention. A row that sees a non-finite position, or
     is one, is NaN. A query with no visible key attends uniformly (the
-    chapter's `masked_softmax`). (Inside a block, the norms and the FFN still
+    `masked_softmax`). (Inside a block, the norms and the FFN still
     act on such a row: their weight gradients get 0 * NaN from it, so pad
     with finite values when training.)
 
@@ -304,7 +304,7 @@ class MultiHeadAttention(eqx.Module):
         """The logits $s\\, q^\\top k$ from the raw products."""
         p = self.head_dim
         if self.scale == 1.0 / math.sqrt(p):
-            return raw / math.sqrt(p)  # bit-identical to the chapter's numbers
+            return raw / math.sqrt(p)  # bit-identical to dividing by sqrt(p)
         return raw * self.scale
 
     def _heads_out(self, mixed, dtype):

@@ -140,7 +140,7 @@ class TransformerBlock(eqx.Module):
             else ffn_factory(key=ffn_key)
         )
 
-    # The chapter's attributes, read from the config.
+    # The block's main options as attributes, read from the config.
     @property
     def num_hiddens(self) -> int:
         return self.cfg.num_hiddens

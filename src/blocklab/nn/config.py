@@ -41,7 +41,7 @@ ATTENTION_IMPLS = ("auto", "reference", "fused", "chunked")
 PLACEMENTS = ("post", "pre", "output", "sandwich")
 #: The valid values of the `qk_norm` option (`True` means `"head"`).
 QK_NORMS = (False, True, "head", "full")
-#: The valid values of the `act` option, in the chapter's order.
+#: The valid values of the `act` option (ungated first, then gated).
 ACTS = ("relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu", "bilinear")
 #: The gated settings (three matrices).
 GATED_ACTS = ("swiglu", "geglu", "reglu", "bilinear")

@@ -42,9 +42,9 @@ __all__ = [
     "MASK_VALUE",
 ]
 
-#: The score given to masked keys before the softmax (the chapter's value). A
+#: The score given to masked keys before the softmax (a finite value). A
 #: query whose keys are all masked therefore attends uniformly instead of
-#: producing NaN, exactly like the chapter's `masked_softmax`.
+#: producing NaN.
 MASK_VALUE = -1e6
 
 
@@ -313,8 +313,8 @@ def _lengths(
 
     A shape that a batch can read two ways is refused: on a batch
     `(..., B, T)` with `B == T`, a 1-D `(T,)` array would be read per query,
-    yet a user coming from the chapter's `masked_softmax` (where 1-D means one
-    length per sequence) may mean `(B,)`. In general: lengths whose last axis
+    yet a user of a `masked_softmax` in which 1-D means one length per
+    sequence (the textbook's) may mean `(B,)`. In general: lengths whose last axis
     is not 1 and that broadcast both to `x.shape[:-1]` (read per query) and,
     as `valid_lens[..., None]`, to it (read per sequence). The message shows
     both unambiguous forms, `(1, T)` per query and `(B, 1)` per sequence.
@@ -415,7 +415,7 @@ def _softmax_clamped(
     and `MASK_VALUE` where masked: the same weights and gradients as replacing
     them for every score $\\ge$ `MASK_VALUE` (and for $+\\infty$), but a
     minimum vectorises where XLA:CPU's select in the softmax fusion does not
-    (about 0.35 ms of a 1.9 ms attention layer at B = 4, T = 128). A NaN score
+    (`benchmarks/attention.py`). A NaN score
     would spread to its row: the attention layers zero non-finite input rows
     first, so none reaches here.
     """
@@ -435,7 +435,7 @@ def masked_softmax(
     $$p_{ij} = \frac{\exp(s_{ij})\,[j < L_i]}{\sum_{j'} \exp(s_{ij'})\,[j' < L_i]}$$
 
     Masked scores are replaced by `MASK_VALUE` (-1e6) before a float32
-    softmax, the chapter's semantics: a query with every key masked gets
+    softmax: a query with every key masked gets
     uniform weights, never NaN.
 
     Args:
@@ -443,8 +443,7 @@ def masked_softmax(
         valid_lens: `None`, or integer lengths broadcastable to
             `scores.shape[:-1]` = `(..., Tq)` (a scalar, `(Tq,)` per query, or
             with leading axes aligned to those of `scores`: `(B, 1)` one per
-            sequence, `(1, Tq)` one per query). Unlike the chapter's
-            `masked_softmax`, a 1-D array is per query, never per sequence;
+            sequence, `(1, Tq)` one per query). A 1-D array is per query, never per sequence;
             where it could be either (`scores` of shape `(B, Tq, Tk)` with
             `B == Tq`) it is refused with both forms (see `_lengths`).
 
@@ -610,7 +609,7 @@ def token_spread(h: Float[Array, "*batch T d"]) -> Float[Array, ""]:
 
     $\bar H$ copies the mean over the token axis (the second to last) to every
     position, and both norms are Frobenius norms over all axes (the whole
-    batch, as in the chapter). It is 1 when the mean token is zero (unrelated
+    batch). It is 1 when the mean token is zero (unrelated
     tokens give nearly 1) and 0 when all tokens have collapsed onto one vector
     (also an all-zero $H$, where the ratio would be 0/0).
     """

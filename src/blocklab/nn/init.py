@@ -1,6 +1,6 @@
 """Initialization: the default linear layer and re-initialization schemes.
 
-Defaults follow the Flax NNX initializers behind the chapter's JAX numbers:
+Defaults follow the Flax NNX initializers:
 LeCun truncated-normal weights (variance $1/\\text{fan\\_in}$), zero biases,
 unit norm gains. The re-initializers below return a *new* model in which every
 `eqx.nn.Linear` and `eqx.nn.Embedding` weight has been replaced; biases, norm
