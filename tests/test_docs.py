@@ -247,6 +247,18 @@ def test_the_path_check_can_fail():
     assert resolve("blocklab.nn").__name__ == "blocklab.nn"
 
 
+def test_the_reference_lists_every_top_level_name_once():
+    import blocklab as bl
+
+    table = read("docs/reference/blocklab.md").split("| names | layer |")[1]
+    listed = [
+        name
+        for row in table.strip().splitlines()[1:]
+        for name in re.findall(r"`(\w+)`", row.split("|")[1])
+    ]
+    assert sorted(listed) == sorted(bl.__all__)
+
+
 #: A mkdocstrings directive, `::: blocklab.x`, and its indented options below it.
 _DIRECTIVE = re.compile(r"^:::[ \t]+(\S+)[ \t]*\n((?:[ \t]+\S.*\n?)*)", re.M)
 
