@@ -5,8 +5,10 @@ values its attention has computed so far (`MultiHeadAttention.init_cache`),
 stacked with a leading layer axis, and for every sequence its length: the
 index where its next token goes, which is also that token's position (its RoPE
 angle, or its row of a learned position table). `extend` runs new tokens
-through a model with it; `DecoderLM` and `CharLM` expose it as `init_cache`,
-`prefill` and `decode_step`, and `blocklab.generate` loops on it.
+through a model with it; `init_cache`, `prefill` and `decode_step` are the
+checked entry points, which `DecoderLM` and `CharLM` expose as one-line
+methods of the same names (only their docstrings and argument names differ),
+and `blocklab.generate` loops on it.
 
 A decode loop that reruns the same blocks many times may instead split the
 model and its cache per layer once, before the loop (`unstack`), and run the
@@ -29,7 +31,7 @@ from .functional import linear
 
 __all__ = [
     "DecoderCache", "init_cache", "extend", "prefill", "decode_step",
-    "Unstacked", "unstack", "decode_blocks",
+    "model_limits", "Unstacked", "unstack", "decode_blocks",
 ]  # fmt: skip
 
 
@@ -72,9 +74,10 @@ def init_cache(
     """An empty cache (length 0) for `model` (a `DecoderLM` or `CharLM`).
 
     `max_len` defaults to the model's and may not exceed it; `dtype` defaults
-    to the token embedding's.
+    to the token embedding's. `owner` (`"DecoderLM.init_cache"`, ...) names
+    the caller in errors, as in `prefill` and `decode_step`.
     """
-    limit = _model_max_len(model)
+    limit = model_limits(model)[1]
     max_len = check_int(
         owner, "max_len", limit if max_len is None else max_len, min=1, max=limit
     )
@@ -98,9 +101,10 @@ def init_cache(
     return DecoderCache(layers, jnp.zeros(batch_shape, jnp.int32), max_len)
 
 
-def _model_max_len(model: Any) -> int:
-    cfg = getattr(model, "cfg", None)
-    return int(cfg.max_len if cfg is not None else model.max_len)
+def model_limits(model: Any) -> tuple[int, int]:
+    """`(vocab_size, max_len)` of a `DecoderLM` (`model.cfg`) or a `CharLM`."""
+    cfg = getattr(model, "cfg", model)
+    return int(cfg.vocab_size), int(cfg.max_len)
 
 
 def _embed(model: Any, ids: Array, positions: Array) -> Array:
@@ -224,12 +228,13 @@ def decode_blocks(
     )
 
 
-def _check_ids(owner: str, ids: Any, cache: DecoderCache, vocab: int, name: str):
+def _check_ids(owner: str, model: Any, ids: Any) -> Array:
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ConfigError(
-            f"{owner}: {name} must be integer token ids, got dtype {ids.dtype}."
+            f"{owner}: ids must be integer token ids, got dtype {ids.dtype}."
         )
+    vocab = model_limits(model)[0]
     return check_ids(owner, "token ids", ids, vocab, what="vocab_size")
 
 
@@ -240,10 +245,10 @@ def prefill(
     lengths: Any,
     *,
     owner: str,
-    vocab: int,
 ) -> tuple[Array, DecoderCache]:
-    """Checked `extend` of a prompt (see `DecoderLM.prefill`)."""
-    ids = _check_ids(owner, ids, cache, vocab, "ids")
+    """Checked `extend` of a prompt: `model.prefill` of a `DecoderLM` or a
+    `CharLM` (see `DecoderLM.prefill`); `owner` names it in errors."""
+    ids = _check_ids(owner, model, ids)
     if ids.ndim < 1 or ids.shape[-1] < 1:
         raise ConfigError(
             f"{owner}: ids must be a prompt (T,) or a batch (..., T) with T >= 1, "
@@ -288,15 +293,16 @@ def prefill(
 
 
 def decode_step(
-    model: Any, ids: Any, cache: DecoderCache, *, owner: str, vocab: int
+    model: Any, ids: Any, cache: DecoderCache, *, owner: str
 ) -> tuple[Array, DecoderCache]:
-    """Checked `extend` of one token per sequence (see `DecoderLM.decode_step`)."""
+    """Checked `extend` of one token per sequence: `model.decode_step` (see
+    `DecoderLM.decode_step`); `owner` names it in errors."""
     if not isinstance(cache, DecoderCache):
         raise ConfigError(
             f"{owner}: cache must be a DecoderCache (from init_cache or prefill), "
             f"got {type(cache).__name__}."
         )
-    ids = _check_ids(owner, ids, cache, vocab, "ids")
+    ids = _check_ids(owner, model, ids)
     if tuple(ids.shape) != cache.batch_shape:
         raise ConfigError(
             f"{owner} takes one token per sequence, ids of shape "

@@ -310,18 +310,13 @@ class CharLM(eqx.Module):
     ) -> tuple[Float[Array, "*batch T vocab"], _cache.DecoderCache]:
         """Run a prompt through the model, writing its keys and values; the
         logits equal `self(...)` at the same positions. See `DecoderLM.prefill`."""
-        return _cache.prefill(
-            self, tokens, cache, lengths, owner="CharLM.prefill",
-            vocab=self.vocab_size,
-        )  # fmt: skip
+        return _cache.prefill(self, tokens, cache, lengths, owner="CharLM.prefill")
 
     def decode_step(
         self, tokens: Int[ArrayLike, "*batch"], cache: _cache.DecoderCache
     ) -> tuple[Float[Array, "*batch vocab"], _cache.DecoderCache]:
         """One new token per sequence; see `DecoderLM.decode_step`."""
-        return _cache.decode_step(
-            self, tokens, cache, owner="CharLM.decode_step", vocab=self.vocab_size
-        )
+        return _cache.decode_step(self, tokens, cache, owner="CharLM.decode_step")
 
 
 
