@@ -299,13 +299,34 @@ def test_every_docs_page_is_in_the_site_navigation():
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of `markdown` (outside code blocks)."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", prose, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_relative_links_point_at_files_that_exist(page):
     for target in _LINK.findall(read(page)):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue  # a URL or an anchor in the page
-        path = (ROOT / page).parent / target.split("#")[0]
+        file, _, anchor = target.partition("#")
+        path = (ROOT / page).parent / file
         assert path.exists(), f"{page} links to {target}, which does not exist"
+        if anchor and page == "README.md":  # mkdocs checks the docs' own anchors
+            anchors = _github_anchors(path.read_text(encoding="utf-8"))
+            assert anchor in anchors, f"README.md links to {target}: no such heading"
+
+
+def test_anchors_are_those_github_gives():
+    markdown = (
+        "# A known crash of jaxlib 0.10.2 (and 0.11.0)\n```\n# not a heading\n```\n"
+    )
+    assert _github_anchors(markdown) == {"a-known-crash-of-jaxlib-0102-and-0110"}
+    assert "what-the-big-ones-need-blocklab-plan" in _github_anchors(
+        "## What the big ones need: `blocklab plan`\n"
+    )
 
 
 def test_the_readme_is_a_front_page():
