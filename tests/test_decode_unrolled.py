@@ -27,7 +27,8 @@ from test_generation import V, _greedy_reference, _model
 from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
 from blocklab.nn import cache as _cache
 from blocklab.nn import generation
-from blocklab.nn.attention import _dense_weight_first, dense, write_cache
+from blocklab.nn.cache import write_cache
+from blocklab.nn.functional import dense, dense_weight_first
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -226,10 +227,10 @@ def test_weight_first_projection_equals_dense():
     for bias in (True, False):
         layer = eqx.nn.Linear(12, 5, use_bias=bias, key=jax.random.key(1))
         ref = x @ np.asarray(layer.weight).T + (np.asarray(layer.bias) if bias else 0)
-        for f in (_dense_weight_first, dense):
+        for f in (dense_weight_first, dense):
             assert np.allclose(np.asarray(f(layer, jnp.asarray(x))), ref, atol=1e-5)
     one = jnp.asarray(x[0, 0])  # a single row (no leading axes)
-    assert _dense_weight_first(layer, one).shape == (5,)
+    assert dense_weight_first(layer, one).shape == (5,)
 
 
 def test_unstack_gives_each_block():

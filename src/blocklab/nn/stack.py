@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_key
-from .attention import write_cache
+from .cache import write_cache
 
 __all__ = ["Stack"]
 
