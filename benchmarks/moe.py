@@ -53,7 +53,7 @@ def dispatch_table(d: int, tokens: int, reps: int) -> list[str]:
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32)
     w = bl.nn.ffn.ffn_width(d, "swiglu")
-    dense_ffn = bl.FeedForward(d, "swiglu", width=2 * w, key=key)
+    dense_ffn = bl.FeedForward(d, "swiglu", ffn_width=2 * w, key=key)
     run, p = _fwd_bwd(dense_ffn)
     ref = time_call(run, p, x, reps=reps).median
     rows = [
@@ -86,7 +86,7 @@ def train_table(d: int, batch: int, seq: int, dispatch: str, reps: int) -> list[
         return bl.MoEFeedForward(d, 8, 2, dispatch=dispatch, key=key)
 
     def dense_factory(*, key):
-        return bl.FeedForward(d, "swiglu", width=2 * w, key=key)
+        return bl.FeedForward(d, "swiglu", ffn_width=2 * w, key=key)
 
     opt = optax.adamw(1e-3, weight_decay=0.0)
     X, Y = data.train_batch(jax.random.key(2), batch)
