@@ -387,7 +387,7 @@ for cls in (DecoderConfig, MoEDecoderConfig):
     assert dataclasses.replace(cfg, scratch_option=4).scratch_option == 4
     model = DecoderLM(cfg, key=k)
     assert model.stack.blocks.cfg.scratch_option == 3
-    again = DecoderLM(**model.config(), key=k)
+    again = DecoderLM(**model.init_args(), key=k)
     assert again.cfg == cfg and again.cfg.scratch_option == 3
 lm = bl.CharLM(28, 16, 4, 1, scratch_option=2, key=k)
 assert lm.stack.blocks.cfg.scratch_option == 2

@@ -40,7 +40,7 @@ def test_round_trip_is_bit_exact(model, tmp_path):
     for a, b in zip(leaves, loaded_leaves, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert loaded.config() == noise.config()
+    assert loaded.init_args() == noise.init_args()
     assert loaded.stack.block(0).placement == "post" and loaded.act == "gelu"
     tokens = jnp.array([2, 3, 0, 5])
     apply = eqx.filter_jit(lambda m, t: m(t))
@@ -168,7 +168,7 @@ def _v1_file(model, path):
     buf = io.BytesIO()
     eqx.tree_serialise_leaves(buf, model)
     payload = buf.getvalue()
-    header = {"class": "CharLM", "config": model.config(), "nbytes": len(payload)}
+    header = {"class": "CharLM", "config": model.init_args(), "nbytes": len(payload)}
     path.write_bytes(
         b"blocklab-checkpoint 1\n" + json.dumps(header).encode() + b"\n" + payload
     )
@@ -205,7 +205,7 @@ def test_every_flipped_bit_is_refused(model, tmp_path):
         with pytest.raises(CheckpointError, match="corrupted|not a blocklab"):
             load(path)
     path.write_bytes(blob)
-    assert load(path).config() == model.config()
+    assert load(path).init_args() == model.init_args()
 
 
 def test_unsupported_version_is_named(model, tmp_path):
@@ -242,3 +242,29 @@ def test_decoder_models_round_trip(tmp_path, family):
     ):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_decoder_files_of_version_0_2_still_load(tmp_path):
+    """0.2 wrote a DecoderLM's header as {"config": <flat fields>,
+    "config_class": ...}: the block's fields beside the model's. Such a file
+    loads into the same model (the flat fields are DecoderConfig's keyword
+    spelling)."""
+    from blocklab import DecoderLM
+    from blocklab.nn import MoEDecoderConfig
+
+    cfg = MoEDecoderConfig.mixtral(num_blks=2, window=4)
+    model = DecoderLM(cfg, key=jax.random.key(0))
+    path = save(tmp_path / "m.ckpt", model)
+    magic, _, header, payload = path.read_bytes().split(b"\n", 3)
+    meta = json.loads(header)
+    args = meta["config"]
+    flat = {k: v for k, v in args["cfg"].items() if k != "block"}
+    flat.update(args["cfg"]["block"])
+    meta["config"] = {"config": flat, "config_class": args["cfg_class"]}
+    body = json.dumps(meta).encode() + b"\n" + payload
+    digest = hashlib.sha256(body).hexdigest().encode()
+    path.write_bytes(magic + b"\nsha256 " + digest + b"\n" + body)
+    loaded = load(path)
+    assert type(loaded.cfg) is MoEDecoderConfig and loaded.cfg == cfg
+    ids = jnp.arange(6)
+    np.testing.assert_array_equal(loaded(ids), model(ids))

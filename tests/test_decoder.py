@@ -160,10 +160,10 @@ def test_config_round_trip_and_presets():
     for name, cfg in PRESETS.items():
         again = DecoderConfig(**{**cfg.to_dict(), "global_layers": cfg.global_layers})
         assert again == cfg, name
-    # The checkpoint convention: DecoderLM(**model.config(), key=...) rebuilds it
+    # The checkpoint convention: DecoderLM(**model.init_args(), key=...) rebuilds it
     # (the same configuration as test_per_layer_data_in_one_scan: no new compile).
     model = DecoderLM(PRESETS["gemma3"], key=jax.random.key(0))
-    again = DecoderLM(**model.config(), key=jax.random.key(0))
+    again = DecoderLM(**model.init_args(), key=jax.random.key(0))
     assert again.cfg == model.cfg
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(model), leaves(again), strict=True):

@@ -172,10 +172,10 @@ def test_numpy_scalar_options_are_plain_numbers(tmp_path):
         bias=np.bool_(True),
         key=KEY,
     )
-    assert lm.config() == dict(
+    assert lm.init_args() == dict(
         GOOD, act="swiglu", remat=False, unroll=1, bias=True, dropout=0.25
     )
-    assert all(type(v) in (int, float, bool, str) for v in lm.config().values())
+    assert all(type(v) in (int, float, bool, str) for v in lm.init_args().values())
     out = eqx.filter_jit(lambda m, t, k: m(t, key=k))(
         lm, jnp.array([3, 4, 5]), jax.random.key(1)
     )

@@ -45,7 +45,7 @@ def test_save_restore_and_resume_continue_exactly(tmp_path):
     saved = save_sharded(tmp_path / "ck", half.state, data_position={"epoch": 0})
     meta = sharded_metadata(saved.path)
     assert meta["step"] == 5 and meta["data_position"] == {"epoch": 0}
-    assert meta["config"] == DecoderLM(CFG, key=jax.random.key(0)).config()
+    assert meta["config"] == DecoderLM(CFG, key=jax.random.key(0)).init_args()
     shape = eqx.filter_eval_shape(lambda k: DecoderLM(CFG, key=k), jax.random.key(0))
     back = restore_sharded(saved.path, shape, OPT, mesh=mesh)
     for a, b in zip(jax.tree_util.tree_leaves(half.state),
@@ -66,7 +66,7 @@ def test_restoring_onto_another_config_is_refused(tmp_path):
     deeper = dict(CFG.to_dict(), num_blks=3)
     other = DecoderLM(DecoderConfig(**deeper), key=jax.random.key(0))
     with pytest.raises(
-        ConfigError, match=r"config\.num_blks \(saved 2, target 3\).*mesh"
+        ConfigError, match=r"cfg\.num_blks \(saved 2, target 3\).*mesh"
     ):
         restore_sharded(path, other, OPT, mesh=mesh)
     with pytest.raises(ConfigError, match=r"leaf .*mu.*does not hold|lacks"):

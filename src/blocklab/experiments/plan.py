@@ -20,7 +20,7 @@ For a `DecoderConfig`, a mesh shape (`data=8,model=4`) and sharding rules,
 
 Presets: `PRESET_CONFIGS` (`llama3-8b`, `llama3-70b` with the published
 sizes, and the library's small family presets); or a JSON file of
-`DecoderConfig` fields (or `DecoderLM.config()`'s output).
+`DecoderConfig` fields (or `DecoderLM.init_args()`'s output).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def config_of(spec: str | DecoderConfig) -> DecoderConfig:
         fields = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"plan: config {spec!r} is not readable JSON: {err}") from err
-    if isinstance(fields, dict) and isinstance(fields.get("config"), dict):
-        fields = fields["config"]  # DecoderLM.config() output
+    if isinstance(fields, dict) and isinstance(fields.get("cfg"), dict):
+        fields = fields["cfg"]  # DecoderLM.init_args() output
     if not isinstance(fields, dict):
         raise ConfigError(f"plan: config {spec!r} must hold a JSON object of fields.")
     if isinstance(fields.get("global_layers"), list):

@@ -201,7 +201,7 @@ class CharLM(eqx.Module):
             self.parametrization, self.num_hiddens, self.base_width
         )
 
-    def config(self) -> dict[str, Any]:
+    def init_args(self) -> dict[str, Any]:
         """The constructor arguments (without `key`) that rebuild this structure."""
         out = dict(
             vocab_size=self.vocab_size,

@@ -125,48 +125,45 @@ class DecoderLM(eqx.Module):
 
     def __init__(
         self,
-        config: DecoderConfig | Mapping[str, Any],
+        cfg: DecoderConfig | Mapping[str, Any],
         *,
-        config_class: str = "DecoderConfig",
+        cfg_class: str = "DecoderConfig",
         key: PRNGKeyArray,
     ):
         """Args:
-        config: a `DecoderConfig`, or the mapping of its fields (as
-            `DecoderLM.config()["config"]` returns it).
-        config_class: with a mapping, the name of the config class to build
+        cfg: a `DecoderConfig`, or the mapping of its fields (as
+            `DecoderLM.init_args()["cfg"]` returns it).
+        cfg_class: with a mapping, the name of the config class to build
             (`"DecoderConfig"` or a subclass such as `"MoEDecoderConfig"`).
         key: PRNG key for every weight.
         """
-        if isinstance(config, Mapping):
-            if config_class not in CONFIG_CLASSES:
+        if isinstance(cfg, Mapping):
+            if cfg_class not in CONFIG_CLASSES:
                 raise ConfigError(
-                    f"DecoderLM: config_class must be one of "
-                    f"{sorted(CONFIG_CLASSES)}, got {config_class!r}."
+                    f"DecoderLM: cfg_class must be one of "
+                    f"{sorted(CONFIG_CLASSES)}, got {cfg_class!r}."
                 )
-            config = dict(config)
-            if config.get("global_layers") is not None:
-                config["global_layers"] = tuple(config["global_layers"])
-            config = CONFIG_CLASSES[config_class](**config)
-        if not isinstance(config, DecoderConfig):
+            cfg = CONFIG_CLASSES[cfg_class](**cfg)
+        if not isinstance(cfg, DecoderConfig):
             raise ConfigError(
-                "DecoderLM: config must be a DecoderConfig, got "
-                f"{type(config).__name__}."
+                f"DecoderLM: cfg must be a DecoderConfig, got {type(cfg).__name__}."
             )
         check_key("DecoderLM", "key", key)
-        self.cfg = config
-        self.token_emb, self.pos_emb, self.stack, self.head = _build(config, key)
-        self.norm = make_norm(config.norm, config.num_hiddens, config.norm_eps)
-        if config.parametrization != "standard":
+        self.cfg = cfg
+        self.token_emb, self.pos_emb, self.stack, self.head = _build(cfg, key)
+        self.norm = make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
+        if cfg.parametrization != "standard":
             # the table's zero-initialised leaves (query, untied readout)
             parts = {"stack": self.stack, "head": self.head}
-            parts = parametrization.apply_init(parts, config.parametrization)
+            parts = parametrization.apply_init(parts, cfg.parametrization)
             self.stack, self.head = parts["stack"], parts["head"]
 
-    def config(self) -> dict[str, Any]:
-        """The constructor arguments (without `key`) that rebuild this structure."""
-        out: dict[str, Any] = {"config": self.cfg.to_dict()}
+    def init_args(self) -> dict[str, Any]:
+        """The constructor arguments (without `key`) that rebuild this
+        structure, as JSON-friendly values: `DecoderLM(**m.init_args(), key=k)`."""
+        out: dict[str, Any] = {"cfg": self.cfg.to_dict()}
         if type(self.cfg) is not DecoderConfig:
-            out["config_class"] = type(self.cfg).__name__
+            out["cfg_class"] = type(self.cfg).__name__
         return out
 
     @property

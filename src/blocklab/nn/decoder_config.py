@@ -35,7 +35,7 @@ _LLAMA_FAMILY = dict(
     tie_embeddings=False,
 )  # fmt: skip
 
-#: `DecoderConfig` and its subclasses by name, so `DecoderLM.config()` can
+#: `DecoderConfig` and its subclasses by name, so `DecoderLM.init_args()` can
 #: name the class a checkpoint must rebuild (e.g. `MoEDecoderConfig`).
 CONFIG_CLASSES: dict[str, type] = {}
 

@@ -443,8 +443,8 @@ def masked_softmax(
         valid_lens: `None`, or integer lengths broadcastable to
             `scores.shape[:-1]` = `(..., Tq)` (a scalar, `(Tq,)` per query, or
             with leading axes aligned to those of `scores`: `(B, 1)` one per
-            sequence, `(1, Tq)` one per query). A 1-D array is per query, never per sequence;
-            where it could be either (`scores` of shape `(B, Tq, Tk)` with
+            sequence, `(1, Tq)` one per query). A 1-D array is per query, never
+            per sequence; where it could be either (`scores` of shape `(B, Tq, Tk)` with
             `B == Tq`) it is refused with both forms (see `_lengths`).
 
     Returns:

@@ -8,7 +8,7 @@ File layout (version 2):
    bit in the header or the weights is refused by `load`;
 3. one line of JSON: `{"class": ..., "config": {...}, "dtypes": [...],
    "nbytes": N}`, where `config` holds the constructor arguments that rebuild
-   the model's structure (`model.config()`), `dtypes` the dtype of every
+   the model's structure (`model.init_args()`), `dtypes` the dtype of every
    stored array in tree order and `N` the size of what follows;
 4. the weights, written by `equinox.tree_serialise_leaves` (NumPy `.npy`
    records, one per array, in tree order).
@@ -117,7 +117,7 @@ def save(path: str | Path, model: Any) -> Path:
             "stores weights, not keys. Store jax.random.key_data(key) (a uint32 "
             "array) instead, or drop the key before saving."
         )
-    config = model.config()
+    config = model.init_args()
     try:
         json.dumps(config, allow_nan=False)
     except (TypeError, ValueError) as err:
@@ -268,6 +268,17 @@ def load(path: str | Path, like: Any = None) -> Any:
     path = _check_path("load", path)
     _, header, payload = _read_file(path)
     name, config = header["class"], header["config"]
+    if name == "DecoderLM" and isinstance(config, dict) and "config" in config:
+        # A file of 0.2, whose DecoderLM took config= / config_class= (its flat
+        # fields are DecoderConfig's keyword spelling): the file still loads.
+        config = {
+            "cfg": config["config"],
+            **(
+                {"cfg_class": config["config_class"]}
+                if "config_class" in config
+                else {}
+            ),
+        }
     if name not in _MODELS:
         raise CheckpointError(
             f"load: {path} holds an unknown model class {name!r}; this blocklab "
@@ -277,7 +288,7 @@ def load(path: str | Path, like: Any = None) -> Any:
         raise CheckpointError(f"load: {path} has a corrupted header (config).")
     if like is not None:
         like_name = type(like).__name__
-        like_config = like.config() if hasattr(like, "config") else None
+        like_config = like.init_args() if hasattr(like, "init_args") else None
         if like_name != name or like_config != config:
             diff = (
                 {

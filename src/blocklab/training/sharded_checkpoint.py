@@ -88,11 +88,11 @@ def _named_arrays(state: Any) -> list[tuple[str, Any]]:
 
 
 def _config_of(model: Any) -> dict | None:
-    config = getattr(model, "config", None)
-    if not callable(config):
+    init_args = getattr(model, "init_args", None)
+    if not callable(init_args):
         return None
     try:
-        return dict(config())
+        return dict(init_args())
     except Exception:  # noqa: BLE001 - a module without a JSON config
         return None
 
