@@ -41,4 +41,5 @@ print(f"validation loss: {result.val_loss:.3f}")
 with tempfile.TemporaryDirectory() as tmp:
     path = bl.save(Path(tmp) / "charlm.ckpt", result.model)
     restored = bl.load(path, like=result.model)  # refuses a different config
-print("sample:", repr(bl.generate(restored, "the time traveller", 60, key=sample_key)))
+text = bl.generate_text(restored, data.vocab, "the time traveller", 60, key=sample_key)
+print("sample:", repr(text))

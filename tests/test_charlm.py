@@ -1,4 +1,5 @@
-"""CharLM: its forward pass, causality, tied head, init, errors, and `generate`."""
+"""CharLM: its forward pass, causality, tied head, init, errors, and its text
+(`generate_text` with the character vocabulary `VOCAB`)."""
 
 import equinox as eqx
 import jax
@@ -6,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blocklab import CharLM, count_params, generate
-from blocklab.data import decode, encode
+from blocklab import CharLM, count_params, generate_text
+from blocklab.data import VOCAB, decode, encode
 from blocklab.nn.ffn import ffn_width
 
 V, D, H, L = 28, 16, 2, 8
@@ -118,26 +119,34 @@ def greedy_reference(model, prompt, n):
 
 
 @pytest.mark.parametrize("prompt", ["the ", "the time machine"])  # 16 > max_len
-def test_generate_near_zero_temperature_is_greedy(model, prompt):
-    out = generate(model, prompt, 3, key=jax.random.key(0), temperature=1e-6)
+def test_text_near_zero_temperature_is_greedy(model, prompt):
+    key = jax.random.key(0)
+    out = generate_text(model, VOCAB, prompt, 3, key=key, temperature=1e-6)
     assert out == greedy_reference(model, prompt, 3)
+    assert generate_text(model, VOCAB, prompt, 3) == out  # key=None: greedy
 
 
-def test_generate_samples_from_the_vocab_and_is_keyed(model):
-    a = generate(model, "It was", 20, key=jax.random.key(1))
-    assert a.startswith("it was") and len(a) == 26
+def test_text_samples_from_the_vocab_and_is_keyed(model):
+    def text(seed):
+        return generate_text(model, VOCAB, "It was", 20, key=jax.random.key(seed))
+
+    a = text(1)
+    assert a.startswith("it was") and len(a) == 26  # preprocessed, as the corpus
     assert set(a) <= set("abcdefghijklmnopqrstuvwxyz ")
-    assert a == generate(model, "It was", 20, key=jax.random.key(1))
-    assert a != generate(model, "It was", 20, key=jax.random.key(2))
+    assert a == text(1)
+    assert a != text(2)
 
 
-def test_generate_bad_arguments(model):
+def test_text_bad_arguments(model):
+    key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"temperature must lie in \(0.0, inf\]"):
-        generate(model, "a", 3, key=jax.random.key(0), temperature=0.0)
-    with pytest.raises(ValueError, match=r"num_chars must lie in \[0, inf\], got -1"):
-        generate(model, "a", -1, key=jax.random.key(0))
-    with pytest.raises(ValueError, match="prompt must contain at least one character"):
-        generate(model, "", 3, key=jax.random.key(0))
+        generate_text(model, VOCAB, "a", 3, key=key, temperature=0.0)
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens must lie in \[0, inf\], got -1"
+    ):
+        generate_text(model, VOCAB, "a", -1, key=key)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate_text(model, VOCAB, "", 3, key=key)
 
 
 def test_constant_ids_closed_over_inside_jit():

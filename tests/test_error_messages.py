@@ -1,6 +1,6 @@
 """Errors come from blocklab and name the argument, the value and the fix.
 
-Checkpoints, porting, `CharLM`, `Stack`, `generate` and the `init` functions.
+Checkpoints, porting, `CharLM`, `Stack`, `generate_text` and the `init` functions.
 Every assertion is on the message text. The run-time shape checker of the
 test suite is switched off here, as in a user's program: otherwise a wrong
 type would be caught first by the jaxtyping/beartype annotation check.
@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blocklab as bl
-from blocklab import CharLM, Stack, generate, load, load_state_dict, save
+from blocklab import CharLM, Stack, generate_text, load, load_state_dict, save
 from blocklab._validate import ConfigError
+from blocklab.data import VOCAB
 from blocklab.nn import init as init
 
 KEY = jax.random.key(0)
@@ -222,19 +223,21 @@ def test_out_of_range_ids_eagerly_name_position_and_value(lm):
         lm(jnp.array([0, 1, 31]))
 
 
-# ---------------------------------------------------------------- generate
-def test_generate_needs_the_28_symbol_vocabulary():
-    # the structure alone (no weights drawn): generate refuses it up front
+# ----------------------------------------------------------- generate_text
+def test_generate_text_needs_ids_in_the_model_vocabulary():
+    # the structure alone (no weights drawn): generate_text refuses it up front
     small = eqx.filter_eval_shape(CharLM, 10, 8, 2, 1, max_len=4, key=KEY)
     with pytest.raises(
         ConfigError,
-        match=r"generate: the model's vocabulary has vocab_size=10 symbols, but "
-        r"generate encodes text with the 28 symbols of blocklab.data.VOCAB; build "
-        r"the model with CharLM\(vocab_size=28, \.\.\.\)",
+        match=r"generate_text: tokenizer.encode\(prompts\) gave token id 21 at "
+        r"index 0, outside the model's vocabulary \[0, vocab_size=10\); use the "
+        r"tokenizer the model was trained with",
     ):
-        generate(small, "the", 3, key=KEY)
-    with pytest.raises(ConfigError, match=r"generate: model must be a CharLM, got"):
-        generate(bl.RMSNorm(4), "the", 3, key=KEY)
+        generate_text(small, VOCAB, "the", 3, key=KEY)
+    with pytest.raises(
+        ConfigError, match=r"generate_text: model must be a DecoderLM or a CharLM"
+    ):
+        generate_text(bl.RMSNorm(4), VOCAB, "the", 3, key=KEY)
 
 
 @pytest.mark.parametrize(
@@ -248,40 +251,42 @@ def test_generate_needs_the_28_symbol_vocabulary():
         (True, r"temperature must be a real number, got True of type bool"),
     ],
 )
-def test_generate_temperature(lm, value, pattern):
-    with pytest.raises(ConfigError, match=rf"^generate: {pattern}"):
-        generate(lm, "the", 3, key=KEY, temperature=value)
+def test_generate_text_temperature(lm, value, pattern):
+    with pytest.raises(ConfigError, match=rf"^generate_text: {pattern}"):
+        generate_text(lm, VOCAB, "the", 3, key=KEY, temperature=value)
 
 
 @pytest.mark.parametrize(
     ("value", "pattern"),
     [
-        (-1, r"num_chars must lie in \[0, inf\], got -1"),
-        (2.5, r"num_chars must be an int, got 2.5 of type float"),
-        (True, r"num_chars must be an int, got True of type bool"),
+        (-1, r"max_new_tokens must lie in \[0, inf\], got -1"),
+        (2.5, r"max_new_tokens must be an int, got 2.5 of type float"),
+        (True, r"max_new_tokens must be an int, got True of type bool"),
     ],
 )
-def test_generate_num_chars(lm, value, pattern):
-    with pytest.raises(ConfigError, match=rf"^generate: {pattern}"):
-        generate(lm, "the", value, key=KEY)
+def test_generate_text_max_new_tokens(lm, value, pattern):
+    with pytest.raises(ConfigError, match=rf"^generate_text: {pattern}"):
+        generate_text(lm, VOCAB, "the", value, key=KEY)
 
 
-def test_generate_key_and_prompt(lm):
-    with pytest.raises(ConfigError, match=rf"^generate: key is required; {FIX}"):
-        generate(lm, "the", 3, key=None)
+def test_generate_text_key_and_prompt(lm):
     with pytest.raises(
-        ConfigError, match=r"^generate: key must be a JAX PRNG key, got 5"
+        ConfigError, match=r"^generate_text: key must be a JAX PRNG key, got 5"
     ):
-        generate(lm, "the", 3, key=5)
+        generate_text(lm, VOCAB, "the", 3, key=5)
     with pytest.raises(
-        ConfigError, match=r"^generate: prompt must be a str, got bytes"
+        ConfigError,
+        match=r"^generate_text: prompts must be a non-empty str or a non-empty "
+        r"list of str, got b'the' of type bytes",
     ):
-        generate(lm, b"the", 3, key=KEY)
+        generate_text(lm, VOCAB, b"the", 3, key=KEY)
 
 
-def test_generate_numpy_arguments_are_fine(lm):
-    a = generate(lm, "the", np.int64(4), key=KEY, temperature=np.float32(0.5))
-    assert a == generate(lm, "the", 4, key=KEY, temperature=0.5)
+def test_generate_text_numpy_arguments_are_fine(lm):
+    a = generate_text(
+        lm, VOCAB, "the", np.int64(4), key=KEY, temperature=np.float32(0.5)
+    )
+    assert a == generate_text(lm, VOCAB, "the", 4, key=KEY, temperature=0.5)
 
 
 # ------------------------------------------------------------ init functions

@@ -13,6 +13,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -402,6 +403,19 @@ def test_bad_input_names_the_argument(small, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ConfigError, match=match):
         generate(args.pop("model"), args.pop("ids"), args.pop("max_new_tokens"), **args)
+
+
+@pytest.mark.parametrize("text", ["the time", b"the time"])
+def test_text_is_refused_pointing_to_generate_text(small, text, monkeypatch):
+    # as in a user's program: no run-time annotation check answers first
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(
+        ConfigError,
+        match=rf"generate: ids must be token ids, got a {type(text).__name__}; "
+        r"for text in and text out call blocklab.generate_text\(model, "
+        r"tokenizer, prompts, max_new_tokens\)",
+    ):
+        generate(small, text, 3)
 
 
 def test_cache_api_refuses_what_does_not_fit(small):

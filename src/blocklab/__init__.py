@@ -23,6 +23,7 @@ from .diagnostics import (
 )
 from .interop import (
     from_huggingface,
+    generate_text,
     load_huggingface_state_dict,
     load_pretrained,
     load_state_dict,
@@ -120,6 +121,7 @@ __all__ = [
     "signal_sweep",
     # interop (blocklab.interop)
     "from_huggingface",
+    "generate_text",
     "load_huggingface_state_dict",
     "load_pretrained",
     "load_state_dict",

@@ -42,8 +42,31 @@ __all__ = [
     "pack_documents",
 ]
 
+class _CharVocab(tuple):
+    """The chapter's character vocabulary: a tuple of symbols (token id `i` is
+    `vocab[i]`) that is also a tokenizer, with `encode` and `decode`
+    (`blocklab.generate_text(model, VOCAB, prompt, n)`)."""
+
+    __slots__ = ()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` normalized as the corpus is: `preprocess` (runs
+        of non-letters to one space, lower case), then `encode`; so
+        `decode(encode(text)) == preprocess(text)`."""
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"VOCAB.encode: text must be a str, got {type(text).__name__}."
+            )
+        return encode(preprocess(text)).tolist()
+
+    def decode(self, ids) -> str:
+        """Text of token ids (the module's `decode`)."""
+        return decode(ids)
+
+
 #: The 28 symbols, in the order of d2l's `Vocab` (sorted): space, `<unk>`, a..z.
-VOCAB: tuple[str, ...] = (" ", "<unk>", *"abcdefghijklmnopqrstuvwxyz")
+#: A tuple, and the tokenizer of the chapter's `CharLM` (`encode`, `decode`).
+VOCAB: tuple[str, ...] = _CharVocab((" ", "<unk>", *"abcdefghijklmnopqrstuvwxyz"))
 _UNK = VOCAB.index("<unk>")
 _INDEX = {tok: i for i, tok in enumerate(VOCAB)}
 

@@ -6,8 +6,9 @@ module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
 `gemma3`, `phi3`, `mixtral`) built on the public helpers of `hf_common`;
 `porting` maps the chapter's PyTorch state dicts; `pretrained`
 reads and writes checkpoint folders (config.json + safetensors, through
-`safetensors_io`) without torch. torch and transformers are imported lazily,
-only when a torch model is passed.
+`safetensors_io`) without torch; `text` is text in, text out
+(`generate_text`, through any tokenizer with `encode`/`decode`). torch and
+transformers are imported lazily, only when a torch model is passed.
 """
 
 from .hf_common import StoredAs
@@ -29,6 +30,7 @@ from .pretrained import (
     read_config,
     save_pretrained,
 )
+from .text import generate_text
 
 __all__ = [
     "FAMILIES",
@@ -37,6 +39,7 @@ __all__ = [
     "Rule",
     "StoredAs",
     "from_huggingface",
+    "generate_text",
     "hf_config_to_decoder",
     "load_huggingface_state_dict",
     "load_pretrained",

@@ -1,4 +1,8 @@
-"""`CharLM`, the chapter's causal character language model, and `generate`."""
+"""`CharLM`, the chapter's causal character language model.
+
+Text in, text out is `blocklab.generate_text(model, blocklab.data.VOCAB,
+prompt, n)` (the interop layer): this module works on token ids only.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import (
-    ConfigError,
-    check_bool,
-    check_float,
-    check_ids,
-    check_int,
-    check_key,
-)
+from .._validate import ConfigError, check_bool, check_ids, check_int, check_key
 from . import cache as _cache
 from .block import TransformerBlock
 from .config import BlockConfig
@@ -27,7 +24,7 @@ from .parametrization import apply_init, attention_scale, check_base_width
 from .parametrization import readout_multiplier as _readout_multiplier
 from .stack import Stack
 
-__all__ = ["CharLM", "generate"]
+__all__ = ["CharLM"]
 
 
 def _python_scalar(value: Any) -> Any:
@@ -317,96 +314,3 @@ class CharLM(eqx.Module):
     ) -> tuple[Float[Array, "*batch vocab"], _cache.DecoderCache]:
         """One new token per sequence; see `DecoderLM.decode_step`."""
         return _cache.decode_step(self, tokens, cache, owner="CharLM.decode_step")
-
-
-
-def generate(
-    model: CharLM,
-    prompt: str,
-    num_chars: int,
-    *,
-    key: PRNGKeyArray,
-    temperature: float = 1.0,
-) -> str:
-    r"""Continue `prompt` by `num_chars` characters sampled from `model`.
-
-    Each character is drawn from $\mathrm{softmax}(\ell / \tau)$ of the logits
-    $\ell$ at the last position, $\tau$ = `temperature`; the context is the
-    last `max_len` characters. The prompt is preprocessed like the corpus
-    (non-letters to spaces, lower case). While the text fits in `max_len`
-    characters this is `blocklab.generate(model, ids, n, key=...,
-    temperature=...)` (cached, one compiled program); beyond, the learned
-    positions of the context shift at every character, so each further one
-    re-encodes the last `max_len` characters (one compiled `lax.scan`).
-
-    Returns:
-        The preprocessed prompt followed by the sampled characters.
-
-    Raises:
-        ValueError: `model` is not a `CharLM` over the 28 symbols of
-            `blocklab.data.VOCAB`; `num_chars` is not an int >= 0;
-            `temperature` is not a finite number > 0; `prompt` is not a
-            string or is empty after preprocessing; `key` is not a PRNG key.
-    """
-    from ..data.datasets import VOCAB, decode, encode, preprocess
-
-    if not isinstance(model, CharLM):
-        raise ConfigError(
-            f"generate: model must be a CharLM, got {type(model).__name__}."
-        )
-    if model.vocab_size != len(VOCAB):
-        raise ConfigError(
-            f"generate: the model's vocabulary has vocab_size={model.vocab_size} "
-            f"symbols, but generate encodes text with the {len(VOCAB)} symbols of "
-            "blocklab.data.VOCAB; build the model with "
-            f"CharLM(vocab_size={len(VOCAB)}, ...) or sample its ids yourself."
-        )
-    num_chars = check_int("generate", "num_chars", num_chars, min=0)
-    temperature = check_float(
-        "generate", "temperature", temperature, min=0.0, min_open=True
-    )
-    key = check_key("generate", "key", key)
-    if not isinstance(prompt, str):
-        raise ConfigError(
-            f"generate: prompt must be a str, got {type(prompt).__name__}."
-        )
-    text = preprocess(prompt)
-    if not text:
-        raise ConfigError("generate: prompt must contain at least one character.")
-    from .generation import generate as generate_ids
-
-    ids = jnp.asarray(encode(text)[-model.max_len :], jnp.int32)
-    # While the text fits the position table: cached generation.
-    cached = min(num_chars, model.max_len - len(ids))
-    cached_key, sliding_key = jax.random.split(key)
-    new = jnp.zeros((0,), jnp.int32)
-    if cached > 0:
-        out = generate_ids(model, ids, cached, key=cached_key, temperature=temperature)
-        new = out[len(ids) :]
-    if num_chars > cached:
-        # Past max_len every position would shift: each further character
-        # re-encodes the last max_len characters (no cache can be kept).
-        buf = jnp.concatenate([ids, new])[-model.max_len :]
-        n = jnp.asarray(buf.shape[0])
-        buf = jnp.zeros(model.max_len, jnp.int32).at[: buf.shape[0]].set(buf)
-        more = _sample(model, buf, n, sliding_key, num_chars - cached, temperature)
-        new = jnp.concatenate([new, more])
-    return text + decode(new)
-
-
-@eqx.filter_jit
-def _sample(model, buf, n, key, num_chars, temperature):
-    """Sample `num_chars` ids; `buf[:n]` is the context, right-padded to max_len."""
-
-    def step(carry, k):
-        buf, n = carry
-        # Causal: the padding after position n - 1 does not affect its logits.
-        logits = model(buf)[n - 1].astype(jnp.float32)
-        c = jax.random.categorical(k, logits / temperature).astype(buf.dtype)
-        full = n == buf.shape[0]
-        buf = jnp.where(full, jnp.roll(buf, -1), buf)
-        pos = jnp.where(full, n - 1, n)
-        return (buf.at[pos].set(c), jnp.minimum(n + 1, buf.shape[0])), c
-
-    _, new = jax.lax.scan(step, (buf, n), jax.random.split(key, num_chars))
-    return new

@@ -40,7 +40,6 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
 from . import cache as _cache
 from .charlm import CharLM
-from .charlm import generate as _generate_text
 from .decoder import DecoderLM
 
 __all__ = ["generate", "filter_logits", "sample_logits", "UNROLL_MAX_LAYERS"]
@@ -108,7 +107,7 @@ def sample_logits(
 
 def generate(
     model: eqx.Module,
-    ids: Shaped[ArrayLike, "*batch T"] | str,
+    ids: Shaped[ArrayLike, "*batch T"],
     max_new_tokens: int,
     *,
     key: Any = None,
@@ -118,7 +117,7 @@ def generate(
     eos_id: int | None = None,
     lengths: Shaped[ArrayLike, " B"] | None = None,
     unroll_layers: bool | None = None,
-) -> Int[Array, "*batch L"] | str:
+) -> Int[Array, "*batch L"]:
     r"""Continue prompts by `max_new_tokens` tokens each, with a key/value cache.
 
     The prompt goes through the model once (`prefill`), then each step feeds
@@ -136,10 +135,9 @@ def generate(
     Args:
         model: a `DecoderLM` (any family, converted ones included) or a
             `CharLM`.
-        ids: `(T,)` token ids of one prompt, or `(B, T)` prompts. A `str`
-            calls the character-level text helper instead
-            (`blocklab.nn.charlm.generate(model, prompt, num_chars, key=,
-            temperature=)`, which returns a string).
+        ids: `(T,)` token ids of one prompt, or `(B, T)` prompts. Text goes
+            through a tokenizer: `blocklab.generate_text(model, tokenizer,
+            prompts, max_new_tokens)`.
         max_new_tokens: tokens to add, >= 0; $T$ + `max_new_tokens` must not
             exceed the model's `max_len`.
         key: `None` for greedy decoding; a PRNG key (`jax.random.key`) to
@@ -166,27 +164,28 @@ def generate(
         is given, else 0.
 
     Raises:
-        ConfigError: naming the argument: a model of another type, ids that
-            are not integers in `[0, vocab)` of shape `(T,)` or `(B, T)`, a
-            prompt longer than `max_len` (or with `max_new_tokens` more),
+        ConfigError: naming the argument: a model of another type, text
+            (a `str` or `bytes`) for `ids`, ids that are not integers in
+            `[0, vocab)` of shape `(T,)` or `(B, T)`, a prompt longer than
+            `max_len` (or with `max_new_tokens` more),
             `max_new_tokens < 0`, `top_k` outside `[1, vocab]`, `top_p`
             outside $(0, 1]$, `temperature` $\le 0$ when sampling, `eos_id`
             outside the vocabulary, `lengths` of the wrong shape or outside
             $[1, T]$, `unroll_layers` not a bool or None.
     """
     if isinstance(ids, (str, bytes)):
-        return _generate_text(
-            model, ids, max_new_tokens, key=key, temperature=temperature
+        raise ConfigError(
+            f"{_OWNER}: ids must be token ids, got a {type(ids).__name__}; for "
+            "text in and text out call blocklab.generate_text(model, tokenizer, "
+            "prompts, max_new_tokens) (for the chapter's CharLM the tokenizer "
+            "is blocklab.data.VOCAB)."
         )
-    if isinstance(model, DecoderLM):
-        vocab, max_len = model.cfg.vocab_size, model.cfg.max_len
-    elif isinstance(model, CharLM):
-        vocab, max_len = model.vocab_size, model.max_len
-    else:
+    if not isinstance(model, (DecoderLM, CharLM)):
         raise ConfigError(
             f"{_OWNER}: model must be a DecoderLM or a CharLM, got "
             f"{type(model).__name__}."
         )
+    vocab, max_len = _cache.model_limits(model)
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ConfigError(
