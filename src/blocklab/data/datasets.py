@@ -6,7 +6,7 @@ integer array. Both are batch sources for `blocklab.training.step` (they have
 `train_batch(key, batch_size)` and `val_batch()`).
 
 The text (H. G. Wells, 1898) ships with the package (`blocklab/data/
-timemachine.txt`); nothing downloads. Preprocessing follows the chapter's
+timemachine.txt`); nothing downloads. Preprocessing follows
 `d2l.TimeMachine(tokenization='char')`: every run of characters other than
 ASCII letters becomes one space, the text is lower-cased and split into
 characters. The vocabulary is the sorted set of the 26 letters, the space and
@@ -149,11 +149,11 @@ class TimeMachine(_Windowed):
     $(c_i, \ldots, c_{i+n})$ of `seq_len + 1` = $n + 1$ characters: its first
     $n$ are the input $X_i$ and its last $n$ the target $Y_i$. Windows
     $0 \ldots$ `num_train - 1` train; the next `num_val` validate (they overlap
-    the last training windows by up to $n$ characters, as in the chapter).
+    the last training windows by up to $n$ characters, as d2l's split does).
 
     Training batches are drawn uniformly with replacement from the training
     windows by `train_batch(key, batch_size)`, a pure function that runs
-    under `jit`/`vmap`/`scan`. (The chapter's loader shuffles without
+    under `jit`/`vmap`/`scan`. (d2l's loader shuffles without
     replacement; at 600 steps of 64 out of 100000 windows the two hardly
     differ.) `val_batch()` is the fixed validation set.
 

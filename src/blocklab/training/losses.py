@@ -3,8 +3,8 @@ r"""The training losses: next-token cross-entropy, packed documents, MoE router 
 A **loss** is `loss_fn(model, batch, key) -> loss` (a float scalar) or
 `-> (loss, aux)` (`aux` any pytree of arrays, e.g. an accuracy), where `key`
 is a fresh PRNG key per step (for dropout; ignore it otherwise); that is the
-form `make_train_step` (`blocklab.training.step`) takes. The chapter's loss
-is `next_token_loss`: `lm_loss(model, X, Y)` on a batch `(X, Y)`.
+form `make_train_step` (`blocklab.training.step`) takes. The next-token loss
+on `(X, Y)` batches is `next_token_loss`: `lm_loss(model, X, Y)` on a batch `(X, Y)`.
 `moe_loss(...)` builds the loss of a mixture of experts: a task loss plus
 the router's load-balancing and z-losses (`blocklab.nn.moe`).
 
@@ -158,9 +158,9 @@ def _segment_targets(segment_ids, shape):
 def next_token_loss(
     model: Any, batch: tuple[Int[Array, "B T"], Int[Array, "B T"]], key: Any = None
 ) -> Float[Array, ""]:
-    """The chapter's loss in the general form: `lm_loss(model, *batch)`.
+    """The next-token loss in the general form: `lm_loss(model, *batch)`.
 
-    `batch` is `(X, Y)`; `key` is unused (the chapter's model has no dropout).
+    `batch` is `(X, Y)`; `key` is unused (no dropout).
     """
     X, Y = batch
     return lm_loss(model, X, Y)

@@ -12,7 +12,7 @@ device a chunk ahead; when it runs out, training ends with a message and
 keeps the finished steps. With `mesh=` the same step runs on a mesh
 (`blocklab.training.mesh_training`).
 
-`train_lm(model, data, optimizer, num_steps, key=...)` is the chapter's
+`train_lm(model, data, optimizer, num_steps, key=...)` is the language-model
 shortcut: the next-token loss on a token dataset, validated on its
 validation windows.
 
@@ -315,7 +315,7 @@ def train_lm(
 ) -> TrainResult:
     """Train a language model for `num_steps` steps on random batches of `data`.
 
-    The chapter's shortcut for `train_model(model, data, optimizer, num_steps,
+    The language-model shortcut for `train_model(model, data, optimizer, num_steps,
     key=key, batch_size=batch_size)`: the next-token loss (`lm_loss`) on
     windows of a token dataset, validated on its validation windows at the
     end.
@@ -324,7 +324,7 @@ def train_lm(
         model: maps a `(B, T)` batch of token ids to `(B, T, vocab)` logits
             (e.g. `CharLM`).
         data: the corpus and its split (`TimeMachine` or `TokenDataset`).
-        optimizer: an optax transformation (the chapter: `optax.adamw(1e-3,
+        optimizer: an optax transformation (e.g. `optax.adamw(1e-3,
             weight_decay=0.0)`); a learning rate that is not positive is
             refused.
         num_steps: optimizer steps to take (>= 1).

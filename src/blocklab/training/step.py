@@ -53,7 +53,7 @@ inside a vmapped sweep.
 Randomness: step $s$ of a run with key $k$ uses `jax.random.fold_in(k, s)`
 (`step_keys`), so a run is reproducible and independent of how steps are
 grouped into chunks. The batch is drawn from that key and the loss gets
-`fold_in(key, 1)` (so the chapter's batches are those of a plain
+`fold_in(key, 1)` (so the batches are those of a plain
 `train_batch(key, ...)`).
 """
 
@@ -220,7 +220,7 @@ class TrainStep(eqx.Module):
 
     @property
     def data(self) -> Any:
-        """The token dataset of an `LMBatches` source (the chapter's `step.data`)."""
+        """The token dataset of an `LMBatches` source (`step.data`)."""
         return getattr(self.source, "data", self.source)
 
     @property

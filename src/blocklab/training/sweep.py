@@ -104,7 +104,7 @@ __all__ = [
 
 
 @functools.cache
-def _chapter_optimizer() -> optax.GradientTransformationExtraArgs:
+def _default_optimizer() -> optax.GradientTransformationExtraArgs:
     # One object, so that repeated sweeps hit the compilation cache (the
     # optimizer is a static part of the compiled step).
     return sweep_optimizer(optax.adamw, weight_decay=0.0)
@@ -119,7 +119,7 @@ def sweep_optimizer(
     `weight_decay=0.0, b2=0.95`) lives in the optimizer state
     (`opt_state.hyperparams`) as a float32 array, so members of one sweep can
     hold different values under one compiled step; `train_sweep` writes each
-    member's values there. The chapter's optimizer is
+    member's values there. AdamW without weight decay is
     `sweep_optimizer(optax.adamw, weight_decay=0.0)`.
 
     To sweep a schedule's parameters, give `inject_hyperparams` a function of
@@ -402,8 +402,8 @@ def train_sweep(
         hyperparams: `{name: one value or K values}` for any hyperparameter
             of `optimizer` (built with `optax.inject_hyperparams`).
         optimizer: an `optax.inject_hyperparams` transformation; default
-            `sweep_optimizer(optax.adamw, weight_decay=0.0)` (the chapter's,
-            which needs `learning_rates`).
+            `sweep_optimizer(optax.adamw, weight_decay=0.0)` (AdamW without
+            weight decay, which needs `learning_rates`).
         loss_fn: `loss_fn(model, batch, key)`; default the next-token loss.
         precision: `"float32"` or `"bf16"` (see `blocklab.training.step`).
         batch_size: sequences per step and member for a token dataset
@@ -461,7 +461,7 @@ def train_sweep(
             f"{owner}: learning_rates is required with the default optimizer "
             "(sweep_optimizer(optax.adamw, weight_decay=0.0))."
         )
-    tx = _chapter_optimizer() if optimizer is None else optimizer
+    tx = _default_optimizer() if optimizer is None else optimizer
     values = _member_values(owner, hp, K)
     step = make_train_step(
         tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
