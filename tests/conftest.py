@@ -5,10 +5,13 @@ whose reference needs float64 (an identity checked at 1e-12, a NumPy float64
 loop, a closed form) carries `@pytest.mark.float64`: `jax_enable_x64` is on
 for that test only (its setup, call and teardown) and restored afterwards, so
 that a pytest-xdist worker running many tests never leaks the setting into
-the next one. Arrays created at import time (module level) are float32. A
-module-scoped fixture or a cached helper is built in the precision of the
-first test that asks for it: give it explicit dtypes, or cache it per
-precision (as `_moe` in tests/test_moe.py does).
+the next one. Arrays created at import time (module level) are float32,
+whatever `JAX_ENABLE_X64` says in the environment. A fixture wider than one
+test (module, class or session scope) is built in the precision of its scope,
+float64 only where its module or class is marked, never in that of whichever
+test first asks for it on a worker (which pytest-xdist's worksteal decides).
+A cached helper has no scope: cache it per precision (as `_moe` in
+tests/test_moe.py does) or give it explicit dtypes.
 
 Slow tests carry `@pytest.mark.slow` (`pytest.param(..., marks=...)` for one
 case of a parametrized test); the default run, `-m "not slow"` in
@@ -40,12 +43,17 @@ if "--xla_backend_optimization_level" not in _FLAGS:
     os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402
+import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 from _crash_rerun import (  # noqa: E402, F401  (hooks: pytest finds them here)
     pytest_handlecrashitem,
     pytest_report_teststatus,
     pytest_terminal_summary,
 )
+
+# Module-level arrays are float32 even under JAX_ENABLE_X64=1 (the test
+# modules are imported after this file).
+jax.config.update("jax_enable_x64", False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -59,6 +67,32 @@ def pytest_runtest_protocol(item, nextitem):
         jax.config.update("jax_enable_x64", before)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Build a fixture shared by several tests in the precision of its scope.
+
+    `request.node` is the module, class or session the fixture lives for:
+    float64 where it is marked, float32 otherwise, whichever test asked first.
+    """
+    if fixturedef.scope == "function":
+        return (yield)
+    with jax.enable_x64(request.node.get_closest_marker("float64") is not None):
+        return (yield)
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+@pytest.fixture
+def plain_python(monkeypatch):
+    """No run-time type checker, as in a user's program: blocklab's own errors.
+
+    With the suite's jaxtyping + beartype hook on, a wrong rank, a wrong
+    `valid_lens` shape or a wrong type is already refused by the annotation
+    (a `TypeCheckError` naming the parameter), and NumPy scalars by `int` /
+    `float` hints; users normally run without it and get blocklab's own
+    `ConfigError` (a `ValueError`).
+    """
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)

@@ -75,10 +75,7 @@ def test_ragged_prompts_decode_from_their_own_lengths():
         np.testing.assert_allclose(out[b, 0], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_single_sequence_and_bad_input(monkeypatch):
-    import jaxtyping  # our own messages, not the annotation hook's
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+def test_single_sequence_and_bad_input(plain_python):
     mha = _mha(8, 2, dict(rope_theta=1e4))
     x = jax.random.normal(jax.random.key(0), (5, 8))
     cache = mha.init_cache((), 5)
@@ -218,10 +215,7 @@ def test_switching_to_chunked_changes_no_diagnostic(small_blocks):
     assert i0.discrepancy == i1.discrepancy
 
 
-def test_bad_impl_lists_the_choices(monkeypatch):
-    import jaxtyping  # our own messages, not the annotation hook's
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+def test_bad_impl_lists_the_choices(plain_python):
     choices = "auto.*reference.*fused.*chunked"
     with pytest.raises(ConfigError, match=f"attention_impl.*{choices}.*flash"):
         bl.MultiHeadAttention(8, 2, attention_impl="flash", key=jax.random.key(0))

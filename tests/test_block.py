@@ -158,18 +158,6 @@ def test_dropout_is_off_without_a_key_and_on_with_one():
 KEY = jax.random.key(0)
 
 
-@pytest.fixture
-def plain_python(monkeypatch):
-    """No run-time type checker, as in a user's program: blocklab's own errors.
-
-    (With the suite's jaxtyping + beartype hook on, a wrong type is already
-    refused by the annotation, and NumPy scalars by `int`/`float` hints.)
-    """
-    import jaxtyping
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
-
-
 BUILDERS = {
     "block": lambda **kw: bl.TransformerBlock(16, 4, key=KEY, **kw),
     "attention": lambda **kw: bl.MultiHeadAttention(16, 4, key=KEY, **kw),

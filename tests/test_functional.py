@@ -252,11 +252,7 @@ def test_masked_softmax_with_lengths_aligned_to_the_leading_axes():
         (np.arange(5), r"got shape \(5,\)"),
     ],
 )
-def test_masked_softmax_refuses_bad_lengths(lens, pattern, monkeypatch):
-    import jaxtyping
-
-    # blocklab's own error, as without the suite's run-time type checker
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+def test_masked_softmax_refuses_bad_lengths(lens, pattern, plain_python):
     with pytest.raises(ValueError, match=pattern):
         F.masked_softmax(jnp.zeros((3, 3)), lens)
 
@@ -303,5 +299,7 @@ def test_clamped_softmax_equals_replacement_on_finite_and_inf_scores():
     np.testing.assert_allclose(got[0, 1], 1 / 9, rtol=1e-6)
     # the same gradient as the replacement: nothing reaches a masked score
     fin = jnp.asarray(np.where(np.isfinite(scores) & (scores < 1e30), scores, 1.0))
-    g = jax.grad(lambda s: jnp.sum(_softmax_clamped(s, jnp.asarray(mask))[..., 0] ** 2))(fin)
+    g = jax.grad(
+        lambda s: jnp.sum(_softmax_clamped(s, jnp.asarray(mask))[..., 0] ** 2)
+    )(fin)
     assert np.all(np.asarray(g)[~mask] == 0.0)

@@ -96,10 +96,7 @@ def test_pack_documents_hand_worked():
     )
 
 
-def test_bad_segment_ids_are_named(monkeypatch):
-    import jaxtyping  # our own messages, not the annotation hook's
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+def test_bad_segment_ids_are_named(plain_python):
     model = _model("rope")
     ids = jnp.zeros((2, 6), jnp.int32)
     with pytest.raises(ConfigError, match="segment_ids.*shape"):

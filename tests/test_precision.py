@@ -3,7 +3,8 @@
 `tests/conftest.py` turns `jax_enable_x64` on for a test marked
 `@pytest.mark.float64` and restores it after the test, so that a pytest-xdist
 worker that runs a float64 test and then a float32 one runs the second in
-float32, as users run it.
+float32, as users run it; a fixture shared by several tests is built in the
+precision of its module or class, not in that of the first test that asks.
 """
 
 import jax
@@ -46,6 +47,35 @@ def test_a_marked_test_may_change_the_flag_and_it_is_restored(step):
     # inside still leaves the next (float32) test as it should be.
     assert jax.config.read("jax_enable_x64")
     jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="module")
+def shared_zeros():
+    """Built once, by whichever of the two tests below a worker runs first."""
+    return jnp.zeros(2)
+
+
+@pytest.mark.float64
+def test_a_module_fixture_is_float32_even_when_a_float64_test_builds_it(
+    shared_zeros,
+):
+    # (first in the file: without xdist it is the test that builds it)
+    assert jax.config.read("jax_enable_x64")
+    assert shared_zeros.dtype == jnp.float32
+
+
+def test_a_module_fixture_is_float32_in_a_float32_test(shared_zeros):
+    assert shared_zeros.dtype == jnp.float32
+
+
+@pytest.mark.float64
+class TestAFloat64Class:
+    @pytest.fixture(scope="class")
+    def shared_zeros(self):
+        return jnp.zeros(2)
+
+    def test_its_class_fixture_is_float64(self, shared_zeros):
+        assert shared_zeros.dtype == jnp.float64
 
 
 def test_float32_norm_matches_the_float64_reference_to_float32_rounding():
