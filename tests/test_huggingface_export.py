@@ -19,13 +19,12 @@ import pytest
 from blocklab._validate import ConfigError
 from blocklab.interop import (
     FAMILIES,
-    MoEDecoderConfig,
     Rule,
     load_huggingface_state_dict,
     to_huggingface_state_dict,
 )
 from blocklab.interop.hf_common import resolve_family, unsupported_settings
-from blocklab.nn import DecoderConfig, DecoderLM
+from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
 
 V, D, H, T = 48, 32, 4, 12
 
