@@ -288,9 +288,11 @@ def _check_model_matches_config(cls: str, hf_model: Any, hf_config: Any) -> None
         for m in modules():
             for attr in ("act_fn", "act"):
                 got = getattr(m, attr, None)
-                if got is not None and type(got).__module__.startswith(
-                    ("transformers", "torch")
-                ) and type(got) is not want:
+                if (
+                    got is not None
+                    and type(got).__module__.startswith(("transformers", "torch"))
+                    and type(got) is not want
+                ):
                     raise ConfigError(
                         f"from_huggingface: config.{field}={name!r} but the {cls}'s "
                         f"MLP computes {type(got).__name__} (the config was edited "
