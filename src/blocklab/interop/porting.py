@@ -45,6 +45,23 @@ def _is_param(leaf) -> bool:
     )
 
 
+def _float_dtype(owner: str, dtype: Any, keeps: str) -> np.dtype | None:
+    """`dtype` as a dtype if it is a floating one (`None` stays `None`: keep
+    `keeps`), else a `ConfigError` naming it."""
+    if dtype is None:
+        return None
+    try:
+        out = jnp.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None or not jnp.issubdtype(out, jnp.floating):
+        raise ConfigError(
+            f"{owner}: dtype must be a floating-point dtype (e.g. jnp.float32, "
+            f"jnp.bfloat16, jnp.float16) or None to keep {keeps}, got {dtype!r}."
+        )
+    return out
+
+
 def _as_numpy(name: str, value: Any) -> np.ndarray:
     """A state-dict entry (NumPy, JAX, or a CPU PyTorch tensor) as a NumPy array."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor
@@ -201,17 +218,7 @@ def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
         f"the {type(module).__name__}",
         hint=f" The module's keys are {list(expected)}.",
     )
-    if dtype is not None:
-        try:
-            dtype = jnp.dtype(dtype)
-        except TypeError:
-            dtype = None
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise ConfigError(
-                "load_state_dict: dtype must be a floating-point dtype (e.g. "
-                "jnp.float32, jnp.bfloat16) or None to keep each parameter's "
-                "dtype."
-            )
+    dtype = _float_dtype("load_state_dict", dtype, "each parameter's dtype")
     arrays = {}
     for name, shape in expected.items():
         value = _as_numpy(name, state_dict[name])

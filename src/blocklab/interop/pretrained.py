@@ -70,7 +70,7 @@ from ..nn.decoder_config import DecoderConfig
 from ..training.checkpoint import CheckpointError
 from .hf_common import FAMILIES, HFFamily, StoredAs, family_for_class, resolve_family
 from .huggingface import _all_rules, _skeleton
-from .porting import _walk, param_shapes
+from .porting import _float_dtype, _walk, param_shapes
 from .safetensors_io import (
     CONFIG_NAME,
     Catalog,
@@ -241,22 +241,6 @@ def _config(raw: dict[str, Any], where: Path) -> tuple[HFFamily, DecoderConfig]:
 # load_pretrained -----------------------------------------------------------------
 
 
-def _check_dtype(dtype: Any) -> np.dtype | None:
-    if dtype is None:
-        return None
-    try:
-        out = jnp.dtype(dtype)
-    except TypeError:
-        out = None
-    if out is None or not jnp.issubdtype(out, jnp.floating):
-        raise ConfigError(
-            f"load_pretrained: dtype must be a floating-point dtype (jnp.float32, "
-            f"jnp.bfloat16, jnp.float16, ...) or None to keep the stored dtypes, "
-            f"got {dtype!r}."
-        )
-    return out
-
-
 def _resolve_sharding(sharding: Any) -> Callable[[str], Any]:
     if sharding is None:
         return lambda path: None
@@ -352,7 +336,7 @@ def load_pretrained(
     """
     owner = "load_pretrained"
     folder = _folder(owner, path)
-    target_dtype = _check_dtype(dtype)
+    target_dtype = _float_dtype(owner, dtype, "the stored dtypes")
     sharding_of = _resolve_sharding(sharding)
     raw = read_config(folder)
     fam, cfg = _config(raw, folder / CONFIG_NAME)
