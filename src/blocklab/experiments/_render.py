@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
@@ -23,6 +23,8 @@ from .._validate import ConfigError
 
 __all__ = [
     "dumps",
+    "figure_links",
+    "json_floats",
     "markdown_table",
     "nonfinite_paths",
     "to_jsonable",
@@ -87,6 +89,12 @@ def dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(to_jsonable(obj), allow_nan=False, **kwargs)
 
 
+def json_floats(x: Any) -> Any:
+    """`x` as float64 numbers in strict JSON: a float, or (nested) lists of
+    floats, each non-finite value as `None`."""
+    return to_jsonable(np.asarray(x, np.float64))
+
+
 def nonfinite_paths(obj: Any, prefix: str = "") -> list[str]:
     """Dotted paths (`rows.gelu.loss[3]`) of the non-finite floats inside `obj`.
 
@@ -135,3 +143,9 @@ def markdown_table(
     ]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def figure_links(paths: Iterable[PurePath]) -> str:
+    """Markdown images of `paths`, one a line, each linked by file name (a
+    report's figures sit beside it) with the file's stem as its alt text."""
+    return "\n".join(f"![{p.stem}]({p.name})" for p in paths)

@@ -37,9 +37,10 @@ from ..nn.charlm import CharLM
 from ..nn.ffn import ACTS
 from ..training.run import TrainResult, train_lm
 from ..training.sweep import train_sweep
+from ._render import json_floats, markdown_table
 from ._seeds import check_seeds
 from .plotting import line_plot
-from .protocol import check_report_flags
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = [
     "CHAPTER_JAX",
@@ -159,10 +160,6 @@ def train_seeds(
     ).runs()  # fmt: skip
 
 
-def _finite_or_none(values) -> list[float | None]:
-    return [float(v) if np.isfinite(v) else None for v in np.asarray(values, float)]
-
-
 @dataclasses.dataclass(frozen=True)
 class ActivationComparison:
     """What `compare_activations` returns (plain NumPy / Python data).
@@ -204,17 +201,16 @@ class ActivationComparison:
 
     def table(self) -> str:
         """Markdown: mean ± std over seeds of each checkpoint loss and the val loss."""
-        head = " | ".join(f"loss @ {k}" for k in self.checkpoints)
-        lines = [
-            f"| act | {head} | val loss |",
-            "|---|" + "---:|" * (len(self.checkpoints) + 1),
+        header = ["act", *(f"loss @ {k}" for k in self.checkpoints), "val loss"]
+        rows = [
+            [
+                act,
+                *(_mean_std(self.loss_at[act][str(k)]) for k in self.checkpoints),
+                _mean_std(self.val_loss[act]),
+            ]
+            for act in self.acts
         ]
-        for act in self.acts:
-            cells = " | ".join(
-                _mean_std(self.loss_at[act][str(k)]) for k in self.checkpoints
-            )
-            lines.append(f"| {act} | {cells} | {_mean_std(self.val_loss[act])} |")
-        return "\n".join(lines)
+        return markdown_table(header, rows)
 
     def to_json(self) -> dict[str, Any]:
         """Strict-JSON data: non-finite numbers are `None`; `diverged` names runs."""
@@ -222,10 +218,8 @@ class ActivationComparison:
             "protocol": dict(self.protocol),
             "results": {
                 a: {
-                    "loss_at": {
-                        k: _finite_or_none(v) for k, v in self.loss_at[a].items()
-                    },
-                    "val_loss": _finite_or_none(self.val_loss[a]),
+                    "loss_at": {k: json_floats(v) for k, v in self.loss_at[a].items()},
+                    "val_loss": json_floats(self.val_loss[a]),
                     "diverged_at": list(self.diverged_at[a]),
                 }
                 for a in self.acts
@@ -399,23 +393,18 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> str:
     return "quick" if quick else "full" if full else "cpu"
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("activations")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores: 0.26 s per step and run, plus compilation.
 
     (The per-step figure's calibration: benchmarks/README.md.)
     """
-    quick, full, _ = check_report_flags("activations.report_estimate", quick, full)
     steps, seeds = REPORT_PROTOCOLS[report_protocol(quick=quick, full=full)]
     return 2 * len(seeds) * steps * 0.26 + 20
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("activations")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """Run the report's comparison (GELU vs SwiGLU) and return its Markdown section.
 
     `full` (an accelerator, or `blocklab report --full`): 600 steps, seeds 0, 1,
@@ -423,9 +412,6 @@ def report_section(
     the section names that protocol and how to run the full one. `quick`: 90
     steps, seed 0. Writes `out_dir/train_losses.png`.
     """
-    quick, full, progress = check_report_flags(
-        "activations.report_section", quick, full, progress
-    )
     name = report_protocol(quick=quick, full=full)
     steps, seeds = REPORT_PROTOCOLS[name]
     result = compare_activations(("gelu", "swiglu"), seeds, steps, progress=progress)

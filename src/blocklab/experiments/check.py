@@ -46,7 +46,8 @@ from ..nn.block import PLACEMENTS, TransformerBlock
 from ..nn.ffn import ACTS, FeedForward, ffn_width
 from ..nn.functional import gelu, layer_norm, rms_norm
 from ..nn.normalization import NORMS
-from .protocol import check_report_flags
+from ._render import markdown_table
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = ["CheckResult", "KEYS", "check_rows", "run_check"]
 
@@ -755,19 +756,23 @@ def _fmt(v: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table: claim, closed form, measured, discrepancy, ok."""
-    lines = [
-        "| claim | closed form | measured | discrepancy | tolerance | holds |",
-        "|---|---:|---:|---:|---:|:---:|",
-    ]
+    header = ("claim", "closed form", "measured", "discrepancy", "tolerance", "holds")
+    cells = []
     for r in rows:
         holds = (
             "yes" if r["holds"] else f"**no**: {r['note']}" if r["note"] else "**no**"
         )
-        lines.append(
-            f"| {r['claim']} | {_fmt(r['closed_form'])} | {_fmt(r['measured'])} | "
-            f"{r['discrepancy']:.2g} | {r['tolerance']:.2g} | {holds} |"
+        cells.append(
+            (
+                r["claim"],
+                _fmt(r["closed_form"]),
+                _fmt(r["measured"]),
+                f"{r['discrepancy']:.2g}",
+                f"{r['tolerance']:.2g}",
+                holds,
+            )
         )
-    return "\n".join(lines)
+    return markdown_table(header, cells, align="lrrrrc")
 
 
 #: Why the rows that do not hold disagree: the study's findings, in Markdown
@@ -850,21 +855,15 @@ def run_check(
     return CheckResult(rows=rows, num_seeds=num_seeds, quick=quick, gpt1=gpt1)
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("check")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores (calibration: benchmarks/README.md)."""
-    quick, full, _ = check_report_flags("check.report_estimate", quick, full)
     return 80.0 if quick else 140.0
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("check")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """The report's table of claims: 8 seeds and exercise 5c's d = 768 rows;
     `quick`: 4 seeds, the reduced grid and timing array. No figures."""
-    quick, full, _ = check_report_flags("check.report_section", quick, full, progress)
     del out_dir
     return run_check(num_seeds=4 if quick else 8, quick=quick, gpt1=True).section()

@@ -55,9 +55,10 @@ from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
 from ..training.sweep import SweepResult
 from . import proxies
+from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seed
 from .plotting import line_plot
-from .protocol import check_report_flags
+from .protocol import report_estimate_hook, report_section_hook
 from .proxies import LogitProbe, lr_sensitivity
 
 __all__ = [
@@ -190,14 +191,6 @@ def estimate_seconds(p: LRProtocol, lrs: Sequence[float] = LRS) -> float:
     return study_flops(p, lrs) / rate + 20.0
 
 
-def _clean(values) -> Any:
-    """Nested lists of floats for JSON, non-finite as `None`."""
-    a = np.asarray(values, np.float64)
-    if a.ndim == 0:
-        return float(a) if math.isfinite(float(a)) else None
-    return [_clean(v) for v in a]
-
-
 def _fmt(x) -> str:
     return "diverged" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
@@ -297,40 +290,50 @@ class LRSensitivityResult:
             "lrs": list(self.lrs),
             "seed": self.seed,
             "steps": [int(s) for s in self.steps],
-            "final_loss": {m: _clean(v) for m, v in self.final_loss.items()},
-            "initial_loss": {m: _clean(v) for m, v in self.initial_loss.items()},
-            "sensitivity": {m: _clean(v) for m, v in self.sensitivity.items()},
-            "max_attn_logit": {m: _clean(v) for m, v in self.max_attn_logit.items()},
-            "max_output_logit": {
-                m: _clean(v) for m, v in self.max_output_logit.items()
+            "final_loss": {m: json_floats(v) for m, v in self.final_loss.items()},
+            "initial_loss": {m: json_floats(v) for m, v in self.initial_loss.items()},
+            "sensitivity": {m: json_floats(v) for m, v in self.sensitivity.items()},
+            "max_attn_logit": {
+                m: json_floats(v) for m, v in self.max_attn_logit.items()
             },
-            "loss_curves": {m: _clean(v) for m, v in self.loss_curves.items()},
+            "max_output_logit": {
+                m: json_floats(v) for m, v in self.max_output_logit.items()
+            },
+            "loss_curves": {m: json_floats(v) for m, v in self.loss_curves.items()},
             "diverged_at": {
                 m: [int(d) for d in v] for m, v in self.diverged_at.items()
             },
             "diverged": self.diverged,
             "verdicts": [
-                {k: (_clean(v) if isinstance(v, float) else v) for k, v in d.items()}
+                {
+                    k: (json_floats(v) if isinstance(v, float) else v)
+                    for k, v in d.items()
+                }
                 for d in self.verdicts
             ],
         }
 
     def table(self) -> str:
         """Markdown: final loss and largest logits per rate, both models."""
-        lines = [
-            "| lr | final loss QK-norm | final loss no QK-norm | max attn logit QK / no"
-            " | max output logit QK / no |",
-            "|---:|---:|---:|---:|---:|",
-        ]
+        header = (
+            "lr", "final loss QK-norm", "final loss no QK-norm",
+            "max attn logit QK / no", "max output logit QK / no",
+        )  # fmt: skip
+        rows = []
         for i, lr in enumerate(self.lrs):
             f = [self.final_loss[m][i] for m in MODELS]
             a = [_nanmax(self.max_attn_logit[m][i]) for m in MODELS]
             o = [_nanmax(self.max_output_logit[m][i]) for m in MODELS]
-            lines.append(
-                f"| {lr:.2e} | {_fmt(f[0])} | {_fmt(f[1])} | {a[0]:.1f} / {a[1]:.1f} | "
-                f"{o[0]:.1f} / {o[1]:.1f} |"
+            rows.append(
+                (
+                    f"{lr:.2e}",
+                    _fmt(f[0]),
+                    _fmt(f[1]),
+                    f"{a[0]:.1f} / {a[1]:.1f}",
+                    f"{o[0]:.1f} / {o[1]:.1f}",
+                )
             )
-        return "\n".join(lines)
+        return markdown_table(header, rows, align="rrrrr")
 
     def explanation(self) -> str:
         """One line per rate where the model without QK-norm ends worse."""
@@ -511,9 +514,9 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> LRProtocol:
     return QUICK if quick else FULL if full else CPU
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("lr_sensitivity")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 CPU cores of the protocol the report runs."""
-    quick, full, _ = check_report_flags("lr_sensitivity.report_estimate", quick, full)
     return estimate_seconds(report_protocol(quick=quick, full=full))
 
 
@@ -531,22 +534,14 @@ def slow_warning(protocol: LRProtocol, lrs: Sequence[float] = LRS) -> str | None
     )
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("lr_sensitivity")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """Run exercise 11 for the report; write its PNGs; return the Markdown section.
 
     `quick` runs `QUICK`, `full` runs `FULL` (an accelerator, or `--full`),
     otherwise `CPU`; the section names the protocol, and when it is not the
     full one, how to run that. `progress`: a tqdm bar per model.
     """
-    quick, full, progress = check_report_flags(
-        "lr_sensitivity.report_section", quick, full, progress
-    )
     protocol = report_protocol(quick=quick, full=full)
     result = run_study(protocol, progress=progress)
     paths = result.figures(out_dir)
@@ -563,6 +558,6 @@ def report_section(
         "## Learning-rate sensitivity with and without QK-norm (exercise 11)\n\n"
         f"{protocol.describe()}\n\n{note}{result.table()}\n\n"
         f"{result.sensitivity_line()}\n\n{rule_text()}\n\n{result.explanation()}\n\n"
-        + "\n".join(f"![{p.stem}]({p.name})" for p in paths)
+        + figure_links(paths)
         + "\n"
     )

@@ -45,8 +45,8 @@ from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizer import optimizer as make_optimizer
 from ..training.step import init_state, make_train_step
 from ..training.sweep import sweep_grid, train_sweep
-from ._render import markdown_table
-from .protocol import check_report_flags
+from ._render import figure_links, json_floats, markdown_table
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = [
     "ACTIVATIONS",
@@ -197,16 +197,13 @@ class CoordCheckResult:
         return markdown_table(header, rows)
 
     def to_json(self) -> dict[str, Any]:
-        def clean(a):
-            return [None if not math.isfinite(float(x)) else float(x) for x in a]
-
         return {
             "parametrization": self.parametrization,
             "learning_rate": self.learning_rate,
             "widths": list(self.widths),
             "steps": [int(s) for s in self.steps],
-            "rms": {k: [clean(r) for r in v] for k, v in self.rms.items()},
-            "slopes": {k: clean(v) for k, v in self.slopes.items()},
+            "rms": {k: [json_floats(r) for r in v] for k, v in self.rms.items()},
+            "slopes": {k: json_floats(v) for k, v in self.slopes.items()},
             "final_slopes": {
                 k: (v if math.isfinite(v) else None)
                 for k, v in self.final_slopes().items()
@@ -364,17 +361,11 @@ class TransferResult:
         return markdown_table(header, rows)
 
     def to_json(self) -> dict[str, Any]:
-        def clean(a):
-            a = np.asarray(a, np.float64)
-            if a.ndim == 0:
-                return float(a) if np.isfinite(a) else None
-            return [clean(x) for x in a]
-
         return {
             "widths": list(self.widths), "lrs": list(self.lrs),
             "seeds": list(self.seeds),
             "steps": self.steps, "base_width": self.base_width,
-            "val_loss": {p: clean(v) for p, v in self.val_loss.items()},
+            "val_loss": {p: json_floats(v) for p, v in self.val_loss.items()},
             "optimal_lr": {p: self.optimal_lrs(p) for p in self.val_loss},
             "shift": {p: self.shift(p) for p in self.val_loss},
         }  # fmt: skip
@@ -576,10 +567,10 @@ def report_protocol(*, quick: bool = False, full: bool = False) -> MupProtocol:
     return QUICK if quick else FULL if full else REPORT
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("mup")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores (mostly compilation: ~10 s per width and
     parametrization)."""
-    quick, full, _ = check_report_flags("mup.report_estimate", quick, full)
     p = report_protocol(quick=quick, full=full)
     est = 2 * len(p.widths) * (10.0 + 0.5 * p.steps * len(p.seeds))
     if p.transfer:
@@ -587,14 +578,9 @@ def report_estimate(*, quick: bool = False, full: bool = False) -> float:
     return est * (40.0 if full else 1.0)
 
 
-def report_section(
-    out_dir: str | Path, *, quick: bool = False, full: bool = False,
-    progress: bool = False,
-) -> str:  # fmt: skip
+@report_section_hook("mup")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """The μP section: the coordinate check (and on `full`, the transfer study)."""
-    quick, full, progress = check_report_flags(
-        "mup.report_section", quick, full, progress
-    )
     p = report_protocol(quick=quick, full=full)
     res = run_study(p, progress=progress)
     paths = res.figures(out_dir)
@@ -611,7 +597,5 @@ def report_section(
         f"Protocol `{p.name}`: Llama-style DecoderLM, widths {list(p.widths)}, "
         f"base width {min(p.widths)}. RMS of activation coordinates after "
         f"{p.steps} Adam steps and slope of log RMS vs log width ({slopes}).\n\n"
-        f"{note}{res.table()}\n\n"
-        + "\n".join(f"![{q.stem}]({q.name})" for q in paths)
-        + "\n"
+        f"{note}{res.table()}\n\n" + figure_links(paths) + "\n"
     )

@@ -33,7 +33,7 @@ from ..diagnostics.theory import achieved_bandwidth, norm_cost, passes_over_x
 from ..nn.functional import layer_norm, rms_norm
 from ..nn.inplace import layer_norm_, rms_norm_
 from ._render import markdown_table
-from .protocol import check_report_flags
+from .protocol import report_estimate_hook, report_section_hook
 from .timing import time_call
 
 __all__ = ["DEFAULT_SHAPE", "NormsResult", "implementations", "run_norms"]
@@ -362,22 +362,14 @@ class NormsResult:
         )
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("norms")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores (measured: 13 s; far more on a shared one)."""
-    quick, full, _ = check_report_flags("norms.report_estimate", quick, full)
     return 10.0 if quick else 15.0
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("norms")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """The report's timings (`REPORT_RUNS[quick]`); writes `norms_bandwidth.png`."""
-    quick, full, progress = check_report_flags(
-        "norms.report_section", quick, full, progress
-    )
     shape, reps = REPORT_RUNS[quick]
     return run_norms(shape=shape, reps=reps, progress=progress).section(out_dir)

@@ -22,7 +22,7 @@ from ..nn.block import PLACEMENTS, TransformerBlock
 from ..nn.ffn import ACTS, FeedForward
 from ..nn.normalization import NORMS
 from ._render import markdown_table
-from .protocol import check_report_flags
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = ["CHAPTER_BLOCKS", "CensusResult", "act_blocks", "block_census", "run_census"]
 
@@ -186,20 +186,14 @@ def run_census(
     )
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("census")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 CPU cores (abstract blocks: nothing is computed)."""
-    check_report_flags("census.report_estimate", quick, full)
     return 5.0
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("census")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """The report's census of the chapter's blocks (the same at every size)."""
-    check_report_flags("census.report_section", quick, full, progress)
     del out_dir  # the census has no figures
     return run_census().section()

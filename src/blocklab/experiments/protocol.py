@@ -14,6 +14,10 @@ Each study module in `blocklab.experiments` exposes the same surface:
 - `report_estimate(*, quick, full) -> float`: the section's expected seconds
   on 2 CPU cores.
 
+A study declares both with `report_section_hook` / `report_estimate_hook`,
+which give them this signature and its defaults and check the flags once, so
+the study's own code starts from three checked bools.
+
 `STUDIES` registers them (as `Study` objects) in the report's order, each
 with the subcommand that runs it (`blocklab <command>`, named after the
 study; an older command name stays an alias); `STUDY_NAMES` lists their
@@ -23,14 +27,24 @@ names in that order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 from .._validate import ConfigError, check_bool
 
-__all__ = ["STUDIES", "STUDY_NAMES", "Study", "check_report_flags", "study"]
+__all__ = [
+    "STUDIES",
+    "STUDY_NAMES",
+    "Study",
+    "check_report_flags",
+    "report_estimate_hook",
+    "report_section_hook",
+    "study",
+]
 
 
 def check_report_flags(
@@ -49,6 +63,72 @@ def check_report_flags(
             f"{owner}: quick=True and full=True exclude each other; choose one."
         )
     return quick, full, progress
+
+
+def _named_after(hook: Callable, body: Callable) -> Callable:
+    # The body's name and docstring, but the hook's own signature (the
+    # protocol's, with its defaults), which `inspect` reads before it would
+    # follow `__wrapped__` to the body.
+    signature = inspect.signature(hook)
+    functools.update_wrapper(
+        hook,
+        body,
+        assigned=("__module__", "__name__", "__qualname__", "__doc__"),
+        updated=(),
+    )
+    hook.__signature__ = signature
+    return hook
+
+
+def report_section_hook(
+    owner: str,
+) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Decorate a study's `report_section` body: the protocol's signature.
+
+    The result is `report_section(out_dir, *, quick=False, full=False,
+    progress=False) -> str`; it checks the flags (`check_report_flags`, its
+    errors naming `<owner>.report_section`) and calls the body with
+    `Path(out_dir)` and three bools.
+    """
+
+    def decorate(body: Callable[..., str]) -> Callable[..., str]:
+        name = f"{owner}.report_section"
+
+        def report_section(
+            out_dir: str | Path,
+            *,
+            quick: bool = False,
+            full: bool = False,
+            progress: bool = False,
+        ) -> str:
+            quick, full, progress = check_report_flags(name, quick, full, progress)
+            return body(Path(out_dir), quick=quick, full=full, progress=progress)
+
+        return _named_after(report_section, body)
+
+    return decorate
+
+
+def report_estimate_hook(
+    owner: str,
+) -> Callable[[Callable[..., float]], Callable[..., float]]:
+    """Decorate a study's `report_estimate` body: the protocol's signature.
+
+    The result is `report_estimate(*, quick=False, full=False) -> float`; it
+    checks the flags (errors naming `<owner>.report_estimate`) and calls the
+    body with two bools.
+    """
+
+    def decorate(body: Callable[..., float]) -> Callable[..., float]:
+        name = f"{owner}.report_estimate"
+
+        def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+            quick, full, _ = check_report_flags(name, quick, full)
+            return body(quick=quick, full=full)
+
+        return _named_after(report_estimate, body)
+
+    return decorate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,8 @@ from ..training.losses import lm_loss
 from ..training.optimizer import optimizer as make_optimizer
 from ..training.step import validation_loss
 from ..training.sweep import SweepResult, train_sweep
-from ._render import markdown_table
-from .protocol import check_report_flags
+from ._render import figure_links, json_floats, markdown_table
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = [
     "CPU",
@@ -417,23 +417,19 @@ class ProxiesResult:
         def key(k):
             return f"{k[0]}/d={k[1]}/N={k[2]}"
 
-        def clean(a):
-            a = np.asarray(a, np.float64)
-            if a.ndim == 0:
-                return float(a) if np.isfinite(a) else None
-            return [clean(x) for x in a]
-
         return {
             "protocol": dataclasses.asdict(self.protocol),
             "variants": list(self.variants),
-            "sensitivity": {key(k): clean(v) for k, v in self.sensitivity.items()},
-            "init_loss": {key(k): clean(v) for k, v in self.init_loss.items()},
-            "val_loss": {key(k): clean(v) for k, v in self.val_loss.items()},
+            "sensitivity": {
+                key(k): json_floats(v) for k, v in self.sensitivity.items()
+            },
+            "init_loss": {key(k): json_floats(v) for k, v in self.init_loss.items()},
+            "val_loss": {key(k): json_floats(v) for k, v in self.val_loss.items()},
             "max_attn_logit": {
-                key(k): clean(v) for k, v in self.max_attn_logit.items()
+                key(k): json_floats(v) for k, v in self.max_attn_logit.items()
             },
             "max_output_logit": {
-                key(k): clean(v) for k, v in self.max_output_logit.items()
+                key(k): json_floats(v) for k, v in self.max_output_logit.items()
             },
             "findings": self.findings(),
         }
@@ -529,21 +525,16 @@ def estimate_seconds(p: ProxiesProtocol, num_variants: int = len(VARIANTS)) -> f
     return num_variants * (10.0 * len(p.points()) + flops / 50e9)
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("proxies")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores of the report's section."""
-    quick, full, _ = check_report_flags("proxies.report_estimate", quick, full)
     p = report_protocol(quick=quick, full=full)
     return estimate_seconds(p, len(report_variants(quick=quick, full=full)))
 
 
-def report_section(
-    out_dir: str | Path, *, quick: bool = False, full: bool = False,
-    progress: bool = False,
-) -> str:  # fmt: skip
+@report_section_hook("proxies")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """Run the study at the report's size; the Markdown section with its figures."""
-    quick, full, progress = check_report_flags(
-        "proxies.report_section", quick, full, progress
-    )
     p = report_protocol(quick=quick, full=full)
     res = run_study(p, report_variants(quick=quick, full=full), progress=progress)
     paths = res.figures(out_dir)
@@ -555,7 +546,7 @@ def report_section(
         f"{p.seq_len}, Adam with warm-up and cosine decay; sensitivity on the final "
         "validation loss.\n\n"
         f"{res.table()}\n\n{res.logit_table()}\n\n{res.findings_table()}\n\n"
-        + "\n".join(f"![{q.stem}]({q.name})" for q in paths)
+        + figure_links(paths)
         + "\n"
     )
 

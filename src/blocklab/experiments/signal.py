@@ -49,8 +49,9 @@ from ..diagnostics.propagation import (
 )
 from ..diagnostics.theory import c_attn_1, c_ffn_1, collapse_spread
 from ..nn.block import PLACEMENTS
+from ._render import figure_links, json_floats, markdown_table
 from .plotting import line_plot
-from .protocol import check_report_flags
+from .protocol import report_estimate_hook, report_section_hook
 
 __all__ = [
     "ARCHS",
@@ -84,15 +85,6 @@ ARCHS = ("chapter", "llama", "olmo2", "gemma3", "gpt2")
 SEQ_LEN = 64
 
 
-def _clean(x) -> Any:
-    """Nested lists of floats, non-finite values as `None` (strict JSON)."""
-    a = np.asarray(x, np.float64)
-    if a.ndim == 0:
-        v = float(a)
-        return v if math.isfinite(v) else None
-    return [_clean(v) for v in a]
-
-
 def checkpoints(num_blks: int) -> list[int]:
     """Blocks where the table reads the spread: N/4, N/2, N (8, 16, 32 at N = 32)."""
     return sorted({max(1, num_blks // 4), max(1, num_blks // 2), num_blks})
@@ -105,6 +97,11 @@ def _cell(values: np.ndarray, fmt: str) -> str:
         return mean
     lo, hi = format(float(values.min()), fmt), format(float(values.max()), fmt)
     return f"{mean} [{lo}, {hi}]"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The study's Markdown tables: `markdown_table` with plain `|---|` rules."""
+    return markdown_table(header, rows, align="l" * len(header))
 
 
 def _numpy(stats: SignalStats) -> SignalStats:
@@ -133,21 +130,20 @@ class SignalPropagation:
         """The chapter's table: mean [min, max] over seeds per placement."""
         n = self.num_blks
         ks = checkpoints(n)
-        head = (
-            f"| placement | stream RMS k={n} | "
-            + " | ".join(f"spread k={k}" for k in ks)
-            + " | "
-            + " | ".join(f"grad {p} k={n}" for p in PROJECTIONS)
-            + " |"
-        )
-        lines = [head, "|---" * (2 + len(ks) + len(PROJECTIONS)) + "|"]
+        header = [
+            "placement",
+            f"stream RMS k={n}",
+            *(f"spread k={k}" for k in ks),
+            *(f"grad {p} k={n}" for p in PROJECTIONS),
+        ]
+        rows = []
         for placement, stats in self.stats.items():
             r = stats.as_dict()
-            cells = [_cell(r["stream_rms"][:, -1], ".2f")]
+            cells = [placement, _cell(r["stream_rms"][:, -1], ".2f")]
             cells += [_cell(r["token_spread"][:, k - 1], ".1e") for k in ks]
             cells += [_cell(r[f"grad_{p}"][:, -1], ".1e") for p in PROJECTIONS]
-            lines.append(f"| {placement} | " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+            rows.append(cells)
+        return _table(header, rows)
 
     def to_json(self) -> dict[str, Any]:
         """Seed means per block, per placement; non-finite values are `None`.
@@ -159,8 +155,10 @@ class SignalPropagation:
         bad = []
         for p, r in self.stats.items():
             out["placements"][p] = {
-                **{f: _clean(getattr(r, f).mean(0)) for f in FIELDS},
-                "grad_norms": {n: _clean(g.mean(0)) for n, g in r.grad_norms.items()},
+                **{f: json_floats(getattr(r, f).mean(0)) for f in FIELDS},
+                "grad_norms": {
+                    n: json_floats(g.mean(0)) for n, g in r.grad_norms.items()
+                },
             }
             if not all(np.all(np.isfinite(v)) for v in r.as_dict().values()):
                 bad.append(p)
@@ -398,20 +396,22 @@ class HeadInputRMS:
     rms_max: np.ndarray
 
     def table(self) -> str:
-        lines = [
-            "| depth D | head input RMS, no final norm | min-max over seeds "
-            "| with a final RMSNorm |",
-            "|---|---|---|---|",
+        header = (
+            "depth D",
+            "head input RMS, no final norm",
+            "min-max over seeds",
+            "with a final RMSNorm",
+        )
+        values = zip(self.depth, self.rms, self.rms_min, self.rms_max, strict=True)
+        rows = [
+            (d, f"{r:.2f}", f"{lo:.2f}-{hi:.2f}", "1.00") for d, r, lo, hi in values
         ]
-        rows = zip(self.depth, self.rms, self.rms_min, self.rms_max, strict=True)
-        for d, r, lo, hi in rows:
-            lines.append(f"| {d} | {r:.2f} | {lo:.2f}-{hi:.2f} | 1.00 |")
-        return "\n".join(lines)
+        return _table(header, rows)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "depth": [int(d) for d in self.depth],
-            **{f: _clean(getattr(self, f)) for f in ("rms", "rms_min", "rms_max")},
+            **{f: json_floats(getattr(self, f)) for f in ("rms", "rms_min", "rms_max")},
         }
 
 
@@ -432,20 +432,22 @@ class VarianceBudget:
 
     def table(self) -> str:
         n = len(self.budget)
-        lines = [
-            "| k | c_attn | c_ffn | budget 1 + sum c | measured mean square |",
-            "|---|---|---|---|---|",
-        ]
-        for k in sorted({1, *checkpoints(n)}):
-            lines.append(
-                f"| {k} | {self.c_attn[k - 1]:.3f} | {self.c_ffn[k - 1]:.3f} | "
-                f"{self.budget[k - 1]:.2f} | {self.measured[k - 1]:.2f} |"
+        header = ("k", "c_attn", "c_ffn", "budget 1 + sum c", "measured mean square")
+        rows = [
+            (
+                k,
+                f"{self.c_attn[k - 1]:.3f}",
+                f"{self.c_ffn[k - 1]:.3f}",
+                f"{self.budget[k - 1]:.2f}",
+                f"{self.measured[k - 1]:.2f}",
             )
+            for k in sorted({1, *checkpoints(n)})
+        ]
         fits = "; ".join(
             f"blocks {r}: RMS ~ {a:.2f} k^{b:.3f}" for r, (b, a) in self.fits.items()
         )
         return (
-            "\n".join(lines)
+            _table(header, rows)
             + "\n\nBlock 1 predicted by `blocklab.diagnostics.theory`: "
             f"c_attn = {c_attn_1(64):.4f}"
             f" (large-n limit e/64), c_ffn = {c_ffn_1():.4f}."
@@ -455,10 +457,10 @@ class VarianceBudget:
     def to_json(self) -> dict[str, Any]:
         return {
             **{
-                f: _clean(getattr(self, f))
+                f: json_floats(getattr(self, f))
                 for f in ("budget", "measured", "c_attn", "c_ffn")
             },  # fmt: skip
-            "fits": {r: _clean(v) for r, v in self.fits.items()},
+            "fits": {r: json_floats(v) for r, v in self.fits.items()},
         }
 
 
@@ -488,23 +490,18 @@ class TokenCollapse:
     rows: dict[str, np.ndarray]
 
     def table(self) -> str:
-        lines = [
-            "| post-LN | " + " | ".join(f"spread k={k}" for k in self.ks) + " |",
-            "|---" * (1 + len(self.ks)) + "|",
-        ]
-        for name, v in self.rows.items():
-            lines.append(f"| {name} | " + " | ".join(f"{x:.1e}" for x in v) + " |")
+        rows = {**self.rows}
         for alpha in self.alphas:
-            pred = [collapse_spread(k, alpha, SEQ_LEN) for k in self.ks]
-            lines.append(
-                f"| alpha={alpha:g}, formula (no FFN, n = 64) | "
-                + " | ".join(f"{x:.1e}" for x in pred)
-                + " |"
-            )
-        return "\n".join(lines)
+            rows[f"alpha={alpha:g}, formula (no FFN, n = 64)"] = [
+                collapse_spread(k, alpha, SEQ_LEN) for k in self.ks
+            ]
+        return _table(
+            ["post-LN", *(f"spread k={k}" for k in self.ks)],
+            [[name, *(f"{x:.1e}" for x in v)] for name, v in rows.items()],
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {name: _clean(v) for name, v in self.rows.items()}
+        return {name: json_floats(v) for name, v in self.rows.items()}
 
 
 def exercise_5(
@@ -544,26 +541,33 @@ class LogitGrowth:
     entropy_qk: np.ndarray
 
     def table(self) -> str:
-        lines = [
-            "| lambda | logit std | entropy | logit std (QK-norm) "
-            "| entropy (QK-norm) |",
-            "|---|---|---|---|---|",
+        header = (
+            "lambda",
+            "logit std",
+            "entropy",
+            "logit std (QK-norm)",
+            "entropy (QK-norm)",
+        )
+        values = (
+            self.logit_std_plain,
+            self.entropy_plain,
+            self.logit_std_qk,
+            self.entropy_qk,
+        )
+        rows = [
+            (f"{lam:g}", *(f"{v[i]:.2f}" for v in values))
+            for i, lam in enumerate(self.lam)
         ]
-        for i, lam in enumerate(self.lam):
-            lines.append(
-                f"| {lam:g} | {self.logit_std_plain[i]:.2f} | "
-                f"{self.entropy_plain[i]:.2f} | {self.logit_std_qk[i]:.2f} | "
-                f"{self.entropy_qk[i]:.2f} |"
-            )
         return (
-            "\n".join(lines) + f"\n\nlog 64 = {math.log(64):.2f} (uniform attention)."
+            _table(header, rows)
+            + f"\n\nlog 64 = {math.log(64):.2f} (uniform attention)."
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "lambda": _clean(self.lam),
+            "lambda": json_floats(self.lam),
             **{
-                f: _clean(getattr(self, f))
+                f: json_floats(getattr(self, f))
                 for f in (
                     "logit_std_plain",
                     "entropy_plain",
@@ -608,24 +612,31 @@ class PlacementComparison:
 
     def table(self) -> str:
         n = self.num_blks
-        lines = [
-            f"| placement | RMS k={n} | spread k={n} | grad W_q k={n}"
-            f" | entropy k={n} | min entropy | max logit k={n} |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, r in self.rows.items():
-            lines.append(
-                f"| {name} | {r['stream_rms']:.2f} | {r['token_spread']:.1e} | "
-                f"{r['grad_W_q']:.1e} | {r['entropy_top']:.2f} | "
-                f"{r['entropy_min']:.2f} | {r['max_logit_top']:.1f} |"
+        header = (
+            "placement", f"RMS k={n}", f"spread k={n}", f"grad W_q k={n}",
+            f"entropy k={n}", "min entropy", f"max logit k={n}",
+        )  # fmt: skip
+        rows = [
+            (
+                name,
+                f"{r['stream_rms']:.2f}",
+                f"{r['token_spread']:.1e}",
+                f"{r['grad_W_q']:.1e}",
+                f"{r['entropy_top']:.2f}",
+                f"{r['entropy_min']:.2f}",
+                f"{r['max_logit_top']:.1f}",
             )
+            for name, r in self.rows.items()
+        ]
         return (
-            "\n".join(lines)
+            _table(header, rows)
             + f"\n\nUniform attention over 64 keys: log 64 = {math.log(64):.2f}."
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {k: {f: _clean(v) for f, v in r.items()} for k, r in self.rows.items()}
+        return {
+            k: {f: json_floats(v) for f, v in r.items()} for k, r in self.rows.items()
+        }
 
 
 def exercise_7(num_seeds: int, num_blks: int = 32, **options) -> PlacementComparison:
@@ -710,19 +721,14 @@ OUTPUT_FAILURE = (
 )
 
 
-def report_estimate(*, quick: bool = False, full: bool = False) -> float:
+@report_estimate_hook("signal")
+def report_estimate(*, quick: bool, full: bool) -> float:
     """Seconds on 2 idle CPU cores (calibration: benchmarks/README.md)."""
-    quick, full, _ = check_report_flags("signal.report_estimate", quick, full)
     return 20.0 if quick else 140.0
 
 
-def report_section(
-    out_dir: str | Path,
-    *,
-    quick: bool = False,
-    full: bool = False,
-    progress: bool = False,
-) -> str:
+@report_section_hook("signal")
+def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) -> str:
     """Run the signal study and its exercises; write 4 PNGs; return the Markdown.
 
     Full: 4 seeds, 32 blocks, d = 256, exercise 3c on a 128-block pre-LN run.
@@ -730,9 +736,6 @@ def report_section(
     over the study's five runs (stderr). The full protocol runs on a CPU too
     (`full` changes nothing).
     """
-    quick, full, progress = check_report_flags(
-        "signal.report_section", quick, full, progress
-    )
     num_seeds, n = (1, 32) if quick else (4, 32)
     opts = dict(num_hiddens=256, num_heads=4)
     bar = tqdm(total=5, desc="signal", unit="run", leave=False, disable=not progress)
@@ -764,7 +767,7 @@ def report_section(
         + " |"
         for p, (rms, spreads, grads) in CHAPTER_JAX.items()
     )
-    images = "\n".join(f"![{p.stem}]({p.name})" for p in figures)
+    images = figure_links(figures)
     return (
         "## Signal propagation at initialization\n\n"
         f"{n} MiniBlocks (d = 256, 4 heads, LayerNorm, tanh-GELU MLP 4d with bias, "
