@@ -8,26 +8,27 @@ RoPE bases, attention scale `query_pre_attn_scalar ** -0.5`, tied head.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
+    LAYER_TYPES,
     Derived,
-    HFFamily,
     Rule,
     attn_rules,
+    decoder_config,
+    decoder_fields,
     forward_settings,
-    gated_act,
     get_field,
+    global_layers_of,
     hf_gated_act,
+    layer_types_of,
     mlp_rules,
-    model_global_rules,
     no_softcapping,
     qk_norm_rules,
     refuse,
-    register_family,
+    register_llama_layout,
     require,
     rope_fields,
     rope_theta,
@@ -37,7 +38,6 @@ from .hf_common import (
 __all__ = ["GEMMA3"]
 
 _CLS = "Gemma3ForCausalLM"
-_TYPES = ("full_attention", "sliding_attention")
 
 
 def _rope_parameters(hf: Any) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
     legacy `rope_scaling` updates the global layers', `rope_theta` and
     `rope_local_base_freq` fill a missing global / local base."""
     params = hf.rope_parameters
-    if not isinstance(params, Mapping) or not set(_TYPES) >= set(params):
+    if not isinstance(params, Mapping) or not set(LAYER_TYPES) >= set(params):
         raise refuse(
             _CLS, "rope_parameters", params, "expected per-layer-type rope parameters"
         )
@@ -86,7 +86,7 @@ FIELDS = {
     "_sliding_window_pattern": Derived(lambda f: f.sliding_window_pattern),
     "layer_types": Derived(
         lambda f: [
-            _TYPES[1] if (i + 1) % f._sliding_window_pattern else _TYPES[0]
+            LAYER_TYPES[1] if (i + 1) % f._sliding_window_pattern else LAYER_TYPES[0]
             for i in range(f.num_hidden_layers)
         ]
     ),
@@ -98,6 +98,40 @@ FIELDS = {
 }
 
 
+def gemma_config(cls: str, hf: Any, **extra: Any) -> DecoderConfig:
+    """The `DecoderConfig` of what Gemma 2 and Gemma 3 configs (as read by
+    `understood`) share: sandwich norms with the Gemma RMSNorm, embeddings
+    scaled by $\\sqrt d$, the attention scale `query_pre_attn_scalar ** -0.5`,
+    `hidden_activation`, `head_dim`, and the local and global layers of
+    `layer_types` (refused if a layer is sliding without a `sliding_window`);
+    refuses bidirectional attention. `extra`: the family's own fields."""
+    require(
+        cls,
+        hf,
+        "use_bidirectional_attention",
+        (False, None),
+        "blocklab's decoder is causal",
+    )
+    full = global_layers_of(cls, hf)
+    if full is not None and hf.sliding_window is None:
+        raise refuse(cls, "sliding_window", None, "sliding layers need a window")
+    return decoder_config(
+        hf,
+        cls,
+        DecoderConfig,
+        act_field="hidden_activation",
+        norm="gemma_rms",
+        placement="sandwich",
+        positions="rope",
+        head_dim=hf.head_dim,
+        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        embed_scale=float(hf.hidden_size) ** 0.5,
+        window=None if full is None else hf.sliding_window,
+        global_layers=full,
+        **extra,
+    )
+
+
 def gemma3_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of a `Gemma3TextConfig`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
@@ -106,13 +140,6 @@ def gemma3_config(hf: Any) -> DecoderConfig:
             _CLS, "text_config", "...", "convert the text model (Gemma3TextConfig) only"
         )
     no_softcapping(_CLS, hf)
-    require(
-        _CLS,
-        hf,
-        "use_bidirectional_attention",
-        (False, None),
-        "blocklab's decoder is causal",
-    )
     params = _rope_parameters(hf)
     theta_full = rope_theta(
         _CLS, params.get("full_attention"), "rope_parameters['full_attention']"
@@ -120,83 +147,47 @@ def gemma3_config(hf: Any) -> DecoderConfig:
     theta_local = rope_theta(
         _CLS, params.get("sliding_attention"), "rope_parameters['sliding_attention']"
     )
-    types = list(get_field(hf, "layer_types"))
-    unknown = sorted(set(types) - set(_TYPES))
-    if unknown:
-        raise refuse(
-            _CLS,
-            "layer_types",
-            unknown[0],
-            "layer types must be full_attention or sliding_attention",
-        )
-    if len(types) != hf.num_hidden_layers:
-        raise refuse(
-            _CLS, "layer_types", types, f"expected {hf.num_hidden_layers} entries"
-        )
-    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    window = get_field(hf, "sliding_window") if sliding else None
-    if sliding and window is None:
-        raise refuse(_CLS, "sliding_window", None, "sliding layers need a window")
-    act = gated_act(_CLS, hf, "hidden_activation")
-    cfg = DecoderConfig.gemma3(
-        hf.vocab_size,
-        hf.hidden_size,
-        hf.num_attention_heads,
-        hf.num_hidden_layers,
-        num_kv_heads=get_field(hf, "num_key_value_heads") or hf.num_attention_heads,
-        head_dim=hf.head_dim,
-        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
-        max_len=hf.max_position_embeddings,
-        act=act,
-        norm_eps=float(hf.rms_norm_eps),
-        ffn_width=hf.intermediate_size,
-        attn_bias=bool(get_field(hf, "attention_bias", False)),
+    local = LAYER_TYPES[1] in hf.layer_types  # else: no local layers, no local base
+    return gemma_config(
+        _CLS,
+        hf,
+        qk_norm="head",
         rope_theta=theta_full,
-        tie_embeddings=bool(get_field(hf, "tie_word_embeddings", True)),
-        window=window if sliding else 1,
-        global_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
-        local_rope_theta=theta_local,
+        local_rope_theta=theta_local if local else None,
     )
-    if not sliding:  # every layer global: no window at all
-        cfg = dataclasses.replace(
-            cfg, window=None, global_layers=None, local_rope_theta=None
-        )
-    return cfg
 
 
-def _scalar(scale: float) -> int | float:
+def query_pre_attn_scalar(scale: float) -> int | float:
     """`query_pre_attn_scalar` of the attention scale `scalar ** -0.5`: an int
-    (as `Gemma3TextConfig` types it) when it is one to 1e-9."""
+    (as `Gemma2Config` and `Gemma3TextConfig` type it) when it is one to 1e-9."""
     scalar = scale**-2
     return round(scalar) if abs(scalar - round(scalar)) <= 1e-9 * scalar else scalar
 
 
+def gemma_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The fields `gemma_config` reads, for `cfg` (the inverse of
+    `gemma_config`)."""
+    settings = forward_settings(cfg)
+    return dict(
+        decoder_fields(cfg),
+        head_dim=cfg.block.head_dim,
+        query_pre_attn_scalar=query_pre_attn_scalar(settings["attn_scale"]),
+        hidden_activation=hf_gated_act(cfg.act),
+        attention_bias=cfg.attn_bias,
+        layer_types=layer_types_of(cfg),
+    )
+
+
 def gemma3_fields(cfg: DecoderConfig) -> dict[str, Any]:
     """The `Gemma3TextConfig` fields of `cfg` (the inverse of `gemma3_config`)."""
-    settings = forward_settings(cfg)
     local = cfg.rope_theta if cfg.local_rope_theta is None else cfg.local_rope_theta
     return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.num_hiddens,
-        num_attention_heads=cfg.num_heads,
-        num_hidden_layers=cfg.num_blks,
-        num_key_value_heads=cfg.block.num_kv_heads,
-        head_dim=cfg.block.head_dim,
-        query_pre_attn_scalar=_scalar(settings["attn_scale"]),
-        max_position_embeddings=cfg.max_len,
-        hidden_activation=hf_gated_act(cfg.act),
-        rms_norm_eps=cfg.norm_eps,
-        intermediate_size=settings["ffn_width"],
-        attention_bias=cfg.attn_bias,
+        gemma_fields(cfg),
         rope_parameters={
             "full_attention": rope_fields(cfg.rope_theta),
             "sliding_attention": rope_fields(local),
         },
-        layer_types=[
-            _TYPES[0] if cfg.is_global(i) else _TYPES[1] for i in range(cfg.num_blks)
-        ],
         sliding_window=cfg.window,
-        tie_word_embeddings=cfg.tie_embeddings,
         attn_logit_softcapping=None,
         final_logit_softcapping=None,
         use_bidirectional_attention=False,
@@ -216,16 +207,12 @@ def gemma3_layer(cfg: DecoderConfig) -> list[Rule]:
     ]
 
 
-GEMMA3 = register_family(
-    HFFamily(
-        name="gemma3",
-        classes=(_CLS,),
-        to_config=gemma3_config,
-        hf_fields=gemma3_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=gemma3_layer,
-        global_rules=model_global_rules,
-        model_type="gemma3_text",
-        fields=FIELDS,
-    )
+GEMMA3 = register_llama_layout(
+    "gemma3",
+    _CLS,
+    gemma3_config,
+    gemma3_fields,
+    gemma3_layer,
+    FIELDS,
+    model_type="gemma3_text",
 )

@@ -37,25 +37,33 @@ __all__ = [
     "HARMLESS_FIELDS",
     "HF_ACT_TO_GATED",
     "HFFamily",
+    "LAYER_TYPES",
     "RULE_KINDS",
     "Rule",
     "StoredAs",
     "attn_rules",
     "biased",
     "config_fields",
+    "decoder_config",
+    "decoder_fields",
     "family_for_class",
     "forward_settings",
     "gated_act",
     "get_field",
+    "global_layers_of",
     "hf_gated_act",
+    "layer_types_of",
+    "legacy_rope",
     "llama_like",
     "llama_like_fields",
     "mlp_rules",
     "model_global_rules",
     "no_softcapping",
+    "pre_norm_layer",
     "qk_norm_rules",
     "refuse",
     "register_family",
+    "register_llama_layout",
     "require",
     "resolve_family",
     "rope_fields",
@@ -159,8 +167,7 @@ def attn_rules(cfg: DecoderConfig) -> list[Rule]:
     """`self_attn.{q,k,v,o}_proj` (Llama-style names), with biases if any
     (on `o_proj` when `cfg.block.attn_out_bias`)."""
     qkv = [
-        Rule(f"self_attn.{n}_proj.weight", (f"attention.W_{n}.weight",))
-        for n in "qkv"
+        Rule(f"self_attn.{n}_proj.weight", (f"attention.W_{n}.weight",)) for n in "qkv"
     ]
     o = [Rule("self_attn.o_proj.weight", ("attention.W_o.weight",))]
     return biased(qkv, cfg.attn_bias) + biased(o, cfg.block.attn_out_bias)
@@ -185,6 +192,18 @@ def qk_norm_rules(cfg: DecoderConfig) -> list[Rule]:
     return [
         Rule("self_attn.q_norm.weight", ("attention.q_norm.weight",)),
         Rule("self_attn.k_norm.weight", ("attention.k_norm.weight",)),
+    ]
+
+
+def pre_norm_layer(attn: list[Rule], mlp: list[Rule]) -> list[Rule]:
+    """One pre-norm block in Llama's names: `input_layernorm` (`norm1`), the
+    attention's rules `attn`, `post_attention_layernorm` (`norm2`: despite its
+    name, the norm the MLP reads), the MLP's rules `mlp`."""
+    return [
+        Rule("input_layernorm.weight", ("norm1.weight",)),
+        *attn,
+        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
+        *mlp,
     ]
 
 
@@ -280,6 +299,34 @@ def register_family(family: HFFamily) -> HFFamily:
         )
     FAMILIES[family.name] = family
     return family
+
+
+def register_llama_layout(
+    name: str,
+    cls: str,
+    to_config: Callable[[Any], DecoderConfig],
+    hf_fields: Callable[[DecoderConfig], dict[str, Any]],
+    layer_rules: Callable[[DecoderConfig], list[Rule]],
+    fields: Mapping[str, Any],
+    **options: Any,
+) -> HFFamily:
+    """Register the family `name` of the model class `cls` with the state-dict
+    layout of Llama and the families built on its code: layer `i`'s keys under
+    `model.layers.{i}.`, then `model_global_rules`. `options`: the other
+    `HFFamily` fields. Returns the family."""
+    return register_family(
+        HFFamily(
+            name=name,
+            classes=(cls,),
+            to_config=to_config,
+            hf_fields=hf_fields,
+            layer_prefix="model.layers.{i}.",
+            layer_rules=layer_rules,
+            global_rules=model_global_rules,
+            fields=fields,
+            **options,
+        )
+    )
 
 
 def _class_names() -> list[str]:
@@ -539,13 +586,8 @@ def understood(cls: str, hf_config: Any, fields: Mapping[str, Any]) -> Any:
         # rope_parameters; a top-level rope_theta fills a missing base
         params = given.get("rope_scaling") or given.get("rope_parameters") or {}
         if isinstance(params, Mapping):
-            params = dict(params)
-            theta = given.get("rope_theta")
             default = fields["rope_parameters"].get("rope_theta", 10000.0)
-            params.setdefault("rope_theta", default if theta is None else theta)
-            if "type" in params:
-                params.setdefault("rope_type", params.pop("type"))
-            params.setdefault("rope_type", "default")
+            params = legacy_rope(params, given.get("rope_theta"), default)
         out.rope_parameters = params
     return out
 
@@ -600,6 +642,49 @@ def rope_fields(theta: float | None) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": 10000.0 if theta is None else theta}
 
 
+def legacy_rope(scaling: Any, theta: Any, default: float) -> dict[str, Any]:
+    """One rope parameter dict from the legacy keys, as `transformers` folds
+    them: `scaling` (`rope_scaling`; its `type` read as `rope_type`, default
+    `"default"`) with the base `theta` (`rope_theta`; `None`: `default`) where
+    it names none."""
+    params = dict(scaling or {})
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", default if theta is None else theta)
+    return params
+
+
+#: The entries of a `layer_types` list: a global layer, a sliding-window one.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def global_layers_of(cls: str, hf: Any) -> tuple[int, ...] | None:
+    """The layers `hf.layer_types` marks global; `None` when it marks none
+    sliding. Refuses a list that is not one of `LAYER_TYPES` per layer."""
+    types = list(hf.layer_types)
+    if len(types) != hf.num_hidden_layers:
+        raise refuse(
+            cls, "layer_types", types, f"expected {hf.num_hidden_layers} entries"
+        )
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise refuse(
+            cls, "layer_types", unknown[0], f"layer types must be one of {LAYER_TYPES}"
+        )
+    if LAYER_TYPES[1] not in types:
+        return None
+    return tuple(i for i, t in enumerate(types) if t == LAYER_TYPES[0])
+
+
+def layer_types_of(cfg: DecoderConfig) -> list[str]:
+    """The `layer_types` of `cfg` (the inverse of `global_layers_of`)."""
+    return [
+        LAYER_TYPES[0] if cfg.is_global(i) else LAYER_TYPES[1]
+        for i in range(cfg.num_blks)
+    ]
+
+
 #: `transformers` activation name -> blocklab's gated FFN activation
 #: (`blocklab.nn.config.GATED_ACTS` lists the gated activations themselves).
 HF_ACT_TO_GATED = {
@@ -639,26 +724,23 @@ def no_softcapping(cls: str, hf_config: Any) -> None:
             raise refuse(cls, field, value, "blocklab has no logit softcapping")
 
 
-def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConfig:
-    """The config of a Llama-shaped model (Llama, Mistral, Qwen 2, Qwen 3,
-    OLMo 2, Phi-3, Mixtral) built by `preset` (e.g. `DecoderConfig.llama`),
-    with the family's `extra` fields."""
-    theta = rope_theta(cls, get_field(hf, "rope_parameters"), "rope_parameters")
-    legacy = get_field(hf, "rope_scaling")  # 5.x: an alias of rope_parameters
-    if legacy is not None and legacy != get_field(hf, "rope_parameters"):
-        theta = rope_theta(cls, legacy, "rope_scaling")
-    act = gated_act(cls, hf, "hidden_act")
+def decoder_config(
+    hf: Any, cls: str, preset: Callable, *, act_field: str = "hidden_act", **extra: Any
+) -> DecoderConfig:
+    """The config built by `preset` (e.g. `DecoderConfig.llama`) from the fields
+    every family here but GPT-2 names alike: sizes, grouped-query heads,
+    context, gated activation (the field `act_field`), RMSNorm eps, MLP width,
+    attention bias and tied head; `extra`: the family's own fields (they win)."""
     fields = dict(
         num_kv_heads=get_field(hf, "num_key_value_heads") or hf.num_attention_heads,
         max_len=hf.max_position_embeddings,
-        act=act,
+        act=gated_act(cls, hf, act_field),
         norm_eps=float(hf.rms_norm_eps),
         ffn_width=hf.intermediate_size,
-        rope_theta=theta,
         attn_bias=bool(get_field(hf, "attention_bias", False)),
         tie_embeddings=bool(get_field(hf, "tie_word_embeddings", False)),
     )
-    fields.update(extra)  # the family's own fields win
+    fields.update(extra)
     return preset(
         hf.vocab_size,
         hf.hidden_size,
@@ -668,10 +750,10 @@ def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConf
     )
 
 
-def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
-    """The `transformers` fields `llama_like` reads, for `cfg` (without
-    `attention_bias`, which not every Llama-shaped config has)."""
-    width = forward_settings(cfg)["ffn_width"]
+def decoder_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The `transformers` fields `decoder_config` reads, for `cfg` (without the
+    activation, whose field name differs, and `attention_bias`, which not
+    every family has)."""
     return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.num_hiddens,
@@ -679,9 +761,29 @@ def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
         num_hidden_layers=cfg.num_blks,
         num_key_value_heads=cfg.block.num_kv_heads,
         max_position_embeddings=cfg.max_len,
-        hidden_act=hf_gated_act(cfg.act),
         rms_norm_eps=cfg.norm_eps,
-        intermediate_size=width,
-        rope_parameters=rope_fields(cfg.rope_theta),
+        intermediate_size=forward_settings(cfg)["ffn_width"],
         tie_word_embeddings=cfg.tie_embeddings,
+    )
+
+
+def llama_like(hf: Any, cls: str, preset: Callable, **extra: Any) -> DecoderConfig:
+    """The config of a Llama-shaped model (Llama, Mistral, Qwen 2, Qwen 3,
+    OLMo 2, Phi-3, Mixtral) built by `preset` (e.g. `DecoderConfig.llama`):
+    `decoder_config` with one default-type RoPE base, and the family's `extra`
+    fields."""
+    theta = rope_theta(cls, get_field(hf, "rope_parameters"), "rope_parameters")
+    legacy = get_field(hf, "rope_scaling")  # 5.x: an alias of rope_parameters
+    if legacy is not None and legacy != get_field(hf, "rope_parameters"):
+        theta = rope_theta(cls, legacy, "rope_scaling")
+    return decoder_config(hf, cls, preset, **{"rope_theta": theta, **extra})
+
+
+def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The `transformers` fields `llama_like` reads, for `cfg` (without
+    `attention_bias`, which not every Llama-shaped config has)."""
+    return dict(
+        decoder_fields(cfg),
+        hidden_act=hf_gated_act(cfg.act),
+        rope_parameters=rope_fields(cfg.rope_theta),
     )

@@ -11,15 +11,14 @@ from typing import Any
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
-    HFFamily,
     Rule,
     attn_rules,
     get_field,
     llama_like,
     llama_like_fields,
     mlp_rules,
-    model_global_rules,
-    register_family,
+    pre_norm_layer,
+    register_llama_layout,
     understood,
 )
 
@@ -71,23 +70,9 @@ def llama_fields(cfg: DecoderConfig) -> dict[str, Any]:
 def llama_layer(cfg: DecoderConfig) -> list[Rule]:
     """One Llama block: `input_layernorm`, `self_attn`, `post_attention_layernorm`
     (the pre-norm of the MLP), `mlp`."""
-    return [
-        Rule("input_layernorm.weight", ("norm1.weight",)),
-        *attn_rules(cfg),
-        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
-        *mlp_rules(cfg),
-    ]
+    return pre_norm_layer(attn_rules(cfg), mlp_rules(cfg))
 
 
-LLAMA = register_family(
-    HFFamily(
-        name="llama",
-        classes=("LlamaForCausalLM",),
-        to_config=llama_config,
-        hf_fields=llama_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=llama_layer,
-        global_rules=model_global_rules,
-        fields=FIELDS,
-    )
+LLAMA = register_llama_layout(
+    "llama", "LlamaForCausalLM", llama_config, llama_fields, llama_layer, FIELDS
 )

@@ -14,13 +14,11 @@ from typing import Any
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
-    HFFamily,
     get_field,
     llama_like,
     llama_like_fields,
-    model_global_rules,
     refuse,
-    register_family,
+    register_llama_layout,
     understood,
 )
 from .llama import llama_layer
@@ -88,16 +86,12 @@ def mistral_fields(cfg: DecoderConfig) -> dict[str, Any]:
     )
 
 
-MISTRAL = register_family(
-    HFFamily(
-        name="mistral",
-        classes=(_CLS,),
-        to_config=mistral_config,
-        hf_fields=mistral_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=llama_layer,
-        global_rules=model_global_rules,
-        fields=FIELDS,
-        variant_of="llama",
-    )
+MISTRAL = register_llama_layout(
+    "mistral",
+    _CLS,
+    mistral_config,
+    mistral_fields,
+    llama_layer,
+    FIELDS,
+    variant_of="llama",
 )

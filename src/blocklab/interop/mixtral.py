@@ -23,16 +23,15 @@ import numpy as np
 from ..nn.decoder_config import DecoderConfig
 from ..nn.moe_decoder import MoEDecoderConfig
 from .hf_common import (
-    HFFamily,
     Rule,
     StoredAs,
     attn_rules,
     get_field,
     llama_like,
     llama_like_fields,
-    model_global_rules,
+    pre_norm_layer,
     refuse,
-    register_family,
+    register_llama_layout,
     understood,
 )
 
@@ -106,10 +105,7 @@ def mixtral_fields(cfg: DecoderConfig) -> dict[str, Any]:
 def mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
     """One Mixtral block: Llama's attention and norms, the router `mlp.gate` and
     the fused experts (`gate_up_proj` holds W_g then W_1 along axis 1)."""
-    return [
-        Rule("input_layernorm.weight", ("norm1.weight",)),
-        *attn_rules(cfg),
-        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
+    moe = [
         Rule("mlp.gate.weight", ("ffn.router.weight",)),
         Rule(
             "mlp.experts.gate_up_proj",
@@ -118,6 +114,7 @@ def mixtral_layer(cfg: DecoderConfig) -> list[Rule]:
         ),
         Rule("mlp.experts.down_proj", ("ffn.experts.W_2.weight",)),
     ]
+    return pre_norm_layer(attn_rules(cfg), moe)
 
 
 def mixtral_stored(cfg: DecoderConfig) -> dict[str, StoredAs]:
@@ -157,17 +154,13 @@ def mixtral_stored(cfg: DecoderConfig) -> dict[str, StoredAs]:
     return out
 
 
-MIXTRAL = register_family(
-    HFFamily(
-        name="mixtral",
-        classes=("MixtralForCausalLM",),
-        to_config=mixtral_config,
-        hf_fields=mixtral_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=mixtral_layer,
-        global_rules=model_global_rules,
-        dropout_fields=("attention_dropout", "router_jitter_noise"),
-        fields=FIELDS,
-        stored_as=mixtral_stored,
-    )
+MIXTRAL = register_llama_layout(
+    "mixtral",
+    "MixtralForCausalLM",
+    mixtral_config,
+    mixtral_fields,
+    mixtral_layer,
+    FIELDS,
+    dropout_fields=("attention_dropout", "router_jitter_noise"),
+    stored_as=mixtral_stored,
 )

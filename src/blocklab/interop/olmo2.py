@@ -11,15 +11,13 @@ from typing import Any
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
-    HFFamily,
     Rule,
     attn_rules,
     llama_like,
     llama_like_fields,
     mlp_rules,
-    model_global_rules,
     qk_norm_rules,
-    register_family,
+    register_llama_layout,
     understood,
 )
 
@@ -65,15 +63,6 @@ def olmo2_layer(cfg: DecoderConfig) -> list[Rule]:
     ]
 
 
-OLMO2 = register_family(
-    HFFamily(
-        name="olmo2",
-        classes=("Olmo2ForCausalLM",),
-        to_config=olmo2_config,
-        hf_fields=olmo2_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=olmo2_layer,
-        global_rules=model_global_rules,
-        fields=FIELDS,
-    )
+OLMO2 = register_llama_layout(
+    "olmo2", "Olmo2ForCausalLM", olmo2_config, olmo2_fields, olmo2_layer, FIELDS
 )

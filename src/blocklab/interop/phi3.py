@@ -18,15 +18,14 @@ from typing import Any
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
-    HFFamily,
     Rule,
     llama_like,
-    llama_like_fields,
-    model_global_rules,
+    pre_norm_layer,
     refuse,
-    register_family,
+    register_llama_layout,
     understood,
 )
+from .mistral import mistral_fields
 
 __all__ = ["PHI3"]
 
@@ -94,45 +93,29 @@ def phi3_config(hf: Any) -> DecoderConfig:
     )
 
 
-def phi3_fields(cfg: DecoderConfig) -> dict[str, Any]:
-    """The `Phi3Config` fields of `cfg` (the inverse of `phi3_config`)."""
-    return dict(
-        llama_like_fields(cfg),
-        head_dim=cfg.block.head_dim,
-        sliding_window=cfg.window if cfg.layer_windows()[0] else None,
-    )
-
-
 def phi3_layer(cfg: DecoderConfig) -> list[Rule]:
     """One Phi-3 block: Llama's, with `qkv_proj` and `gate_up_proj` fused."""
     b = cfg.block
     q, kv = b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim
-    return [
-        Rule("input_layernorm.weight", ("norm1.weight",)),
-        Rule(
-            "self_attn.qkv_proj.weight",
-            tuple(f"attention.W_{n}.weight" for n in "qkv"),
-            "cat",
-            (q, kv, kv),
-        ),
+    qkv = tuple(f"attention.W_{n}.weight" for n in "qkv")
+    attn = [
+        Rule("self_attn.qkv_proj.weight", qkv, "cat", (q, kv, kv)),
         Rule("self_attn.o_proj.weight", ("attention.W_o.weight",)),
-        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
+    ]
+    mlp = [
         Rule("mlp.gate_up_proj.weight", ("ffn.W_g.weight", "ffn.W_1.weight"), "cat"),
         Rule("mlp.down_proj.weight", ("ffn.W_2.weight",)),
     ]
+    return pre_norm_layer(attn, mlp)
 
 
-PHI3 = register_family(
-    HFFamily(
-        name="phi3",
-        classes=(_CLS,),
-        to_config=phi3_config,
-        hf_fields=phi3_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=phi3_layer,
-        global_rules=model_global_rules,
-        dropout_fields=("attention_dropout", "resid_pdrop"),
-        fields=FIELDS,
-        variant_of="mistral",
-    )
+PHI3 = register_llama_layout(
+    "phi3",
+    _CLS,
+    phi3_config,
+    mistral_fields,  # Phi-3's inverse is Mistral's: `head_dim`, one window
+    phi3_layer,
+    FIELDS,
+    dropout_fields=("attention_dropout", "resid_pdrop"),
+    variant_of="mistral",
 )

@@ -68,7 +68,15 @@ from .._validate import ConfigError, check_bool
 from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
 from ..training.checkpoint import CheckpointError
-from .hf_common import FAMILIES, HFFamily, StoredAs, family_for_class, resolve_family
+from .hf_common import (
+    FAMILIES,
+    HFFamily,
+    StoredAs,
+    family_for_class,
+    legacy_rope,
+    resolve_family,
+    rope_fields,
+)
 from .huggingface import _all_rules, _skeleton
 from .porting import _float_dtype, _walk, param_shapes
 from .safetensors_io import (
@@ -152,15 +160,11 @@ def _standardize(raw: dict[str, Any]) -> dict[str, Any]:
         theta = out.pop("rope_theta", None)
         scaling = out.pop("rope_scaling", None)
         local = out.pop("rope_local_base_freq", None)
-        flat = dict(scaling or {})
-        if "type" in flat:
-            flat.setdefault("rope_type", flat.pop("type"))
-        flat.setdefault("rope_type", "default")
-        flat.setdefault("rope_theta", 10000.0 if theta is None else theta)
+        flat = legacy_rope(scaling, theta, 10000.0)
         if local is not None:
             out["rope_parameters"] = {
                 "full_attention": flat,
-                "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                "sliding_attention": rope_fields(local),
             }
         else:
             out["rope_parameters"] = flat

@@ -15,87 +15,40 @@ from typing import Any
 
 from ..nn.decoder_config import DecoderConfig
 from .hf_common import (
-    HFFamily,
     Rule,
     attn_rules,
-    llama_like,
-    llama_like_fields,
     mlp_rules,
-    model_global_rules,
+    pre_norm_layer,
     qk_norm_rules,
-    register_family,
-    understood,
+    register_llama_layout,
 )
-from .qwen2 import SLIDING_FIELDS, layer_windows, sliding_fields
+from .qwen2 import FIELDS as QWEN2_FIELDS
+from .qwen2 import qwen_config, qwen_fields
 
 __all__ = ["QWEN3"]
 
 _CLS = "Qwen3ForCausalLM"
 
-#: Every `Qwen3Config` field blocklab understands, with its default.
-FIELDS = {
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    **SLIDING_FIELDS,
-}
+#: Every `Qwen3Config` field blocklab understands, with its default: those of
+#: `Qwen2Config`, with a `head_dim` of its own and `attention_bias`.
+FIELDS = {**QWEN2_FIELDS, "head_dim": 128, "attention_bias": False}
 
 
 def qwen3_config(hf: Any) -> DecoderConfig:
     """The `DecoderConfig` of a `Qwen3Config`; refuses what blocklab lacks."""
-    hf = understood(_CLS, hf, FIELDS)
-    return llama_like(
-        hf,
-        _CLS,
-        DecoderConfig.llama,
-        head_dim=hf.head_dim,
-        qk_norm="head",
-        **layer_windows(_CLS, hf),
-    )
+    return qwen_config(_CLS, hf, FIELDS, qk_norm="head")
 
 
 def qwen3_fields(cfg: DecoderConfig) -> dict[str, Any]:
     """The `Qwen3Config` fields of `cfg` (the inverse of `qwen3_config`)."""
-    return dict(
-        llama_like_fields(cfg),
-        head_dim=cfg.block.head_dim,
-        attention_bias=cfg.attn_bias,
-        max_window_layers=cfg.num_blks,  # unused: layer_types is explicit
-        **sliding_fields(cfg),
-    )
+    return dict(qwen_fields(cfg), attention_bias=cfg.attn_bias)
 
 
 def qwen3_layer(cfg: DecoderConfig) -> list[Rule]:
     """One Qwen 3 block: Llama's, with the per-head `q_norm` / `k_norm` gains."""
-    return [
-        Rule("input_layernorm.weight", ("norm1.weight",)),
-        *attn_rules(cfg),
-        *qk_norm_rules(cfg),
-        Rule("post_attention_layernorm.weight", ("norm2.weight",)),
-        *mlp_rules(cfg),
-    ]
+    return pre_norm_layer(attn_rules(cfg) + qk_norm_rules(cfg), mlp_rules(cfg))
 
 
-QWEN3 = register_family(
-    HFFamily(
-        name="qwen3",
-        classes=(_CLS,),
-        to_config=qwen3_config,
-        hf_fields=qwen3_fields,
-        layer_prefix="model.layers.{i}.",
-        layer_rules=qwen3_layer,
-        global_rules=model_global_rules,
-        fields=FIELDS,
-    )
+QWEN3 = register_llama_layout(
+    "qwen3", _CLS, qwen3_config, qwen3_fields, qwen3_layer, FIELDS
 )
