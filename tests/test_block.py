@@ -5,6 +5,7 @@ import itertools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 import reference as ref
@@ -273,6 +274,14 @@ def test_integer_inputs_are_refused_not_truncated(module, plain_python):
 def test_bad_valid_lens_are_refused(builder, lens, pattern, plain_python):
     with pytest.raises(ValueError, match=pattern):
         BUILDERS[builder]()(jnp.ones((T, 16)), lens)
+
+
+def test_shape_checker_names_the_parameter_when_on():
+    blk = bl.TransformerBlock(16, 4, key=KEY)
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
+        blk(jnp.ones((16,)))
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'valid_lens'"):
+        blk(jnp.ones((6, 16)), jnp.arange(4))
 
 
 def test_per_sequence_lengths_are_unambiguous():

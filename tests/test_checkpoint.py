@@ -131,6 +131,14 @@ def test_unsupported_models_are_refused(tmp_path):
         save(tmp_path / "f.ckpt", lm)
 
 
+def test_save_refuses_a_prng_key_leaf(model, tmp_path):
+    keyed = eqx.tree_at(
+        lambda m: m.token_emb.weight, model, jax.random.split(jax.random.key(0), 28)
+    )
+    with pytest.raises(ConfigError, match=r"PRNG key at .*token_emb.*key_data"):
+        save(tmp_path / "k.eqx", keyed)
+
+
 def _cast(model, dtype):
     return jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model

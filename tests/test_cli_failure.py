@@ -113,6 +113,32 @@ def test_a_bad_output_path_is_refused_before_any_work(name, no_work, tmp_path, c
     assert blocker.read_text() == "not a folder"
 
 
+def test_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch):
+    """Every output and value is checked before the work: a --png that is no
+    image name, an --out whose figure name is a folder, a seed or a rate out of
+    range (a negative number is a value, refused by its range, not an option),
+    and a misspelled --json still answers in JSON; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*argv):
+        status = cli.main(list(argv))
+        return status, capsys.readouterr()
+
+    status, out = run("train", "--png", "losses.txt", "--steps", "1")
+    assert status == 2 and "--png='losses.txt' is not an image file name" in out.err
+    (tmp_path / "figs" / "lr_final_loss.png").mkdir(parents=True)
+    status, out = run("lr-sensitivity", "--quick", "--out", "figs")
+    assert status == 2 and "lr_final_loss.png' is a directory" in out.err
+    status, out = run("lr-sensitivity", "--quick", "--seed", "4294967295")
+    assert status == 2 and "--seed must lie in [0, 4294967294]" in out.err
+    status, out = run("lr-sensitivity", "--quick", "--lrs", "-1e-3", "0.1")
+    assert status == 2 and "lrs[0] must lie in (0.0, inf], got -0.001" in out.err
+    status, out = run("census", "--jsn")
+    obj = strict(out.out)
+    assert status == 2 and obj["type"] == "UsageError" and "--jsn" in obj["error"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "figs"]  # nothing was written
+
+
 def test_a_value_error_while_working_is_status_1(monkeypatch, capsys, tmp_path):
     from blocklab.experiments import parameter_census as census
 

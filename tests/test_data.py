@@ -162,6 +162,11 @@ def test_token_dataset_refuses_bad_input(tokens, kw, match):
         TokenDataset(tokens, 4, **kw)
 
 
+def test_token_dataset_refuses_duplicate_symbols():
+    with pytest.raises(ConfigError, match=r"distinct symbols, got 'a' at ids 0 and 1"):
+        TokenDataset(np.array([0, 1, 2] * 4), 4, vocab=("a", "a", "b"))
+
+
 @pytest.mark.parametrize(
     "tokens",
     [np.zeros((2, 8), np.int32), np.linspace(0, 1, 9), np.array([True, False] * 5)],

@@ -1,9 +1,11 @@
 """Errors come from blocklab and name the argument, the value and the fix.
 
-Checkpoints, porting, `CharLM`, `Stack`, `generate_text` and the `init` functions.
-Every assertion is on the message text. The run-time shape checker of the
-test suite is switched off here, as in a user's program: otherwise a wrong
-type would be caught first by the jaxtyping/beartype annotation check.
+Block, attention, FFN and norm options, widths and input shapes; checkpoints,
+porting, `CharLM`, `Stack`, `generate_text` and the `init` functions. Every
+assertion is on the message text. The run-time shape checker of the test suite
+is switched off here (`plain_python`), as in a user's program: otherwise a
+wrong type or shape would be caught first by the jaxtyping/beartype annotation
+check (tests/test_block.py checks that it names the parameter when on).
 """
 
 import json
@@ -12,7 +14,6 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,19 +24,174 @@ from blocklab import CharLM, Stack, generate_text, load, load_state_dict, save
 from blocklab._validate import ConfigError
 from blocklab.data import VOCAB
 from blocklab.nn import init as init
+from blocklab.nn.normalization import make_norm
+
+pytestmark = pytest.mark.usefixtures("plain_python")
 
 KEY = jax.random.key(0)
 FIX = re.escape("pass key=jax.random.key(0)")
-
-
-@pytest.fixture(autouse=True)
-def plain_python(monkeypatch):
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+ACTS = re.escape(str(list(bl.nn.ffn.ACTS)))
 
 
 @pytest.fixture(scope="module")
 def lm():
     return CharLM(28, 16, 2, 1, max_len=8, key=KEY)
+
+
+# ---------------------------------------- block, attention, FFN and norm options
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            {"norm": "batch"},
+            r"norm must be one of \['gemma_rms', 'layer', 'rms'\], got norm='batch'",
+        ),
+        ({"act": "swish"}, rf"act must be one of {ACTS}, got act='swish'"),
+        (
+            {"placement": "middle"},
+            r"placement must be one of \['post', 'pre', 'output', 'sandwich'\], "
+            r"got placement='middle'",
+        ),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got dropout=1.0"),
+        ({"dropout": -0.1}, r"dropout must be in \[0, 1\), got dropout=-0.1"),
+    ],
+)
+def test_block_rejects_bad_options(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        bl.TransformerBlock(16, 4, key=KEY, **kwargs)
+
+
+def test_option_strings_are_case_sensitive_never_a_silent_default():
+    with pytest.raises(ValueError, match="got norm='RMS'"):
+        bl.TransformerBlock(16, 4, norm="RMS", key=KEY)
+    with pytest.raises(ValueError, match="got act='SwiGLU'"):
+        bl.TransformerBlock(16, 4, act="SwiGLU", key=KEY)
+
+
+@pytest.mark.parametrize("cls", [bl.TransformerBlock, bl.MultiHeadAttention])
+def test_heads_must_divide_width(cls):
+    with pytest.raises(
+        ValueError,
+        match=r"num_hiddens must be divisible by num_heads, got num_hiddens=10, "
+        r"num_heads=4; choose num_heads among the divisors of 10",
+    ):
+        cls(10, 4, key=KEY)
+
+
+@pytest.mark.parametrize("cls", [bl.TransformerBlock, bl.MultiHeadAttention])
+@pytest.mark.parametrize(
+    ("name", "args"), [("num_hiddens", (0, 1)), ("num_heads", (8, 0))]
+)
+def test_sizes_must_be_positive_ints(cls, name, args):
+    with pytest.raises(ValueError, match=rf"{name} must be a positive int, got 0"):
+        cls(*args, key=KEY)
+
+
+def test_ffn_rejects_bad_act_and_widths():
+    with pytest.raises(
+        ValueError, match=rf"FeedForward: act must be one of {ACTS}, got act='tanh'"
+    ):
+        bl.FeedForward(8, "tanh", key=KEY)
+    with pytest.raises(
+        ValueError, match=rf"ffn_width: act must be one of {ACTS}, got act='elu'"
+    ):
+        bl.nn.ffn.ffn_width(8, "elu")
+    with pytest.raises(
+        ValueError,
+        match=r"give ffn_width or multiple_of, not both \(got ffn_width=8, "
+        r"multiple_of=4\)",
+    ):
+        bl.FeedForward(8, ffn_width=8, multiple_of=4, key=KEY)
+    with pytest.raises(ValueError, match=r"ffn_width must lie in \[1, inf\], got 0"):
+        bl.FeedForward(8, ffn_width=0, key=KEY)
+    with pytest.raises(ValueError, match=r"multiple_of must be a positive int, got -1"):
+        bl.nn.ffn.ffn_width(8, "gelu", -1)
+
+
+def test_make_norm_rejects_unknown_norm():
+    with pytest.raises(
+        ValueError,
+        match=r"norm must be one of \['gemma_rms', 'layer', 'rms'\], got norm='l2'",
+    ):
+        make_norm("l2", 8)
+
+
+@pytest.mark.parametrize(
+    ("module", "owner"),
+    [
+        (bl.TransformerBlock(16, 4, key=KEY), "TransformerBlock"),
+        (bl.MultiHeadAttention(16, 4, key=KEY), "MultiHeadAttention"),
+    ],
+)
+def test_wrong_input_width_or_rank(module, owner):
+    pattern = (
+        rf"{owner} acts on a sequence x of shape \(T, num_hiddens=16\) \(or a "
+        r"batch \(\.\.\., T, num_hiddens\)\), got x.shape="
+    )
+    with pytest.raises(ValueError, match=pattern + r"\(5, 12\)"):
+        module(jnp.ones((5, 12)))
+    with pytest.raises(ValueError, match=pattern + r"\(2, 5, 12\)"):
+        module(jnp.ones((2, 5, 12)))
+    with pytest.raises(ValueError, match=pattern + r"\(16,\)"):
+        module(jnp.ones((16,)))
+
+
+@pytest.mark.parametrize(
+    ("module", "owner"),
+    [
+        (bl.FeedForward(16, key=KEY), "FeedForward"),
+        (bl.RMSNorm(16), "RMSNorm"),
+        (bl.LayerNorm(16), "LayerNorm"),
+    ],
+)
+def test_wrong_feature_width_of_rowwise_modules(module, owner):
+    with pytest.raises(
+        ValueError,
+        match=rf"{owner} was built with num_hiddens=16, but its input x has "
+        r"shape \(5, 12\)",
+    ):
+        module(jnp.ones((5, 12)))
+
+
+@pytest.mark.parametrize("lens", [jnp.arange(1, 5), jnp.ones((2, 6), int)])
+@pytest.mark.parametrize(
+    "module",
+    [bl.TransformerBlock(16, 4, key=KEY), bl.MultiHeadAttention(16, 4, key=KEY)],
+)
+def test_valid_lens_of_the_wrong_shape(module, lens):
+    with pytest.raises(
+        ValueError,
+        match=r"valid_lens must be a scalar or have shape \(T,\) = \(6,\) "
+        rf"\(one length per query\), got shape {re.escape(str(tuple(lens.shape)))}",
+    ):
+        module(jnp.ones((6, 16)), lens)
+
+
+def test_valid_lens_shape_is_checked_under_jit_too():
+    blk = bl.TransformerBlock(16, 4, key=KEY)
+    with pytest.raises(ValueError, match=r"got shape \(3,\)"):
+        jax.jit(lambda x, n: blk(x, n))(jnp.ones((6, 16)), jnp.arange(3))
+
+
+def test_norm_sizes_and_init_arguments():
+    with pytest.raises(
+        ValueError, match=r"RMSNorm: num_hiddens must be a positive int, got 0"
+    ):
+        bl.RMSNorm(0)
+    with pytest.raises(
+        ValueError, match=r"init.normal: std must lie in \[0.0, inf\], got -0.02"
+    ):
+        init.normal(bl.RMSNorm(4), -0.02, key=KEY)
+    with pytest.raises(
+        ValueError, match=r"Stack: num_blks must be a positive int, got 0"
+    ):
+        bl.Stack(lambda k: bl.RMSNorm(4), 0, key=KEY)
+    for bad in (0, -2):
+        with pytest.raises(
+            ValueError,
+            match=rf"Stack: unroll must be a positive int or a bool, got {bad}",
+        ):
+            bl.Stack(lambda k: bl.RMSNorm(4), 2, unroll=bad, key=KEY)
 
 
 # ----------------------------------------------------------------- PRNG keys
@@ -433,3 +589,27 @@ def test_charlm_call_key_must_be_a_key_or_none(lm):
         match=rf"^CharLM: key must be a JAX PRNG key, got 1 of type int; {FIX}",
     ):
         lm(jnp.array([1, 2]), key=1)
+
+
+# ----------------------------------- the obscure errors of the first round
+def test_old_obscure_errors_name_the_argument_and_the_fix():
+    import inspect
+
+    block = bl.TransformerBlock(16, 2, dropout=0.1, key=jax.random.key(0))
+    call = inspect.unwrap(type(block).__call__)  # past the suite's type hook
+    with pytest.raises(
+        ConfigError, match="TransformerBlock: key must be a JAX PRNG key, got 0"
+    ):
+        call(block, jnp.ones((4, 16)), key=0)
+    with pytest.raises(ConfigError, match=r"must be an array, got a list.*jnp.asarray"):
+        call(block, [[1.0] * 16] * 4)
+    with pytest.raises(ConfigError, match=r"census: .*got dict.*count_params"):
+        bl.census({"w": jnp.ones(3)})
+    with pytest.raises(ConfigError, match=r"train_batch: batch_size must lie in \[1"):
+        bl.TokenDataset(np.arange(40) % 28, 8).train_batch(jax.random.key(0), -1)
+    from blocklab.training.member_axis import key_data
+
+    with pytest.raises(
+        ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"
+    ):
+        inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")

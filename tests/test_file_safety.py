@@ -4,7 +4,9 @@ Each test saves a good checkpoint, makes a second `save` to the same path fail
 part-way (a serialiser that dies after writing some bytes, a full disk, an
 unserialisable config, a folder that cannot be written, a failed rename),
 then checks that the first file is byte for byte what it was, still loads,
-and that the folder holds nothing else.
+and that the folder holds nothing else. A save through a symlink writes its
+target and keeps the target's mode; a folder that refuses the temporary file
+is named in the error, not the temporary file.
 """
 
 import contextlib
@@ -129,6 +131,22 @@ def test_unwritable_folder_is_refused_before_serialising(models, saved, monkeypa
     assert_intact(*saved, models[0])
 
 
+def test_an_unwritable_folder_is_named_not_the_temporary_file(
+    models, tmp_path, monkeypatch
+):
+    import tempfile
+
+    def refuse(*a, dir=None, **k):
+        raise PermissionError(13, "Permission denied", f"{dir}/.m.eqx.abc.tmp.eqx")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(
+        PermissionError, match=r"into the folder .*Permission denied"
+    ) as err:
+        save(tmp_path / "m.eqx", models[0])
+    assert ".tmp" not in str(err.value)
+
+
 def test_directory_as_destination(models, tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(ValueError, match="is a directory"):
@@ -143,6 +161,20 @@ def test_a_successful_save_replaces_the_file(models, saved):
     got = load(path)
     np.testing.assert_array_equal(got.token_emb.weight, models[1].token_emb.weight)
     assert not np.array_equal(got.token_emb.weight, models[0].token_emb.weight)
+
+
+def test_save_through_a_symlink_writes_the_target_and_keeps_its_mode(models, tmp_path):
+    old, new = models
+    real, link = tmp_path / "real.eqx", tmp_path / "link.eqx"
+    save(real, old)
+    real.chmod(0o600)
+    link.symlink_to(real)
+    save(link, new)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    got = load(real)
+    np.testing.assert_array_equal(got.token_emb.weight, new.token_emb.weight)
+    assert oct(real.stat().st_mode & 0o777) == oct(0o600)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.eqx", "real.eqx"]
 
 
 def test_interrupt_during_write_keeps_the_old_file(models, saved, monkeypatch):

@@ -10,7 +10,9 @@ import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import blocklab as bl
 import blocklab.nn.functional as F
+from blocklab._validate import ConfigError
 
 SHAPES = [(8,), (5, 8), (2, 3, 8)]
 
@@ -214,6 +216,14 @@ def test_token_spread_over_a_batch_pools_all_sequences():
     )
 
 
+def test_token_spread_of_collapsed_and_zero_states():
+    assert float(F.token_spread(jnp.zeros((2, 4, 8)))) == 0.0  # was 0/0 = NaN
+    assert float(F.token_spread(jnp.ones((2, 4, 8)))) == 0.0
+    h = np.random.default_rng(0).normal(size=(2, 4, 8))
+    want = np.linalg.norm(h - h.mean(-2, keepdims=True)) / np.linalg.norm(h)
+    np.testing.assert_allclose(float(F.token_spread(jnp.asarray(h))), want, rtol=1e-5)
+
+
 # ------------------------------------------- valid lengths, eps = 0 (issue 13)
 def test_valid_mask_broadcast_forms():
     T = 4
@@ -303,3 +313,36 @@ def test_clamped_softmax_equals_replacement_on_finite_and_inf_scores():
         lambda s: jnp.sum(_softmax_clamped(s, jnp.asarray(mask))[..., 0] ** 2)
     )(fin)
     assert np.all(np.asarray(g)[~mask] == 0.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: F.rope_frequencies(0), r"head_dim must lie in \[2"),
+        (lambda: F.rope_frequencies(-4), r"head_dim must lie in \[2"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=0.0), r"theta must lie in \(0"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=-1e4), r"theta must lie in \(0"),
+        (lambda: bl.rope(jnp.ones((4, 8)), theta=float("nan")), "theta must be finite"),
+        (lambda: bl.rope(jnp.ones(8)), r"\(\.\.\., T, p\).*x\[None\]"),
+        (lambda: bl.rope(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm_(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm(jnp.ones((4, 8), jnp.int32)), "must be floating point"),
+        (lambda: bl.rms_norm_(jnp.ones((4, 8)), jnp.ones(5)),
+         r"weight must have shape \(d,\) = \(8,\)"),
+        (lambda: bl.layer_norm_(jnp.ones((4, 8)), jnp.ones(8), jnp.ones(3)),
+         r"bias must have shape \(d,\) = \(8,\)"),
+        (lambda: bl.layer_norm(jnp.ones((4, 8)), jnp.ones(5)),
+         r"weight must have shape"),
+    ],
+)  # fmt: skip
+def test_numeric_arguments_are_refused_naming_them(call, match, monkeypatch):
+    import inspect
+
+    # The suite's jaxtyping hook refuses some of these by their annotations
+    # first; users have no hook, so check the functions' own refusals.
+    for mod in (bl, F, bl.nn.inplace):
+        for name in ("rope", "rms_norm", "rms_norm_", "layer_norm", "layer_norm_"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, inspect.unwrap(getattr(mod, name)))
+    with pytest.raises(ConfigError, match=match):
+        call()

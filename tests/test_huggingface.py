@@ -332,6 +332,29 @@ def test_unsupported_config_field_named(family, kw, field):
         from_huggingface(model.eval())
 
 
+def test_conversion_refuses_a_config_edited_after_the_model_and_meta_weights():
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = np.arange(8) % 64
+    want = model(torch.tensor(ids)[None]).logits[0].detach().numpy()
+    np.testing.assert_allclose(
+        from_huggingface(model)(jnp.asarray(ids)), want, atol=1e-5
+    )
+    # ReLU is a supported activation (ReGLU): without the check the edited
+    # config converts silently to a ReGLU model; the torch MLP keeps its SiLU.
+    model.config.hidden_act = "relu"
+    with pytest.raises(ConfigError, match=r"hidden_act='relu' but .* SiLUActivation"):
+        from_huggingface(model)
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(cfg).eval()
+    with pytest.raises(ConfigError, match="meta device"):
+        from_huggingface(empty)
+
+
 def test_training_mode_with_dropout_refused():
     model = _gpt2("mha")  # dropout 0.1 by default, training mode
     model.train()

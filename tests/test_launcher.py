@@ -107,6 +107,22 @@ def test_bad_arguments_are_refused_before_anything_starts(kwargs, match, tmp_pat
     assert not marker.exists()
 
 
+def test_launcher_survives_bad_bytes_and_a_closed_sink():
+    code = (
+        "import sys; sys.stderr.buffer.write(b'bad \\xff\\xfe\\n' * 3); "
+        "sys.stderr.flush(); sys.stdout.write('y' * 200000 + '\\n'); print('done')"
+    )  # 200 kB: more than a pipe holds, so a dead reader would block the child
+    closed = io.StringIO()
+    closed.close()
+    err = io.StringIO()
+    with pytest.warns(RuntimeWarning, match="cannot write the output"):
+        res = bl.launch_local(
+            [sys.executable, "-c", code], 1, timeout=60, stdout=closed, stderr=err
+        )
+    assert err.getvalue().count("[0] bad \ufffd\ufffd") == 3
+    assert res.stdout.endswith("done\n") and len(res.stdout) > 200000
+
+
 def test_a_job_past_its_timeout_is_ended():
     t0 = time.monotonic()
     with pytest.raises(

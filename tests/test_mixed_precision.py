@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from regression import Linear, mse
 
 from blocklab import (
     CharLM,
@@ -16,6 +17,7 @@ from blocklab import (
     lm_loss,
     make_train_step,
     train_lm,
+    train_model,
 )
 from blocklab.nn.functional import linear
 from blocklab.training.step import init_state
@@ -141,6 +143,37 @@ def test_the_forward_runs_in_bf16_and_the_loss_is_float32(model, data):
     # bf16 rounding of activations perturbs each gradient entry by ~1%
     assert cosine > 0.99, cosine
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
+
+
+def test_bf16_mixed_precision_keeps_float32_master_weights():
+    # At lr 1e-4 each update (~1e-4) is below half a bf16 ulp of weights
+    # ~0.5-2 (~2e-3-8e-3): rounding the master weights through bf16 would
+    # lose every update. The float32 masters move as the float32 run does.
+    def source(key):  # y = x . w_true, no noise
+        x = jax.random.normal(key, (4, 3))
+        return x, x @ jnp.array([1.0, -2.0, 0.5])
+
+    w_start = jnp.array([0.7, -1.3, 1.9])
+    runs = {
+        p: train_model(
+            Linear(w_start),
+            source,
+            optax.sgd(1e-4),
+            3,
+            key=jax.random.key(1),
+            loss_fn=mse,
+            precision=p,
+            progress=False,
+        )  # fmt: skip
+        for p in ("float32", "bf16")
+    }
+    moved = {p: np.asarray(r.model.w) - np.asarray(w_start) for p, r in runs.items()}
+    assert runs["bf16"].model.w.dtype == jnp.float32
+    assert np.abs(moved["float32"]).min() > 1e-5
+    rel = np.linalg.norm(moved["bf16"] - moved["float32"]) / np.linalg.norm(
+        moved["float32"]
+    )
+    assert rel < 0.05, rel
 
 
 @pytest.mark.float64

@@ -1,46 +1,28 @@
 """`train_sweep` over any injected hyperparameter (here a learning rate and a
 warm-up length) x independent model and data seeds, against a float64 NumPy
-loop; grids, look-up by value, and the errors."""
+loop; grids, look-up by value, and the errors (one range rule per optax
+hyperparameter, shared with `train_model`)."""
 
 import itertools
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from regression import B, D, Linear, mse
+from regression import regression_batch as source
 
-from blocklab import sharded_map, sweep_grid, train_sweep
+from blocklab import sharded_map, sweep_grid, train_model, train_sweep
 from blocklab._validate import ConfigError
 from blocklab.training.member_axis import check_seeds
 from blocklab.training.sweep import sweep_optimizer
 
-D, B, STEPS = 3, 5, 6
-W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
-
-
-class Linear(eqx.Module):
-    w: jax.Array
-    b: jax.Array
-
-    def __call__(self, x):
-        return x @ self.w + self.b
+STEPS = 6
 
 
 def make_model(key):
     return Linear(0.1 * jax.random.normal(key, (D,), jnp.float32), jnp.zeros(()))
-
-
-def source(key):
-    kx, kn = jax.random.split(key)
-    x = jax.random.normal(kx, (B, D), jnp.float32)
-    return x, x @ W_TRUE + 0.1 * jax.random.normal(kn, (B,), jnp.float32)
-
-
-def mse(model, batch, key):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
 
 
 def sgd_warmup(learning_rate, warmup):
@@ -182,6 +164,62 @@ def sweep(**kw):
 def test_bad_sweeps_raise_naming_the_problem(kw, match):
     with pytest.raises(ConfigError, match=match):
         sweep(**kw)
+
+
+# One range rule per optax hyperparameter, in sweeps and in train_model.
+BAD_HPARAMS = [
+    (optax.adamw, "weight_decay", -0.1, r"\[0, inf\)"),
+    (optax.adam, "b1", 1.5, r"\[0, 1\)"),
+    (optax.adam, "b2", 1.0, r"\[0, 1\)"),
+    (optax.adam, "eps", -1e-3, r"\[0, inf\)"),
+    (optax.sgd, "momentum", 1.2, r"\[0, 1\)"),
+    (optax.rmsprop, "decay", -0.5, r"\[0, 1\)"),
+    (optax.sgd, "learning_rate", -0.5, r"\(0, inf\)"),
+]
+
+
+def train_one(opt, steps=2):
+    return train_model(
+        make_model(jax.random.key(0)), source, opt, steps, key=jax.random.key(0),
+        loss_fn=mse, progress=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("opt", "name", "bad", "valid"), BAD_HPARAMS)
+def test_sweeps_and_train_model_share_one_range_rule(opt, name, bad, valid):
+    good = {"learning_rate": 0.1}
+    # swept: the message names the member
+    swept = (
+        {**good, name: [0.0, bad]} if name != "learning_rate" else {name: [0.1, bad]}
+    )
+    with pytest.raises(ConfigError, match=rf"{name} of member 1 must be in {valid}"):
+        sweep(hyperparams=swept, optimizer=sweep_optimizer(opt))
+    # fixed in the injected optimizer, not swept: still refused
+    fixed = optax.inject_hyperparams(opt)(**{**good, name: bad})
+    with pytest.raises(ConfigError, match=rf"{name} .*must be in {valid}.*, got"):
+        sweep(hyperparams={}, optimizer=fixed)
+    with pytest.raises(ConfigError, match=rf"train_model: hyperparameter {name} must"):
+        train_one(fixed)
+
+
+def test_a_negative_rate_fixed_inside_an_injected_optimizer_is_refused():
+    opt = optax.inject_hyperparams(lambda momentum: optax.sgd(-0.5, momentum))(
+        momentum=0.9
+    )
+    with pytest.raises(ConfigError, match="member 0 climbs the gradient"):
+        sweep(hyperparams={"momentum": [0.5, 0.9]}, optimizer=opt)
+    with pytest.raises(ConfigError, match="climbs the gradient"):
+        train_one(optax.sgd(-0.5, 0.9))
+
+
+def test_edge_values_inside_the_ranges_are_accepted():
+    res = sweep(
+        hyperparams={
+            "learning_rate": [0.05, 0.1], "b1": [0.0, 0.9], "weight_decay": [0.0, 0.1]
+        },
+        optimizer=sweep_optimizer(optax.adamw),
+    )  # fmt: skip
+    assert np.all(np.isfinite(res.losses))
 
 
 def test_zero_steps_is_refused():

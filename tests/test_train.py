@@ -1,5 +1,6 @@
 """Training: the loss, the pure step (vs a hand-written optax step), fusion, vmap,
-the train_lm loop, validation and the non-finite stop."""
+the train_lm loop, validation and the non-finite stop; every loss and model
+refuses ids and targets outside its vocabulary."""
 
 import equinox as eqx
 import jax
@@ -10,11 +11,17 @@ import pytest
 
 from blocklab import (
     CharLM,
+    DecoderConfig,
+    DecoderLM,
     TimeMachine,
+    TokenDataset,
     lm_loss,
     make_train_step,
     train_lm,
 )
+from blocklab._validate import ConfigError
+from blocklab.nn import MoEDecoderConfig
+from blocklab.training.losses import moe_loss
 from blocklab.training.step import init_state, step_keys, validation_loss
 
 
@@ -200,3 +207,46 @@ def test_lm_loss_refuses_out_of_range_targets(model, data, bad):
         lm_loss(model, X, Y)
     with pytest.raises(Exception, match="target ids must lie in"):
         jit_lm_loss(model, X, Y)
+
+
+def _loss(name):
+    """The loss `fn(X, Y)` named `name`, and its vocabulary."""
+    if name == "lm_loss":
+        # the model is compiled; the targets reach lm_loss concrete
+        char = eqx.filter_jit(CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0)))
+        return (lambda X, Y: lm_loss(char, X, Y)), 28
+    cfg = MoEDecoderConfig.mixtral(32, 16, 2, 1, max_len=8, num_experts=4, top_k=2)
+    fn, moe_lm = moe_loss(), DecoderLM(cfg, key=jax.random.key(0))
+    return (lambda X, Y: fn(moe_lm, (X, Y))[0]), 32
+
+
+@pytest.mark.parametrize("loss", ["lm_loss", "moe_loss"])
+def test_every_loss_refuses_targets_outside_the_vocabulary(loss):
+    fn, vocab = _loss(loss)
+    X = jnp.zeros((2, 8), jnp.int32)
+    jitted = eqx.filter_jit(fn)
+    assert np.isfinite(float(jitted(X, jnp.full((2, 8), vocab - 1))))
+    # (the MoE forward runs op by op when called eagerly: one value there)
+    for bad in (vocab, -1) if loss == "lm_loss" else (-1,):
+        Y = jnp.zeros((2, 8), jnp.int32).at[1, 3].set(bad)
+        # concrete: checked in NumPy, the message names the id and its index
+        with pytest.raises(ConfigError, match=rf"\[0, vocab={vocab}\), got {bad} "
+                           r"at index \[1, 3\]"):  # fmt: skip
+            fn(X, Y)
+    for bad in (vocab, -1):
+        Y = jnp.zeros((2, 8), jnp.int32).at[1, 3].set(bad)
+        with pytest.raises(eqx.EquinoxRuntimeError, match=rf"vocab={vocab}\)"):
+            jitted(X, Y)
+
+
+def test_decoder_ids_and_empty_batches():
+    m = DecoderLM(DecoderConfig.llama(32, 16, 2, 1, max_len=8), key=jax.random.key(0))
+    with pytest.raises(ConfigError, match=r"vocab_size=32\), got 40 at index \[1\]"):
+        m(jnp.array([0, 40]))
+    char = CharLM(28, 16, 2, 1, max_len=8, key=jax.random.key(0))
+    tm = TokenDataset(np.arange(40) % 28, 8)
+    with pytest.raises(ConfigError, match="batch_size must lie in"):
+        tm.train_batch(jax.random.key(0), 0)
+    empty = jnp.zeros((0, 8), jnp.int32)
+    with pytest.raises(ConfigError, match="the batch is empty"):
+        lm_loss(char, empty, empty)

@@ -1,5 +1,9 @@
 """The general training step: any model, loss (with or without aux) and batch source;
-errors checked once by tracing; a frozen run cannot recover after a non-finite step."""
+errors checked once by tracing; a frozen run cannot recover after a non-finite step;
+a host source (iterator, generator, list, `host_source`) gives a fresh batch every
+step."""
+
+import warnings
 
 import equinox as eqx
 import jax
@@ -7,35 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from regression import B, D, Linear, mse, regression_batch
 
 from blocklab import (
     CharLM,
     TimeMachine,
     TokenDataset,
+    host_source,
     make_train_step,
     train_lm,
     train_model,
+    train_sweep,
 )
 from blocklab._validate import ConfigError
 from blocklab.training.step import init_state, step_keys
-
-D, B = 3, 5
-W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
-
-
-class Linear(eqx.Module):
-    w: jax.Array
-    b: jax.Array
-
-    def __call__(self, x):
-        return x @ self.w + self.b
-
-
-def regression_batch(key):
-    """A batch source as a plain callable: y = x . w_true + 0.1 noise."""
-    kx, kn = jax.random.split(key)
-    x = jax.random.normal(kx, (B, D), jnp.float32)
-    return x, x @ W_TRUE + 0.1 * jax.random.normal(kn, (B,), jnp.float32)
 
 
 class RegressionSource(eqx.Module):
@@ -46,11 +35,6 @@ class RegressionSource(eqx.Module):
     def batch(self, key):
         x, y = regression_batch(key)
         return x, self.scale * y
-
-
-def mse(model, batch, key):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
 
 
 def mse_with_aux(model, batch, key):
@@ -284,3 +268,125 @@ def test_chunks_do_not_retrace():
     three.clear()
     train_model(zero_model(), regression_batch, opt, 6, loss_fn=fn, **run)
     assert len(three) == 1  # TrainStep.check only: the chunk was cached
+
+
+# -- host sources: drawn every step, never traced once (issue 23, item 1) ----
+
+
+def _batches(n, seed=0, rows=4, dim=3):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.normal(size=(rows, dim)).astype(np.float32),
+            rng.normal(size=rows).astype(np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _sgd_reference(batches, lr):
+    """Losses of plain SGD on `batches` in order, in float64 NumPy."""
+    w = np.zeros(batches[0][0].shape[1])
+    out = []
+    for x, y in batches:
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        r = x @ w - y
+        out.append(np.mean(r**2))
+        w = w - lr * 2 * x.T @ r / len(y)
+    return np.array(out), w
+
+
+def _train(source, n, **kw):
+    kw.setdefault("steps_per_call", 3)
+    return train_model(
+        Linear(jnp.zeros(3)),
+        source,
+        optax.sgd(0.1),
+        n,
+        key=jax.random.key(0),
+        loss_fn=mse,
+        progress=False,
+        **kw,
+    )
+
+
+def test_a_callable_reading_an_iterator_is_refused_not_frozen():
+    it = iter(_batches(6))
+    with pytest.raises(ConfigError, match=r"host_source.*Supported: a pure source"):
+        _train(lambda key: next(it), 4)
+    rng = np.random.default_rng(0)  # a host random generator is not pure either
+    with pytest.raises(ConfigError, match="side effects"):
+        _train(lambda key: (rng.normal(size=(4, 3)), rng.normal(size=4)), 4)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        iter,  # an iterator
+        lambda bs: (b for b in bs),  # a generator
+        list,  # an iterable
+        # a host callable (the default binds one iterator per source)
+        lambda bs: host_source(lambda key, it=iter(bs): next(it)),  # noqa: B008
+    ],
+    ids=["iterator", "generator", "list", "host_source"],
+)
+def test_a_host_source_trains_on_a_fresh_batch_every_step(wrap):
+    batches = _batches(7)
+    ref, w = _sgd_reference(batches, 0.1)
+    res = _train(wrap(batches), 7)
+    np.testing.assert_allclose(res.losses, ref, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(res.model.w), w, rtol=2e-5, atol=1e-6)
+    assert res.stopped is None
+
+
+def test_a_host_source_that_runs_out_keeps_the_finished_steps():
+    batches = _batches(5)
+    ref, w = _sgd_reference(batches, 0.1)
+    with pytest.warns(UserWarning, match="ran out after 5 of 9 steps"):
+        res = _train(iter(batches), 9, steps_per_call=2)
+    assert "ran out after 5 of 9" in res.stopped
+    np.testing.assert_allclose(res.losses, ref, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(res.model.w), w, rtol=2e-5, atol=1e-6)
+    assert int(res.state.step) == 5
+
+
+def test_host_source_gets_each_steps_key():
+    seen = []
+
+    def fn(key):
+        seen.append(np.asarray(jax.random.key_data(key)))
+        return _batches(1)[0]
+
+    _train(host_source(fn), 4)
+    want = np.asarray(jax.random.key_data(step_keys(jax.random.key(0), 0, 4)))
+    # the first call is the shape check (key 0), then one per step
+    np.testing.assert_array_equal(np.stack(seen[-4:]), want)
+    assert len(seen) == 4  # the checking draw is the first step's batch
+
+
+def test_host_source_refusals():
+    with pytest.raises(ConfigError, match="yielded no batch"):
+        _train(iter([]), 2)
+    bad = _batches(2) + [(np.zeros((5, 3), np.float32), np.zeros(5, np.float32))]
+    with pytest.raises(ConfigError, match="batch 2 has structure"):
+        _train(iter(bad), 3)
+    with pytest.raises(ConfigError, match="host source"):
+        train_sweep(
+            lambda k: Linear(jnp.zeros(3)),
+            iter(_batches(3)),
+            2,
+            model_keys=[0, 1],
+            data_keys=[0, 1],
+            learning_rates=[0.1, 0.2],
+            loss_fn=mse,
+            progress=False,
+        )
+
+
+def test_a_pure_source_with_a_fixed_batch_is_still_accepted():
+    x, y = _batches(1)[0]
+    ref, _ = _sgd_reference([(x, y)] * 3, 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = _train(lambda key: (jnp.asarray(x), jnp.asarray(y)), 3)
+    np.testing.assert_allclose(res.losses, ref, rtol=2e-5)
