@@ -306,65 +306,6 @@ def test_inference_picks_the_plainest_family():
     assert inferred(_blocklab_cfg("gemma2")) == "gemma2"
 
 
-@pytest.mark.parametrize(
-    ("cfg", "family", "named"),
-    [
-        # a window on some layers only: Mistral and Phi-3 have one for all
-        (
-            DecoderConfig.llama(V, D, H, 3, window=4, global_layers=(2,)),
-            "mistral",
-            r"window/global_layers",
-        ),
-        (
-            DecoderConfig.llama(V, D, H, 2, window=4, global_layers=(0,)),
-            "phi3",
-            r"window/global_layers",
-        ),
-        # Llama's biases on all four projections: Qwen 2 has none on o_proj
-        (
-            DecoderConfig.llama(V, D, H, 2, attn_bias=True),
-            "qwen2",
-            r"attn_out_bias=True \(qwen2: False\)",
-        ),
-        (DecoderConfig.llama(V, D, H, 2, attn_bias=True), "mistral", r"attn_bias"),
-        (DecoderConfig.llama(V, D, H, 2, ffn_bias=True), "phi3", r"ffn_bias"),
-        (
-            DecoderConfig.llama(V, D, H, 2, qk_norm="full"),
-            "qwen3",
-            r"qk_norm='full' \(qwen3: 'head'\)",
-        ),
-        # Gemma 3's QK-norm and two RoPE bases are not Gemma 2's
-        (DecoderConfig.gemma3(V, D, H, 2), "gemma2", r"qk_norm='head'"),
-        # soft caps only Gemma 2 can write
-        (
-            DecoderConfig.llama(V, D, H, 2, final_softcap=30.0),
-            "llama",
-            r"final_softcap=30\.0 \(llama: None\)",
-        ),
-        (
-            DecoderConfig.llama(V, D, H, 2, attn_softcap=50.0),
-            "mistral",
-            r"attn_softcap=50\.0",
-        ),
-    ],
-    ids=[
-        "mistral-some-global",
-        "phi3-some-global",
-        "qwen2-o-bias",
-        "mistral-bias",
-        "phi3-ffn-bias",
-        "qwen3-full-qk",
-        "gemma3-as-gemma2",
-        "llama-final-softcap",
-        "mistral-attn-softcap",
-    ],  # fmt: skip
-)
-def test_export_refuses_what_the_family_cannot_express(cfg, family, named):
-    model = eqx.filter_eval_shape(DecoderLM, cfg, key=jax.random.key(0))
-    with pytest.raises(ConfigError, match=f"family='{family}' cannot express.*{named}"):
-        to_huggingface_state_dict(model, family=family)
-
-
 # Config mappings: refusals by name, and config.json defaults ----------------------
 
 
