@@ -438,3 +438,25 @@ def test_a_new_option_needs_one_edit(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("reached")
+
+
+def test_configs_that_build_different_structures_are_not_equal():
+    """A config is a static (jit-cached) argument: whether a window or RoPE is
+    present changes the module, so it changes `==` and `hash` (their values,
+    per-layer data, do not for a block, and do for a decoder)."""
+    assert BlockConfig(16, 2, window=3) == BlockConfig(16, 2, window=0)
+    assert BlockConfig(16, 2, window=3) != BlockConfig(16, 2)
+    assert BlockConfig(16, 2, rope_theta=1e4) != BlockConfig(16, 2)
+    build = eqx.filter_jit(lambda cfg, key: TransformerBlock(cfg, key=key))
+    with_window = build(BlockConfig(16, 2, window=3), KEY)
+    assert with_window.attention.window is not None
+    assert build(BlockConfig(16, 2), KEY).attention.window is None
+
+    from blocklab.nn import DecoderLM
+
+    local, plain = DecoderConfig.llama(window=8), DecoderConfig.llama()
+    assert local != plain and DecoderConfig.llama(window=4) != local
+    assert DecoderLM(local, key=KEY).stack.blocks.attention.window is not None
+    assert DecoderLM(plain, key=KEY).stack.blocks.attention.window is None
+    wide = DecoderLM(DecoderConfig.llama(window=4), key=KEY)
+    np.testing.assert_array_equal(wide.stack.blocks.attention.window, [4, 4])

@@ -145,7 +145,7 @@ def ffn_width(num_hiddens: int, act: str, multiple_of: int | None = None) -> int
     return -(-base // multiple_of) * multiple_of
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BlockConfig:
     r"""Every option of a `TransformerBlock`, validated once, when built.
 
@@ -161,10 +161,11 @@ class BlockConfig:
 
     `rope_theta` and `window` are data, not structure: the attention stores
     them as integer leaves, so the layers of one `Stack` (Gemma 3's local and
-    global layers) can differ in them. They are left out of `==` and `hash`,
-    so that such layers share one static config; whether RoPE or a window is
-    present at all still shows in the module's structure. (Do not rely on a
-    config as a `jit` static argument to carry their values.)
+    global layers) can differ in them. Their values are left out of `==` and
+    `hash`, so that such layers share one static config; whether RoPE or a
+    window is present at all is structure (the module has the leaf or not),
+    and is compared. (Do not rely on a config as a `jit` static argument to
+    carry their values.)
 
     Attributes:
         num_hiddens: model width $d$.
@@ -206,7 +207,7 @@ class BlockConfig:
     head_dim: int | None = None
     ffn_width: int | None = None
     attn_scale: float | None = None
-    # Data, not structure: left out of == and hash (see the class docstring).
+    # Data, not structure: only their presence is compared (see `_key`).
     rope_theta: float | None = dataclasses.field(default=None, compare=False)
     window: int | None = dataclasses.field(default=None, compare=False)
     attn_bias: bool | None = None
@@ -271,6 +272,24 @@ class BlockConfig:
             "attention_impl",
             check_choice(owner, "attention_impl", self.attention_impl, ATTENTION_IMPLS),
         )
+
+    def _key(self) -> tuple:
+        """What `==` and `hash` compare: every field but the values of the
+        per-layer data (`rope_theta`, `window`), and whether each is set."""
+        return (
+            type(self),
+            *(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare),
+            self.rope_theta is None,
+            self.window is None,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockConfig):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def gated(self) -> bool:

@@ -40,7 +40,7 @@ _LLAMA_FAMILY = dict(
 CONFIG_CLASSES: dict[str, type] = {}
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class DecoderConfig:
     r"""The hyperparameters of a `DecoderLM` (frozen, hashable, validated once).
 
@@ -246,6 +246,21 @@ class DecoderConfig:
             )
         if changes:
             put("block", dataclasses.replace(block, **changes))
+
+    def _key(self) -> tuple:
+        # Every field, and the block's per-layer data by value: two decoders
+        # differ when their windows or RoPE bases do (the block alone compares
+        # only their presence, so that the layers of one stack share it).
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return (type(self), *fields, self.block.window, self.block.rope_theta)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DecoderConfig):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names that are not the config's own: the block's

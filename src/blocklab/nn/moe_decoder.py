@@ -20,7 +20,7 @@ __all__ = ["MoEDecoderConfig"]
 _OWNER = "MoEDecoderConfig"
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class MoEDecoderConfig(DecoderConfig):
     """A `DecoderConfig` whose FFNs are top-k mixtures of experts.
 

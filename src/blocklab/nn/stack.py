@@ -41,7 +41,7 @@ class Stack(eqx.Module):
     unroll: int | bool = eqx.field(static=True)
     #: `constrain(h)` applied to the hidden state at every block boundary
     #: (before each block and after the last), e.g. a sharding constraint
-    #: (`blocklab.training.partition`); `None`: nothing is applied (no cost).
+    #: (`blocklab.training.placement`); `None`: nothing is applied (no cost).
     constrain: Callable[[Array], Array] | None = eqx.field(static=True, default=None)
 
     def __init__(
@@ -229,9 +229,7 @@ class Stack(eqx.Module):
                 return blk.step(h, cache, start, defer_write=True)
 
             steps = jnp.arange(self.num_blks)
-            h, rows = jax.lax.scan(
-                read_only, x, (dynamic, steps), unroll=self.unroll
-            )
+            h, rows = jax.lax.scan(read_only, x, (dynamic, steps), unroll=self.unroll)
             return h, write_cache(caches, rows, start, stacked=True)
 
         def body(h, xs):
