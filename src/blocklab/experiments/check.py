@@ -151,6 +151,18 @@ def _seed_row(claim, closed, samples, *, log=False, note=""):
     )
 
 
+def _spread_row(claim, stats, k, alpha=1.0, *, note=""):
+    """Exercise 5: the post-LN token spread after `k` blocks (geometric mean over
+    seeds) against the attention-only closed form at n = 64 keys."""
+    return _seed_row(
+        claim,
+        theory.collapse_spread(k, alpha, 64),
+        stats.token_spread[:, k - 1],
+        log=True,
+        note=note,
+    )
+
+
 # ------------------------------------------------------- exercises 1-3: identities
 def identity_rows() -> list[dict[str, Any]]:
     """Every identity of `blocklab.diagnostics.identities` on small random inputs
@@ -557,35 +569,33 @@ def signal_rows(
     ):
         for k in (8, 16, 32):
             rows.append(
-                _seed_row(
+                _spread_row(
                     f"ex. 5a: post-LN spread at k={k}, alpha=1, n=64 ({label}) "
                     "= (1 + 2^k/63)^-1/2",
-                    theory.collapse_spread(k, 1.0, n),
-                    stats.token_spread[:, k - 1],
-                    log=True,
+                    stats,
+                    k,
                     note=note,
                 )
             )
     if not quick:
         uniform = _measure(num_seeds, ffn=False, uniform=True)
         rows.append(
-            _seed_row(
+            _spread_row(
                 "ex. 5a: post-LN spread at k=16, alpha=1, attention only with "
                 "W_q = W_k = 0 (exactly uniform attention)",
-                theory.collapse_spread(16, 1.0, n),
-                uniform.token_spread[:, 15],
-                log=True,
+                uniform,
+                16,
                 note=edge_note,
             )
         )
     for alpha in () if quick else (0.7, 0.5):
         stats = _measure(num_seeds, ffn=False, alpha=alpha)
         rows.append(
-            _seed_row(
+            _spread_row(
                 f"ex. 5b: post-LN spread at k=32, alpha={alpha} (attention only)",
-                theory.collapse_spread(32, alpha, n),
-                stats.token_spread[:, 31],
-                log=True,
+                stats,
+                32,
+                alpha,
             )
         )
     bar.update()
@@ -598,7 +608,7 @@ def signal_rows(
 
 def _gpt1_rows(num_seeds: int) -> list[dict[str, Any]]:
     """Exercise 5c: GPT-1's alpha and the spread after 12 blocks at d = 768."""
-    n, rows = 64, []
+    rows = []
     alpha_gpt1 = theory.init_alpha(768, 0.02)
     gpt_opts = dict(num_blks=12, num_hiddens=768, num_heads=12)
     first_key = jax.random.split(jax.random.key(10), 1)  # seed 0 of `_measure`
@@ -633,12 +643,8 @@ def _gpt1_rows(num_seeds: int) -> list[dict[str, Any]]:
         stats = _measure(num_seeds, **options, **gpt_opts)
         alpha = 1.0 if "std" not in options else alpha_gpt1
         rows.append(
-            _seed_row(
-                f"ex. 5c: {label}: spread after 12 blocks",
-                theory.collapse_spread(12, alpha, n),
-                stats.token_spread[:, 11],
-                log=True,
-                note=note,
+            _spread_row(
+                f"ex. 5c: {label}: spread after 12 blocks", stats, 12, alpha, note=note
             )
         )
     return rows
