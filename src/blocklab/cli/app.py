@@ -151,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
         name = module.NAME.replace("_", "-")
         aliases = list(getattr(module, "ALIASES", ()))
         p = sub.add_parser(
-            name, aliases=aliases, help=module.HELP, description=module.HELP
+            name,
+            aliases=aliases,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=getattr(module, "EPILOG", None),
         )
         module.add_arguments(p)
         p.add_argument(

@@ -4,7 +4,8 @@
 Every command module defines:
 
 - `NAME` (the subcommand: a study's name, `blocklab.experiments.protocol`)
-  and `HELP` (one line); optionally `ALIASES` (older names that still work);
+  and `HELP` (one line); optionally `ALIASES` (older names that still work)
+  and `EPILOG` (the help's closing paragraph: exit statuses, caveats);
 - `add_arguments(parser)`: its options (`--json` is added by `blocklab.cli`);
 - `run(args) -> int`: prints a human-readable table, or one JSON object on
   stdout when `args.json` is set (render it with
@@ -21,6 +22,9 @@ The report's sections are not here: each study module has its own
 `blocklab.experiments.protocol.STUDIES`.
 """
 
+from collections.abc import Callable, Iterable
+
+from ...experiments._render import dumps
 from ...experiments.protocol import STUDY_NAMES
 
 #: The sections of `blocklab report` (study names), in the order it presents them.
@@ -42,3 +46,33 @@ def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
 def num_seeds_of(args, default: int) -> int:
     """`--num-seeds`, else `default`."""
     return default if args.num_seeds is None else args.num_seeds
+
+
+def add_protocol(parser, protocols: Iterable[str], *, help: str) -> None:  # noqa: A002
+    """`--protocol NAME`: one of the study's named protocols (default `cpu`)."""
+    parser.add_argument(
+        "--protocol", choices=sorted(protocols), default="cpu", help=help
+    )
+
+
+def add_out_dir(parser, default: str, *, what: str = "PNG plots") -> None:
+    """`--out DIR`: the folder the command writes its figures into."""
+    parser.add_argument(
+        "--out",
+        default=default,
+        metavar="DIR",
+        help=f"folder for the {what} (default: %(default)s)",
+    )
+
+
+def print_with_figures(args, result, *tables: Callable[[], str]) -> int:
+    """Write `result`'s figures into `--out`, then print: one JSON object (the
+    result's, with the figures' paths) under `--json`, else each of `tables`
+    (rendered only then) and the figures' paths. Returns the exit status 0."""
+    paths = result.figures(args.out)
+    if args.json:
+        print(dumps({**result.to_json(), "figures": [str(p) for p in paths]}))
+        return 0
+    print("\n\n".join(table() for table in tables))
+    print("\nfigures: " + ", ".join(str(p) for p in paths))
+    return 0

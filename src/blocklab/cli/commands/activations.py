@@ -26,7 +26,6 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.add_argument("--act", nargs="+", choices=ACTS, default=["gelu", "swiglu"])
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps (>= 1)")
     parser.add_argument(

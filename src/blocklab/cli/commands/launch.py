@@ -32,7 +32,6 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.add_argument(
         "--processes", type=int, default=2, metavar="N", help="processes (default 2)"
     )

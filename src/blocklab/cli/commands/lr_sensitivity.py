@@ -18,6 +18,7 @@ from ..._validate import ConfigError
 from ...experiments import lr_sensitivity as study
 from ...experiments._render import dumps
 from ...experiments._seeds import MAX_SEED, check_seed
+from . import add_out_dir
 
 NAME = "lr_sensitivity"
 ALIASES = ("lr-sweep",)
@@ -35,7 +36,6 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.add_argument(
         "--quick", action="store_true",
         help="the reduced protocol 'quick' instead of the full one",
@@ -50,10 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="override the protocol's value (>= 1)",
         )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="a non-negative int seed")
-    parser.add_argument(
-        "--out", default="lr_sensitivity", metavar="DIR",
-        help="folder for the PNG plots (default: %(default)s)",
-    )  # fmt: skip
+    add_out_dir(parser, "lr_sensitivity")
     parser.add_argument("--no-progress", action="store_true")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ...experiments import mup as study
-from ...experiments._render import dumps
+from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "mup"
 HELP = "μP: coordinate check (both parametrizations) and learning-rate transfer"
@@ -16,15 +16,12 @@ OUTPUT_DIRS = ("out",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--protocol", choices=sorted(study.PROTOCOLS), default="cpu",
+    add_protocol(
+        parser, study.PROTOCOLS,
         help="cpu: about ten minutes on 2 cores, with the transfer study; full: "
         "an accelerator; report/quick: the coordinate check only",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", default="mup", metavar="DIR",
-        help="folder for the PNG plots (default: %(default)s)",
-    )  # fmt: skip
+    add_out_dir(parser, "mup")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -32,10 +29,4 @@ def run(args: argparse.Namespace) -> int:
     result = study.run_study(
         study.PROTOCOLS[args.protocol], progress=not args.no_progress
     )
-    paths = result.figures(args.out)
-    if args.json:
-        print(dumps({**result.to_json(), "figures": [str(p) for p in paths]}))
-        return 0
-    print(result.table())
-    print("\nfigures: " + ", ".join(str(p) for p in paths))
-    return 0
+    return print_with_figures(args, result, result.table)

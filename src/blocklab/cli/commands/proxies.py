@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ...experiments import proxies as study
-from ...experiments._render import dumps
+from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "proxies"
 HELP = "small-scale proxies: LR sensitivity vs width/depth per intervention"
@@ -17,18 +17,15 @@ OUTPUT_DIRS = ("out",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--protocol", choices=sorted(study.PROTOCOLS), default="cpu",
+    add_protocol(
+        parser, study.PROTOCOLS,
         help="cpu: about ten minutes on 2 cores; full: an accelerator; quick: minutes",
     )  # fmt: skip
     parser.add_argument(
         "--variants", nargs="+", choices=tuple(study.VARIANTS),
         default=list(study.VARIANTS), help="interventions to run (default: all)",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", default="proxies", metavar="DIR",
-        help="folder for the PNG plots (default: %(default)s)",
-    )  # fmt: skip
+    add_out_dir(parser, "proxies")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -36,14 +33,6 @@ def run(args: argparse.Namespace) -> int:
     result = study.run_study(
         study.PROTOCOLS[args.protocol], args.variants, progress=not args.no_progress
     )
-    paths = result.figures(args.out)
-    if args.json:
-        print(dumps({**result.to_json(), "figures": [str(p) for p in paths]}))
-        return 0
-    print(result.table())
-    print()
-    print(result.logit_table())
-    print()
-    print(result.findings_table())
-    print("\nfigures: " + ", ".join(str(p) for p in paths))
-    return 0
+    return print_with_figures(
+        args, result, result.table, result.logit_table, result.findings_table
+    )

@@ -10,7 +10,7 @@ from ...experiments._render import dumps
 from ...interop.pretrained import pretrained_config
 from ...nn.block import PLACEMENTS
 from ...training.checkpoint import CheckpointError
-from . import add_num_seeds, num_seeds_of
+from . import add_num_seeds, add_out_dir, num_seeds_of
 
 NAME = "signal"
 HELP = "signal propagation at initialization: stream RMS, token spread, gradients"
@@ -29,7 +29,6 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.add_argument(
         "--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS)
     )
@@ -48,10 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure the architecture of this checkpoint folder (its config.json, "
         "freshly initialized per seed) instead",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", default="signal-figures", metavar="DIR",
-        help="folder for the PNG figures (default: %(default)s)",
-    )  # fmt: skip
+    add_out_dir(parser, "signal-figures", what="PNG figures")
     parser.add_argument(
         "--exercises", nargs="+", choices=study.EXERCISES, default=[],
         help="also run these chapter exercises",
