@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,3 +38,20 @@ def run(args, *, env=None, timeout=300):
 
 def blocklab(*args, **kw):
     return run([sys.executable, "-m", "blocklab.cli", *args], **kw)
+
+
+def devices_env(devices):
+    """The environment of a process with `devices` simulated CPU devices (added
+    to the suite's XLA flags by `run`)."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def script_json(code, *args, devices, timeout=900):
+    """Run `python -c code *args` in a fresh process with `devices` simulated
+    CPU devices (fixed when JAX starts); return the JSON object it prints on
+    its last line of stdout. A failed child fails the test with its stderr."""
+    rc, out, err = run(
+        [sys.executable, "-c", code, *args], env=devices_env(devices), timeout=timeout
+    )
+    assert rc == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])

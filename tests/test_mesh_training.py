@@ -17,7 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from _procs import blocklab, run
+from _procs import blocklab, devices_env, run, script_json
 
 pytest.importorskip("torch", reason="the models are converted from transformers")
 pytest.importorskip("transformers", reason="the models are converted from transformers")
@@ -105,11 +105,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(jobs, devices=8, timeout=900):
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    rc, out, err = run([sys.executable, "-c", SCRIPT, json.dumps(jobs)], env=env,
-                       timeout=timeout)  # fmt: skip
-    assert rc == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return script_json(SCRIPT, json.dumps(jobs), devices=devices, timeout=timeout)
 
 
 def _close(a, b, rtol=1e-5):
@@ -200,13 +196,8 @@ SWEEP = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_sweep_of_2_members_by_4_fsdp_shards_equals_the_unsharded_sweep():
-    def go(spec, devices):
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        rc, out, err = run([sys.executable, "-c", SWEEP, spec], env=env, timeout=900)
-        assert rc == 0, err[-4000:]
-        return json.loads(out.strip().splitlines()[-1])
-
-    one, mesh = go("none", 1), go("members=2,data=4", 8)
+    one = script_json(SWEEP, "none", devices=1)
+    mesh = script_json(SWEEP, "members=2,data=4", devices=8)
     _close(mesh["losses"], one["losses"])
     _close(mesh["val"], one["val"])
     # each device: one member, a quarter of its embed axis (32 / 4)
@@ -330,8 +321,7 @@ def test_ids_out_of_range_are_refused_on_a_mesh_without_gathering_the_batch():
     conditional, replicated it by an all-reduce and re-split it, with XLA's
     "involuntary full rematerialization" warning).
     """
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    rc, out, err = run([sys.executable, "-c", IDS], env=env, timeout=600)
+    rc, out, err = run([sys.executable, "-c", IDS], env=devices_env(8), timeout=600)
     assert rc == 0, err[-4000:]
     res = json.loads(out.strip().splitlines()[-1])
     assert "Involuntary full rematerialization" not in err

@@ -1,8 +1,6 @@
 """Sharded checkpoints (orbax): round trip, exact resume, moving between meshes,
 and the refusals (another config, a folder that is no checkpoint)."""
 
-import json
-import sys
 import textwrap
 
 import equinox as eqx
@@ -10,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _procs import run
+from _procs import script_json
 from jax.sharding import Mesh
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM, TimeMachine
@@ -65,9 +63,7 @@ def test_restoring_onto_another_config_is_refused(tmp_path):
     path = save_sharded(tmp_path / "ck", state).path
     deeper = dict(CFG.to_dict(), num_blks=3)
     other = DecoderLM(DecoderConfig(**deeper), key=jax.random.key(0))
-    with pytest.raises(
-        ConfigError, match=r"cfg\.num_blks \(saved 2, target 3\).*mesh"
-    ):
+    with pytest.raises(ConfigError, match=r"cfg\.num_blks \(saved 2, target 3\).*mesh"):
         restore_sharded(path, other, OPT, mesh=mesh)
     with pytest.raises(ConfigError, match=r"leaf .*mu.*does not hold|lacks"):
         restore_sharded(path, model, optax.sgd(1e-3), mesh=mesh)
@@ -119,18 +115,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _go(devices, *args):
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    rc, out, err = run([sys.executable, "-c", SCRIPT, *args], env=env, timeout=900)
-    assert rc == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_a_checkpoint_moves_from_8_devices_fsdp_to_4_devices_tp(tmp_path):
     path = str(tmp_path / "ck")
-    saved = _go(8, "save", path, "data=8", "fsdp")
-    back = _go(4, "restore", path, "model=4", "tp")
+    saved = script_json(SCRIPT, "save", path, "data=8", "fsdp", devices=8)
+    back = script_json(SCRIPT, "restore", path, "model=4", "tp", devices=4)
     assert saved["spec"] == "P(None, None, 'data')"
     assert back["spec"] == "P(None, 'model')" and back["devices"] == 4
     # equal values (the sums of every array, in float64)

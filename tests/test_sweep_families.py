@@ -8,10 +8,6 @@ skeleton built by `eqx.filter_eval_shape`, where those leaves are
 with `DynamicJaxprTracer - ShapeDtypeStruct`).
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -19,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _procs import script_json
 
 from blocklab.data.datasets import TokenDataset
 from blocklab.diagnostics.propagation import signal_stats
@@ -222,25 +219,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(devices: int) -> dict:
-    env = {
-        **os.environ,
-        # added to the XLA flags the suite runs with, not replacing them
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-        f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_two_devices_sweep_every_rope_family_as_one_device_does():
-    one, two = _run(1), _run(2)
+    one, two = (script_json(SCRIPT, devices=n) for n in (1, 2))
     assert (one["devices"], two["devices"]) == (1, 2)
     for name in ("llama", "gemma3", "mixtral"):
         # K = 3 members padded to 4 over two devices; the padding is dropped.

@@ -1,13 +1,10 @@
 """The sharded sweep on 4 simulated CPU devices gives the numbers of 1 device."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from _procs import script_json
 
 pytestmark = pytest.mark.slow  # two fresh JAX processes, each compiling a sweep
 
@@ -45,28 +42,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(devices: int) -> dict:
-    env = {
-        **os.environ,
-        # added to the XLA flags the suite runs with, not replacing them
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-        f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def runs():
-    return _run(1), _run(4)
+    return (
+        script_json(SCRIPT, devices=1, timeout=600),
+        script_json(SCRIPT, devices=4, timeout=600),
+    )
 
 
 def test_four_devices_are_visible_and_hold_the_members(runs):
