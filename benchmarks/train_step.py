@@ -137,16 +137,23 @@ def matmul_floor_seconds(
     return time_call(jax.jit(steps), params, reps=reps, warmup=1).median / fuse
 
 
-def bench_step(act: str, fuse: int, reps: int) -> dict:
+def _setup(act: str, fuse: int):
+    """The corpus, a CharLM (d = 128, 4 heads, 2 blocks), AdamW, its state and
+    the keys of `fuse` steps: what every timed step here starts from."""
     data = bl.TimeMachine()
-    d, heads, blks, T, B = 128, 4, 2, data.seq_len, 64
     model = bl.CharLM(
-        data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
+        data.vocab_size, 128, 4, 2, act, max_len=data.seq_len, key=jax.random.key(0)
     )
     opt = optax.adamw(1e-3, weight_decay=0.0)
-    step = bl.make_train_step(opt, data, batch_size=B)
     state = bl.training.step.init_state(model, opt)
     keys = bl.training.step.step_keys(jax.random.key(1), 0, fuse)
+    return data, model, opt, state, keys
+
+
+def bench_step(act: str, fuse: int, reps: int) -> dict:
+    data, model, opt, state, keys = _setup(act, fuse)
+    d, heads, blks, T, B = 128, 4, 2, data.seq_len, 64
+    step = bl.make_train_step(opt, data, batch_size=B)
 
     one = jax.jit(lambda s, k: step(s, k)).lower(state, keys[0]).compile()
     run = eqx.filter_jit(step.scan)
@@ -212,14 +219,8 @@ class ChapterStep(eqx.Module):
 
 def bench_general(act: str, fuse: int, reps: int) -> dict:
     """ms / step of the chapter's step, the general step and its bf16 policy."""
-    data = bl.TimeMachine()
-    d, heads, blks, T, B = 128, 4, 2, data.seq_len, 64
-    model = bl.CharLM(
-        data.vocab_size, d, heads, blks, act, max_len=T, key=jax.random.key(0)
-    )
-    opt = optax.adamw(1e-3, weight_decay=0.0)
-    state = bl.training.step.init_state(model, opt)
-    keys = bl.training.step.step_keys(jax.random.key(1), 0, fuse)
+    data, model, opt, state, keys = _setup(act, fuse)
+    B = 64
     steps = {
         "chapter": ChapterStep(data, opt, B),
         "general": bl.make_train_step(opt, data, batch_size=B),
