@@ -6,21 +6,11 @@ import json
 import math
 
 import pytest
+from strict_json import strict_object
 
 from blocklab.cli import app as cli
 from blocklab.cli.commands import REPORT_SECTIONS
 from blocklab.experiments.protocol import study
-
-
-def strict(text):
-    """`json.loads` that refuses NaN / Infinity (what a strict parser does)."""
-
-    def refuse(token):
-        raise ValueError(f"non-strict JSON token {token}")
-
-    obj = json.loads(text, parse_constant=refuse)
-    assert isinstance(obj, dict), obj
-    return obj
 
 
 def _subparsers():
@@ -74,7 +64,7 @@ def test_command_names_are_study_names():
 def test_unknown_option_is_a_json_error_with_status_2(name, no_work, capsys):
     assert cli.main([name, "--no-such-option", "--json"]) == 2
     captured = capsys.readouterr()
-    err = strict(captured.out)
+    err = strict_object(captured.out)
     assert set(err) == {"error", "type"}
     assert "--no-such-option" in err["error"]
 
@@ -91,14 +81,14 @@ def test_without_json_an_error_is_one_line_on_stderr(name, no_work, capsys):
 @pytest.mark.parametrize("name", NAMES)
 def test_help_with_json_is_one_object(name, capsys):
     assert cli.main([name, "--help", "--json"]) == 0
-    assert "usage: blocklab" in strict(capsys.readouterr().out)["help"]
+    assert "usage: blocklab" in strict_object(capsys.readouterr().out)["help"]
 
 
 def test_no_command_and_unknown_command_are_json_errors(capsys):
     assert cli.main(["--json"]) == 2
-    strict(capsys.readouterr().out)
+    strict_object(capsys.readouterr().out)
     assert cli.main(["frobnicate", "--json"]) == 2
-    assert "frobnicate" in strict(capsys.readouterr().out)["error"]
+    assert "frobnicate" in strict_object(capsys.readouterr().out)["error"]
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if {"--png", "--out"} & _options(n)])
@@ -108,7 +98,7 @@ def test_a_bad_output_path_is_refused_before_any_work(name, no_work, tmp_path, c
     for option in sorted({"--png", "--out"} & _options(name)):
         bad = blocker / "x.png" if option == "--png" else blocker
         assert cli.main([name, option, str(bad), "--json"]) == 2, option
-        err = strict(capsys.readouterr().out)
+        err = strict_object(capsys.readouterr().out)
         assert option in err["error"] and err["type"] == "ConfigError"
     assert blocker.read_text() == "not a folder"
 
@@ -134,7 +124,7 @@ def test_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch):
     status, out = run("lr-sensitivity", "--quick", "--lrs", "-1e-3", "0.1")
     assert status == 2 and "lrs[0] must lie in (0.0, inf], got -0.001" in out.err
     status, out = run("census", "--jsn")
-    obj = strict(out.out)
+    obj = strict_object(out.out)
     assert status == 2 and obj["type"] == "UsageError" and "--jsn" in obj["error"]
     assert list(tmp_path.iterdir()) == [tmp_path / "figs"]  # nothing was written
 
@@ -148,7 +138,7 @@ def test_a_value_error_while_working_is_status_1(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(census, "run_census", broken)
     args = ["report", "--only", "census", "--out", str(tmp_path), "--json"]
     assert cli.main(args) == 1
-    assert strict(capsys.readouterr().out) == {
+    assert strict_object(capsys.readouterr().out) == {
         "error": "the study failed half way",
         "type": "ValueError",
     }
@@ -166,7 +156,7 @@ def test_an_unexpected_exception_is_status_1_with_a_json_error(
     args = ["report", "--only", "census", "--out", str(tmp_path), "--json"]
     assert cli.main(args) == 1
     captured = capsys.readouterr()
-    err = strict(captured.out)
+    err = strict_object(captured.out)
     assert err["type"] == "RuntimeError" and "a bug" in err["error"]
     assert "Traceback" in captured.err  # a bug keeps its traceback, on stderr
 
@@ -181,7 +171,7 @@ def test_non_finite_results_become_null_and_are_named(monkeypatch, capsys):
 
     monkeypatch.setattr(census, "run", diverging)
     assert cli.main(["census", "--json"]) == 0
-    out = strict(capsys.readouterr().out)
+    out = strict_object(capsys.readouterr().out)
     assert out == {
         "loss": [1.0, None],
         "final": None,
@@ -199,7 +189,7 @@ def test_a_command_that_names_its_diverged_run_is_left_alone(monkeypatch, capsys
 
     monkeypatch.setattr(census, "run", diverging)
     assert cli.main(["census", "--json"]) == 0
-    assert strict(capsys.readouterr().out) == {
+    assert strict_object(capsys.readouterr().out) == {
         "loss": None,
         "diverged": {"seed 1": 17},
     }
@@ -209,7 +199,8 @@ def test_census_json_on_success_against_hand_counts(capsys):
     assert (
         cli.main(["census", "--num-hiddens", "64", "--num-heads", "4", "--json"]) == 0
     )
-    block = strict(capsys.readouterr().out)["blocks"]["default (pre, rms, swiglu)"]
+    blocks = strict_object(capsys.readouterr().out)["blocks"]
+    block = blocks["default (pre, rms, swiglu)"]
     # 4 d^2 = 16384; SwiGLU 3 d round(8d/3) = 3 * 64 * 171 = 32832; gains 2 d
     assert block == {
         "norm1": 64,
@@ -224,7 +215,7 @@ def test_census_bad_divisor_is_status_2_before_work(capsys):
     assert (
         cli.main(["census", "--num-hiddens", "10", "--num-heads", "3", "--json"]) == 2
     )
-    err = strict(capsys.readouterr().out)
+    err = strict_object(capsys.readouterr().out)
     assert "num_heads" in err["error"] and err["type"] == "ConfigError"
 
 
@@ -250,7 +241,7 @@ def test_an_interrupted_report_keeps_the_earlier_report(sections, tmp_path, caps
     (tmp_path / "report.md").write_text(old)
     sections["interrupt_at"] = REPORT_SECTIONS[0]
     assert cli.main(["report", "--out", str(tmp_path), "--json"]) == 130
-    assert strict(capsys.readouterr().out) == {
+    assert strict_object(capsys.readouterr().out) == {
         "error": "interrupted",
         "type": "KeyboardInterrupt",
     }
@@ -286,7 +277,7 @@ TINY_RUNS = {
 def test_training_commands_print_strict_json_on_success(name, tmp_path, capsys):
     argv = [name, *TINY_RUNS[name].format(tmp=tmp_path).split(), "--json"]
     assert cli.main(argv) == 0
-    out = strict(capsys.readouterr().out)
+    out = strict_object(capsys.readouterr().out)
     assert "error" not in out
     if name == "lr-sensitivity":
         assert out["final_loss"]["qk_norm"][1] is None
@@ -374,7 +365,7 @@ def test_strict_json_of_numpy_jax_dataclasses_and_paths():
         "e": {"losses": [0.5, None], "best": None},
         "1": "int key",
     }
-    assert strict(dumps(value))["e"]["best"] is None
+    assert strict_object(dumps(value))["e"]["best"] is None
     assert nonfinite_paths(value) == ["a[0,1]", "e.losses[1]", "e.best"]
     with pytest.raises(TypeError, match="no JSON form"):
         to_jsonable({"x": object()})

@@ -1,7 +1,6 @@
 """`blocklab lr-sweep`: JSON schema, sensitivity, logit probe and decision rule."""
 
 import argparse
-import json
 import math
 
 import jax
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from strict_json import strict_loads
 
 from blocklab import CharLM, state_dict
 from blocklab.cli import main
@@ -75,13 +75,6 @@ def test_decision_rule():
     assert v["gap"] is None
     # No gap (within GAP nats): no verdict.
     assert _verdict([5, 60], [5, 5], [1, 1], [1, 1], final=(2.0, 2.01)) == []
-
-
-def strict_loads(text: str):
-    def refuse(name):
-        raise ValueError(f"non-strict JSON constant {name}")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 def test_quick_protocol_and_overrides():

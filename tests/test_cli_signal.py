@@ -7,7 +7,6 @@ it block by block with the independent float64 block of `tests/reference.py`.
 
 import contextlib
 import io
-import json
 import math
 
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from strict_json import strict_loads
 
 from blocklab import state_dict
 from blocklab.cli import main
@@ -23,13 +23,6 @@ from blocklab.experiments import signal as study
 
 N, D, H = 2, 16, 4
 ARGS = ["signal", "--blocks", str(N), "--num-seeds", "1", "--num-hiddens", str(D)]
-
-
-def strict_loads(text: str):
-    def refuse(name):
-        raise ValueError(f"non-strict JSON constant {name}")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 def run_json(argv):

@@ -6,11 +6,11 @@ head reads N(0, 0.02^2) embeddings, so every logit is near 0 and the loss is
 near log 28).
 """
 
-import json
 import math
 
 import numpy as np
 import pytest
+from strict_json import strict_loads, strict_round_trip
 
 from blocklab.cli import main
 from blocklab.cli.commands import COMMANDS
@@ -20,13 +20,6 @@ TINY = [
     "--num-hiddens", "16", "--num-heads", "2", "--num-blks", "1", "--seq-len", "8",
     "--batch-size", "4", "--no-progress",
 ]  # fmt: skip
-
-
-def strict_loads(text: str):
-    def refuse(name):
-        raise ValueError(f"non-strict JSON constant {name}")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 def test_registered_after_census():
@@ -66,7 +59,7 @@ def test_table_shows_mean_and_std_over_seeds():
 def test_table_and_json_name_a_diverged_seed():
     r = _result({"2": [1.5, math.nan]}, [1.0, 2.0], [0, 2])
     assert r.table().splitlines()[-1] == "| gelu | 1.50 (1 diverged) | 1.50 ± 0.50 |"
-    data = strict_loads(json.dumps(r.to_json(), allow_nan=False))
+    data = strict_round_trip(r.to_json())
     assert data["results"]["gelu"]["loss_at"]["2"] == [1.5, None]
     assert data["diverged"] == [{"act": "gelu", "seed": 1, "step": 2}]
 

@@ -5,23 +5,16 @@ tables, figures that survive non-finite values) on hand-built results, and
 one tiny run per study against an independent value.
 """
 
-import json
 import math
 
 import numpy as np
 import pytest
+from strict_json import strict_round_trip
 
 import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.experiments import activations, lr_sensitivity, signal
 from blocklab.experiments._seeds import check_seeds
-
-
-def strict(obj):
-    def refuse(name):
-        raise ValueError(f"non-strict JSON constant {name}")
-
-    return json.loads(json.dumps(obj, allow_nan=False), parse_constant=refuse)
 
 
 # ------------------------------------------------------------------ seeds
@@ -74,7 +67,8 @@ def test_compare_activations_tiny_run_starts_at_log_28(tmp_path):
     np.testing.assert_allclose(r.loss_at["swiglu"]["1"], math.log(28), atol=0.1)
     # loss@k is the loss of step k itself (window 1): the curve's column k - 1
     np.testing.assert_array_equal(r.loss_at["swiglu"]["3"], r.curves["swiglu"][:, 2])
-    assert r.diverged == [] and strict(r.to_json())["protocol"]["seeds"] == [3, 5]
+    assert r.diverged == []
+    assert strict_round_trip(r.to_json())["protocol"]["seeds"] == [3, 5]
     assert r.plot(tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -86,7 +80,7 @@ def test_activation_plot_survives_an_all_nan_curve(tmp_path):
         curves={"gelu": np.full((2, 4), np.nan)}, diverged_at={"gelu": [1, 1]},
     )  # fmt: skip
     assert r.plot(tmp_path / "nan.png").exists()
-    assert strict(r.to_json())["results"]["gelu"]["val_loss"] == [None, None]
+    assert strict_round_trip(r.to_json())["results"]["gelu"]["val_loss"] == [None, None]
 
 
 @pytest.mark.slow  # 10-18 s
@@ -179,7 +173,7 @@ def test_signal_json_names_non_finite_placements(tmp_path):
     bad = _stats([1.0, math.inf], [0.5, math.nan])
     ok = _stats([1.0, 2.0], [0.5, 0.4])
     r = signal.SignalPropagation({"seeds": 1}, {"pre": bad, "post": ok})
-    data = strict(r.to_json())
+    data = strict_round_trip(r.to_json())
     assert data["nonfinite"] == ["pre"]
     assert data["placements"]["pre"]["stream_rms"] == [1.0, None]
     assert len(r.plot(tmp_path)) == 4
@@ -245,7 +239,7 @@ def _lr_result(final_no, attn_no):
 
 def test_lr_result_json_table_and_figures_with_a_diverged_run(tmp_path):
     r = _lr_result([2.0, math.nan], [[1.0, 2.0], [1.0, math.inf]])
-    data = strict(r.to_json())
+    data = strict_round_trip(r.to_json())
     assert data["final_loss"]["no_qk_norm"] == [2.0, None]
     assert data["diverged"] == [{"model": "no_qk_norm", "lr": 1e30, "step": 7}]
     (v,) = data["verdicts"]  # the diverged rate; attention grew 1 -> (inf dropped) 1

@@ -2,12 +2,12 @@
 with an error naming it; a process that cannot start or never joins fails within
 the timeout; `--json` is strict JSON. Every process is ended by pid."""
 
-import json
 import sys
 import textwrap
 
 import pytest
 from _procs import blocklab
+from strict_json import strict_object
 
 # Each child joins the job, gathers its process index from every process and
 # prints what it saw (process 0's stdout is the launcher's).
@@ -51,15 +51,6 @@ NEVER_JOINS = textwrap.dedent(
 )
 
 
-def strict(text):
-    """Parse one JSON object, refusing NaN / Infinity (as strict parsers do)."""
-
-    def refuse(constant):
-        raise ValueError(f"not strict JSON: {constant}")
-
-    return json.loads(text, parse_constant=refuse)
-
-
 def launch(*args, timeout=240):
     return blocklab("launch", *args, timeout=timeout)
 
@@ -68,7 +59,7 @@ def test_two_processes_join_one_job_on_the_loopback():
     rc, out, err = launch("--processes", "2", "--devices-per-process", "2", "--json",
                           "--", sys.executable, "-c", JOIN)  # fmt: skip
     assert rc == 0, err[-3000:]
-    res = strict(out)
+    res = strict_object(out)
     assert res["returncodes"] == [0, 0]
     assert res["coordinator"].startswith("127.0.0.1:")
     child = res["output"]
@@ -82,7 +73,7 @@ def test_a_process_that_dies_ends_the_others_with_an_error_naming_it():
     rc, out, err = launch("--processes", "2", "--heartbeat-timeout", "5", "--json",
                           "--", sys.executable, "-c", DIES)  # fmt: skip
     assert rc == 1
-    error = strict(out)["error"]
+    error = strict_object(out)["error"]
     assert "process 1 of 2" in error and "exit status 3" in error
     assert "process 1 dies now" in error  # its last stderr lines
     assert "ended the other processes" in error
@@ -92,14 +83,14 @@ def test_a_process_that_never_joins_fails_within_the_init_timeout():
     rc, out, err = launch("--processes", "2", "--init-timeout", "3", "--json",
                           "--", sys.executable, "-c", NEVER_JOINS)  # fmt: skip
     assert rc == 1
-    error = strict(out)["error"]
+    error = strict_object(out)["error"]
     assert "process 0 of 2" in error and "failed" in error
 
 
 def test_a_command_that_cannot_start_is_an_error():
     rc, out, err = launch("--processes", "2", "--json", "--", "/nonexistent/cmd")
     assert rc == 1
-    assert "could not start '/nonexistent/cmd'" in strict(out)["error"]
+    assert "could not start '/nonexistent/cmd'" in strict_object(out)["error"]
 
 
 @pytest.mark.parametrize(
@@ -113,7 +104,7 @@ def test_a_command_that_cannot_start_is_an_error():
 def test_bad_arguments_are_usage_errors(args, match):
     rc, out, _ = launch("--json", *args)
     assert rc == 2
-    assert match in strict(out)["error"]
+    assert match in strict_object(out)["error"]
 
 
 def test_a_json_flag_after_the_separator_belongs_to_the_command():
@@ -135,6 +126,6 @@ def test_lr_sweep_runs_under_the_launcher(tmp_path):
         timeout=500,
     )  # fmt: skip
     assert rc == 0, err[-3000:]
-    res = strict(out)
+    res = strict_object(out)
     assert res["returncodes"] == [0, 0]
     assert res["output"]["lrs"] == [1e-3, 1e-2]
