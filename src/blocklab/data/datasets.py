@@ -42,8 +42,9 @@ __all__ = [
     "pack_documents",
 ]
 
+
 class _CharVocab(tuple):
-    """The chapter's character vocabulary: a tuple of symbols (token id `i` is
+    """The character vocabulary of the corpus: a tuple of symbols (token id `i` is
     `vocab[i]`) that is also a tokenizer, with `encode` and `decode`
     (`blocklab.generate_text(model, VOCAB, prompt, n)`)."""
 
@@ -65,7 +66,7 @@ class _CharVocab(tuple):
 
 
 #: The 28 symbols, in the order of d2l's `Vocab` (sorted): space, `<unk>`, a..z.
-#: A tuple, and the tokenizer of the chapter's `CharLM` (`encode`, `decode`).
+#: A tuple, and a tokenizer (`encode`, `decode`) for a character-level `CharLM`.
 VOCAB: tuple[str, ...] = _CharVocab((" ", "<unk>", *"abcdefghijklmnopqrstuvwxyz"))
 _UNK = VOCAB.index("<unk>")
 _INDEX = {tok: i for i, tok in enumerate(VOCAB)}
@@ -240,8 +241,10 @@ def pack_documents(
     owner = "pack_documents"
     seq_len = check_int(owner, "seq_len", seq_len, min=1)
     pad_id = check_int(owner, "pad_id", pad_id, min=0)
-    if isinstance(documents, np.ndarray) and documents.ndim != 1 or isinstance(
-        documents, (str, bytes)
+    if (
+        isinstance(documents, np.ndarray)
+        and documents.ndim != 1
+        or isinstance(documents, (str, bytes))
     ):
         raise ConfigError(
             f"{owner}: documents must be a list of 1-D token arrays, got "

@@ -1,4 +1,4 @@
-"""Layer 3, diagnostics: signal propagation at initialization, the chapter's
+"""Layer 3, diagnostics: signal propagation at initialization, the block's
 identities computed both ways, closed-form theory, and the parameter census."""
 
 from .counting import census, count_params

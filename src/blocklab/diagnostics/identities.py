@@ -1,7 +1,7 @@
-r"""The chapter's identities, both sides computed numerically in float64.
+r"""The block's identities, both sides computed numerically in float64.
 
-Each function evaluates the two sides of one identity from the chapter's
-exercises, the left one by differentiating or running the library's own code
+Each function evaluates the two sides of one identity of the block, the left
+one by differentiating or running the library's own code
 (`jax.grad`, `jax.jacfwd`, `MultiHeadAttention`, `TransformerBlock`) and the
 right one from the closed form, and returns an `Identity`: the claim, both
 sides as NumPy float64 arrays and their discrepancy. In float64 every identity

@@ -2,7 +2,7 @@ r"""Signal propagation at initialization: what a fresh deep stack does to its in
 
 A freshly initialized stack is a fixed random function, so without training we
 can measure how it treats a random input $X$ and how much gradient each block
-receives from a generic loss at the top (chapter section 11.1.2.2). For a stack
+receives from a generic loss at the top. For a stack
 $h_k = B_k(h_{k-1})$, $h_0 = X$, `signal_stats` records per block $k = 1..N$:
 
 - the stream RMS $\sqrt{\overline{h_k^2}}$ and the cross-token spread
@@ -24,7 +24,9 @@ for any of the four placements; `signal_run` / `signal_sweep` draw the input
 and readout from a key and vmap the whole experiment over seeds in one
 compiled program. The exercise helpers below (`variance_budget`,
 `fit_power_law`, `logit_growth`, `head_input_rms`) turn the measurements
-into the quantities of the chapter's exercises 3c, 4, 5, 6c and 7.
+into the quantities of a variance budget, a depth power law, logit growth
+under QK-norm and the input RMS of each head (the studies in
+`blocklab.experiments.signal` report them).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def signal_stats(
     are collected out of its `lax.scan`
     (`Stack.scan(..., collect=...)`, through `TransformerBlock.trace`, the same
     code path as the forward pass). Stream RMS, spread and branch mean squares
-    are taken over the whole batch, as in the chapter. The gradients are those
+    are taken over the whole batch. The gradients are those
     of the readout loss $\ell(\theta) = \mathrm{mean}(R \odot H_N(\theta))$.
 
     Jitted (`eqx.filter_jit`) and unchanged under `jax.vmap` over stacks,
@@ -246,7 +248,7 @@ def chapter_stack(
     ffn: bool = True,
     key: PRNGKeyArray,
 ) -> Stack:
-    r"""The chapter's signal stack: N MiniBlocks, Xavier-uniform, scaled by `alpha`.
+    r"""A signal stack: N MiniBlocks, Xavier-uniform, scaled by `alpha`.
 
     Each block is `TransformerBlock(num_hiddens, num_heads, norm="layer",
     act="gelu", placement=placement, bias=False, qk_norm=qk_norm)` with its FFN
@@ -328,7 +330,7 @@ def signal_run(
     alpha: float = 1.0,
     ffn: bool = True,
 ) -> SignalStats:
-    """One seed of the chapter's experiment: stack, input and readout drawn from `key`.
+    """One seed of the signal experiment: stack, input and readout drawn from `key`.
 
     Jitted (the options are static), so a warm call builds nothing eagerly.
 

@@ -1,4 +1,4 @@
-r"""Closed-form predictions from the chapter's exercises (exact integers where exact).
+r"""Closed-form predictions for the block (exact integers where exact).
 
 Every function here is pure arithmetic (Python integers, NumPy float64): it
 never builds a module or draws a weight. `blocklab check` (and the tests)
@@ -112,8 +112,8 @@ def block_param_count(
     + \underbrace{\text{FFN}(d, w)}_{\texttt{ffn\_param\_count}}
     + \underbrace{k \cdot d \cdot (1 + [\text{layer}])}_{\text{norms}}$$
     with $n_{qk} = 2p$ for per-head QK-norm (`True` / `"head"`), $(H + K)p$
-    for `"full"`, 0 without; $k = 4$ norms for `"sandwich"`, else 2. For the
-    chapter's block ($K = H$, $Hp = d$) the attention is $4d^2 + 4d\,[\text{bias}]$
+    for `"full"`, 0 without; $k = 4$ norms for `"sandwich"`, else 2. For
+    $K = H$, $Hp = d$ the attention is $4d^2 + 4d\,[\text{bias}]$
     and the default block has $4d^2 + 3d\,\mathrm{round}(8d/3) + 2d$.
     The options without parameters (`dropout`, `norm_eps`, `attn_scale`,
     `rope_theta`, `window`) do not change it.
@@ -147,8 +147,8 @@ def block_deviation_from_12d2(num_hiddens: int, num_heads: int, **options) -> fl
 
     For the default block it is $(3d\,\delta + 2d)/(12 d^2)$ with
     $\delta = 3\,\mathrm{round}(8d/3) - 8d \in \{-1, 0, 1\}$, so between
-    $1/(12d)$ and $5/(12d)$: $3/(12d) = 0.00098$ at $d = 256$ (the chapter's
-    "12.01 d^2").
+    $1/(12d)$ and $5/(12d)$: $3/(12d) = 0.00098$ at $d = 256$
+    ($12.01\,d^2$).
     """
     n = block_param_count(num_hiddens, num_heads, **options)
     return n / (12 * num_hiddens**2) - 1.0
@@ -258,8 +258,7 @@ def _gaussian_expectation(
 
 
 def _gelu_tanh(z: np.ndarray) -> np.ndarray:
-    """The tanh-GELU in float64 NumPy (the chapter's and
-    `blocklab.nn.functional.gelu`'s)."""
+    """The tanh-GELU in float64 NumPy (`blocklab.nn.functional.gelu`'s)."""
     return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
 
 

@@ -1,10 +1,10 @@
-"""Layer 4, interoperation: Hugging Face families and the chapter's PyTorch state dicts.
+"""Layer 4, interoperation: Hugging Face families, PyTorch state dicts, and text.
 
 `huggingface` is the conversion machinery; each of the 10 families (GPT-2,
 Llama, Mistral, Qwen 2, Qwen 3, OLMo 2, Gemma 2, Gemma 3, Phi-3, Mixtral) is a
 module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
 `gemma3`, `phi3`, `mixtral`) built on the public helpers of `hf_common`;
-`porting` maps the chapter's PyTorch state dicts; `pretrained`
+`porting` maps PyTorch state dicts; `pretrained`
 reads and writes checkpoint folders (config.json + safetensors, through
 `safetensors_io`) without torch; `text` is text in, text out
 (`generate_text`, through any tokenizer with `encode`/`decode`). torch and
@@ -22,7 +22,6 @@ from .huggingface import (
     register_family,
     to_huggingface_state_dict,
 )
-from .mixtral import MoEDecoderConfig
 from .porting import load_state_dict, state_dict
 from .pretrained import (
     load_pretrained,
@@ -35,7 +34,6 @@ from .text import generate_text
 __all__ = [
     "FAMILIES",
     "HFFamily",
-    "MoEDecoderConfig",
     "Rule",
     "StoredAs",
     "from_huggingface",

@@ -1,8 +1,9 @@
 """Port weights between blocklab modules and PyTorch-style state dicts.
 
-blocklab keeps the chapter's names (`attention.W_q`, `ffn.W_g`, `norm1`, ...)
-and PyTorch's `(out, in)` weight layout, so a PyTorch `state_dict` of the
-chapter's `TransformerBlock` maps onto ours by name, array for array:
+blocklab's modules name their arrays as a PyTorch model written with the same
+attribute names would (`attention.W_q`, `ffn.W_g`, `norm1`, ...), in PyTorch's
+`(out, in)` weight layout, so the `state_dict` of such a PyTorch
+`TransformerBlock` maps onto ours by name, array for array:
 
     sd = {k: v.detach().cpu().numpy() for k, v in torch_block.state_dict().items()}
     block = blocklab.load_state_dict(TransformerBlock(256, 8, key=key), sd)
@@ -11,7 +12,7 @@ A parameter's name is the dotted path of attribute names (and sequence
 indices) from the module to the array, e.g. `attention.W_q.weight`. In a
 `Stack` the per-block arrays are stored stacked; they are named per block,
 `blocks.0.norm1.weight`, `blocks.1.norm1.weight`, ..., as a PyTorch
-`nn.ModuleList` names them; the chapter's PyTorch `CharLM` (blocks in `blks`)
+`nn.ModuleList` names them; a PyTorch `CharLM` with its blocks in `blks`
 ports into `CharLM` after renaming the prefix `blks.` to `stack.blocks.`.
 
 PyTorch's norms use other epsilons (`nn.LayerNorm`: 1e-5; `nn.RMSNorm()`: the
@@ -139,7 +140,7 @@ def state_dict(module) -> dict[str, np.ndarray]:
     """Every floating-point array of `module` as `{dotted name: numpy array}`.
 
     The inverse of `load_state_dict`: names and shapes are those a PyTorch
-    model with the chapter's attribute names would use, weights `(out, in)`.
+    model with the same attribute names would use, weights `(out, in)`.
     For a `Stack`, block i's arrays appear under `blocks.<i>.`.
     """
     # Ordinary arrays in tree order; a Stack's arrays block by block, as a

@@ -3,7 +3,7 @@ r"""Text in, text out: `generate_text` continues prompts through a tokenizer.
 `blocklab.generate` works on token ids; `generate_text` encodes the prompts
 with a tokenizer, continues them with `generate` and decodes the result. A
 tokenizer is any object with `encode(str) -> list[int]` and `decode(ids) ->
-str`: for the chapter's `CharLM`, the character vocabulary
+str`: for a character-level `CharLM`, the character vocabulary
 `blocklab.data.VOCAB` (also `TimeMachine(...).vocab`); for a character
 `TokenDataset.from_text(...)`, the dataset itself.
 
@@ -61,7 +61,7 @@ def generate_text(
         model: a `DecoderLM` (any family) or a `CharLM`.
         tokenizer: `encode(str) -> list[int]` with ids in the model's
             vocabulary, and `decode(ids) -> str` (`blocklab.data.VOCAB` for
-            the chapter's `CharLM`).
+            a character-level `CharLM`).
         prompts: one prompt (a non-empty `str`; returns a `str`) or a
             non-empty list (or tuple) of them (returns a list, in order).
         max_new_tokens: tokens to add to each prompt, >= 0.
@@ -94,7 +94,7 @@ def generate_text(
         raise ConfigError(
             f"{_OWNER}: tokenizer must have encode(str) -> list[int] and "
             f"decode(ids) -> str methods, got {type(tokenizer).__name__}; for "
-            "the chapter's CharLM pass blocklab.data.VOCAB."
+            "a character-level CharLM pass blocklab.data.VOCAB."
         )
     single = isinstance(prompts, str)
     texts = [prompts] if single else _prompt_list(prompts)

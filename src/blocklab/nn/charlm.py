@@ -1,4 +1,4 @@
-"""`CharLM`, the chapter's causal character language model.
+"""`CharLM`, a causal character language model on a scanned stack.
 
 Text in, text out is `blocklab.generate_text(model, blocklab.data.VOCAB,
 prompt, n)` (the interop layer): this module works on token ids only.
@@ -120,7 +120,7 @@ class CharLM(eqx.Module):
         max_len: longest input sequence (rows of the position embedding).
         remat: rematerialize each block in the backward pass (see `Stack`).
         unroll: blocks per scan iteration (see `Stack`); default
-            `min(num_blks, 4)`, so the chapter's two blocks run unrolled.
+            `min(num_blks, 4)`, so shallow stacks (up to 4 blocks) run unrolled.
         parametrization: `"standard"` or `"mup"` (see the class docstring).
         base_width: the width $d_0$ at which μP equals standard (`"mup"`).
         key: PRNG key for every weight.

@@ -177,7 +177,7 @@ def generate(
         raise ConfigError(
             f"{_OWNER}: ids must be token ids, got a {type(ids).__name__}; for "
             "text in and text out call blocklab.generate_text(model, tokenizer, "
-            "prompts, max_new_tokens) (for the chapter's CharLM the tokenizer "
+            "prompts, max_new_tokens) (for a character-level CharLM the tokenizer "
             "is blocklab.data.VOCAB)."
         )
     if not isinstance(model, (DecoderLM, CharLM)):
