@@ -19,7 +19,7 @@ import pytest
 
 import blocklab as bl
 from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, generate
-from blocklab.interop import MoEDecoderConfig
+from blocklab.nn import MoEDecoderConfig
 from blocklab.nn.cache import DecoderCache
 from blocklab.nn.generation import filter_logits, sample_logits
 

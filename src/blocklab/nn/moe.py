@@ -213,7 +213,9 @@ class MoEFeedForward(eqx.Module):
         )
 
         def make_expert(k):
-            return FeedForward(self.num_hiddens, act, bias=bias, width=width, key=k)
+            return FeedForward(
+                self.num_hiddens, act, ffn_bias=bias, ffn_width=width, key=k
+            )
 
         self.experts = eqx.filter_vmap(make_expert)(
             jax.random.split(expert_key, self.num_experts)
