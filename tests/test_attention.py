@@ -28,9 +28,9 @@ def _attention_dict(rng, *, bias, qk_norm):
     return sd
 
 
-def _build(sd, *, bias, qk_norm):
+def _build(sd, *, bias, qk_norm, dtype):
     mha = bl.MultiHeadAttention(D, H, bias=bias, qk_norm=qk_norm, key=jax.random.key(0))
-    return bl.load_state_dict(mha, sd, dtype=jnp.float64)
+    return bl.load_state_dict(mha, sd, dtype=dtype)
 
 
 def _prefixed(sd):
@@ -45,9 +45,8 @@ def test_trace_matches_reference(valid_lens, bias, qk_norm):
     rng = np.random.default_rng(0)
     sd = _attention_dict(rng, bias=bias, qk_norm=qk_norm)
     x = rng.normal(size=(T, D))
-    out, weights, logits = _build(sd, bias=bias, qk_norm=qk_norm).trace(
-        jnp.asarray(x), valid_lens
-    )
+    mha = _build(sd, bias=bias, qk_norm=qk_norm, dtype=jnp.float64)
+    out, weights, logits = mha.trace(jnp.asarray(x), valid_lens)
     r_out, r_weights, r_logits = ref.attention(_prefixed(sd), x, H, valid_lens)
     np.testing.assert_allclose(logits, r_logits, rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(weights, r_weights, rtol=1e-11, atol=1e-12)
@@ -57,7 +56,7 @@ def test_trace_matches_reference(valid_lens, bias, qk_norm):
 def test_call_returns_the_trace_output_and_weights_rows_sum_to_one():
     rng = np.random.default_rng(1)
     sd = _attention_dict(rng, bias=True, qk_norm=False)
-    mha = _build(sd, bias=True, qk_norm=False)
+    mha = _build(sd, bias=True, qk_norm=False, dtype=jnp.float32)
     x = jnp.asarray(rng.normal(size=(T, D)))
     tr = mha.trace(x, CAUSAL)
     np.testing.assert_array_equal(mha(x, CAUSAL), tr.output)
@@ -82,9 +81,10 @@ def test_head_split_follows_contiguous_feature_blocks():
         keep = np.zeros((D, 1))
         keep[p : 2 * p] = 1
         sd[w] = sd[w] * keep
-    tr = _build(sd, bias=False, qk_norm=False).trace(
+    tr = _build(sd, bias=False, qk_norm=False, dtype=jnp.float32).trace(
         jnp.asarray(rng.normal(size=(T, D)))
     )
+    assert tr.weights.dtype == jnp.float32  # the rounding bound below is float32's
     logits = np.asarray(tr.logits)
     assert np.all(logits[[0, 2, 3]] == 0) and np.abs(logits[1]).max() > 0.1
     # exp(0) / 6 exactly, then one float32 rounding: within 2^-24 ~ 6e-8
@@ -94,9 +94,7 @@ def test_head_split_follows_contiguous_feature_blocks():
 def test_qk_norm_bounds_logits_by_sqrt_head_dim():
     # Unit gains and eps -> 0: |q . k| / sqrt(p) <= ||q|| ||k|| / sqrt(p) = sqrt(p),
     # whatever the scale of W_q, W_k (here x 1000).
-    mha = bl.MultiHeadAttention(
-        D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(3)
-    )
+    mha = bl.MultiHeadAttention(D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(3))
     mha = bl.nn.init.scale(mha, 1000.0)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)), jnp.float32)
     logits = np.asarray(mha.trace(x).logits)
@@ -114,9 +112,7 @@ def test_qk_norm_logits_invariant_to_query_weight_scale():
     # logits unchanged.
     # Exact in exact arithmetic: in float64 (weights too) it holds to a few
     # float64 ulps; float32 weights would already miss by ~5e-8.
-    mha = bl.MultiHeadAttention(
-        D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(4)
-    )
+    mha = bl.MultiHeadAttention(D, H, qk_norm=True, norm_eps=0.0, key=jax.random.key(4))
     mha = bl.load_state_dict(mha, bl.state_dict(mha), dtype=jnp.float64)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)))
     scaled = eqx.tree_at(lambda m: m.W_q.weight, mha, 37.0 * mha.W_q.weight)

@@ -179,11 +179,13 @@ def test_per_layer_settings_inside_one_scanned_stack():
 
 def test_batched_lengths_per_sequence_and_positions():
     d, H, opts = CONFIGS["all"]
-    mha, _ = _random_attention(d, H, opts, np.random.default_rng(1))
-    xs = jnp.asarray(np.random.default_rng(2).normal(size=(3, T, d)))
+    mha, _ = _random_attention(d, H, opts, np.random.default_rng(1), jnp.float32)
+    xs = jnp.asarray(np.random.default_rng(2).normal(size=(3, T, d)), jnp.float32)
     lens = jnp.array([[7], [2], [5]])  # one length per sequence: shape (B, 1)
     pos = jnp.stack([jnp.arange(T) + s for s in (0, 4, 9)])
     got = mha(xs, lens, positions=pos)
+    # float32 rows equal to the last bit: the batch runs each row's own sums
+    assert got.dtype == jnp.float32
     for b in range(3):
         one = mha(xs[b], lens[b, 0], positions=pos[b])
         np.testing.assert_allclose(got[b], one, rtol=1e-12, atol=1e-12)

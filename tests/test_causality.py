@@ -25,11 +25,13 @@ def _dependence(fn, x):
     ("placement", "norm"),
     [("post", "layer"), ("pre", "rms"), ("output", "layer"), ("sandwich", "rms")],
 )
+@pytest.mark.float64  # the weights are cast to float64, as the input is
 def test_block_output_has_zero_gradient_wrt_later_inputs(placement, norm):
     blk = bl.TransformerBlock(
         D, H, placement=placement, norm=norm, bias=True, key=jax.random.key(1)
     )
     blk = bl.load_state_dict(blk, bl.state_dict(blk), dtype=jnp.float64)
+    assert _x().dtype == jnp.float64
     dep = _dependence(lambda x: blk(x, CAUSAL), _x())
     later = np.triu(np.ones((T, T), bool), 1)
     assert np.all(dep[later] == 0.0)  # exactly zero, not merely small

@@ -14,13 +14,13 @@ D, H, T, B = 16, 4, 6, 3
 CAUSAL = jnp.arange(1, T + 1)
 
 
-def _block(placement="pre", **kw):
+def _block(placement="pre", dtype=jnp.float32, **kw):
     blk = bl.TransformerBlock(D, H, placement=placement, key=jax.random.key(0), **kw)
-    return bl.load_state_dict(blk, bl.state_dict(blk), dtype=jnp.float64)
+    return bl.load_state_dict(blk, bl.state_dict(blk), dtype=dtype)
 
 
-def _xs():
-    return jnp.asarray(np.random.default_rng(0).normal(size=(B, T, D)))
+def _xs(dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(0).normal(size=(B, T, D)), dtype)
 
 
 MODULES = {
@@ -52,6 +52,7 @@ def test_vmap_over_a_batch_equals_a_python_loop(name):
     xs = _xs()
     batched = jax.vmap(module)(xs)
     looped = jnp.stack([module(x) for x in xs])
+    assert batched.dtype == jnp.float32  # float32, equal to the last bit
     np.testing.assert_allclose(batched, looped, rtol=1e-12, atol=1e-12)
 
 
@@ -61,6 +62,7 @@ def test_vmap_with_per_sequence_valid_lengths_equals_a_loop():
     lens = jnp.array([1, 3, 5])  # one scalar length per sequence (padding masks)
     batched = jax.vmap(blk)(xs, lens)
     looped = jnp.stack([blk(x, n) for x, n in zip(xs, lens, strict=True)])
+    assert batched.dtype == jnp.float32  # float32, equal to the last bit
     np.testing.assert_allclose(batched, looped, rtol=1e-12, atol=1e-12)
     causal = jax.vmap(blk, in_axes=(0, None))(xs, CAUSAL)
     np.testing.assert_allclose(causal[1], blk(xs[1], CAUSAL), rtol=1e-12, atol=1e-12)
@@ -101,8 +103,8 @@ def test_grad_equals_central_finite_difference(placement):
 
 def _grad_vs_finite_difference(placement):
     assert jax.config.jax_enable_x64
-    blk = _block(placement, bias=True)
-    x = _xs()[0]
+    blk = _block(placement, jnp.float64, bias=True)
+    x = _xs(jnp.float64)[0]
     r = jnp.asarray(np.random.default_rng(1).normal(size=(T, D)))
 
     @eqx.filter_jit
@@ -139,6 +141,7 @@ def _grad_vs_finite_difference(placement):
 def test_grad_under_vmap_equals_loop_of_grads():
     blk = _block("pre")
     xs = _xs()
+    assert blk(xs[0], CAUSAL).dtype == jnp.float32  # the tolerance is float32's
 
     def loss(x):
         return jnp.sum(jnp.sin(blk(x, CAUSAL)))
