@@ -51,7 +51,9 @@ def test_written_rows_land_where_a_numpy_loop_puts_them():
         jnp.asarray(rng.normal(size=(N, B, KV, p, L))),
         jnp.asarray(rng.normal(size=(N, B, KV, L, p))),
     )
-    rows = AttentionCache(*(jnp.asarray(rng.normal(size=(N, B, KV, Tq, p))) for _ in "kv"))
+    rows = AttentionCache(
+        *(jnp.asarray(rng.normal(size=(N, B, KV, Tq, p))) for _ in "kv")
+    )
     start = np.array([4, 1])
 
     def numpy_write(cache, rows, start, B):
@@ -99,7 +101,7 @@ def test_stack_decodes_with_the_deferred_write_and_keeps_the_cache():
     h, new = stack.step(x, caches, start)
     ref, layers = x, []
     for i in range(3):
-        layer_cache = jax.tree.map(lambda c: c[i], caches)
+        layer_cache = jax.tree.map(lambda c, i=i: c[i], caches)
         ref, written = stack.block(i).step(ref, layer_cache, start)
         layers.append(written)
     np.testing.assert_allclose(h, ref, rtol=2e-6, atol=2e-6)
@@ -110,7 +112,8 @@ def test_stack_decodes_with_the_deferred_write_and_keeps_the_cache():
     untouched = np.ones(new.v.shape[:-1], bool)  # (N, B, KV, L)
     for b, s in enumerate([3, 6]):
         untouched[:, b, :, s] = False
-    np.testing.assert_array_equal(np.asarray(new.v)[untouched], np.asarray(caches.v)[untouched])
+    v_now, v_was = np.asarray(new.v), np.asarray(caches.v)
+    np.testing.assert_array_equal(v_now[untouched], v_was[untouched])
     k_now, k_was = np.swapaxes(new.k, -1, -2), np.swapaxes(caches.k, -1, -2)
     np.testing.assert_array_equal(k_now[untouched], k_was[untouched])
 

@@ -103,9 +103,7 @@ class _Gain(eqx.Module):
 
 
 def _unnormalized_qk_layer():
-    attn = MultiHeadAttention(
-        16, 2, qk_norm=True, norm_eps=0.0, key=jax.random.key(0)
-    )
+    attn = MultiHeadAttention(16, 2, qk_norm=True, norm_eps=0.0, key=jax.random.key(0))
     return eqx.tree_at(
         lambda a: (a.q_norm, a.k_norm),
         attn,

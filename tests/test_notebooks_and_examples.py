@@ -34,8 +34,7 @@ SLOW = {
 
 def _params(paths):
     return [
-        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
-        for p in paths
+        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in paths
     ]
 
 
