@@ -65,8 +65,8 @@ def _kv(layout):
     return {"mha": HEADS, "gqa": 2, "mqa": 1}[layout]
 
 
-def _llama(layout, **kw):
-    cfg = transformers.LlamaConfig(
+def _llama_like(config_cls, model_cls, layout, **kw):
+    cfg = getattr(transformers, config_cls)(
         hidden_size=D,
         intermediate_size=96,
         num_attention_heads=HEADS,
@@ -75,20 +75,15 @@ def _llama(layout, **kw):
         max_position_embeddings=T,
         **_quiet(**kw),
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return getattr(transformers, model_cls)(cfg)
+
+
+def _llama(layout, **kw):
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", layout, **kw)
 
 
 def _olmo2(layout, **kw):
-    cfg = transformers.Olmo2Config(
-        hidden_size=D,
-        intermediate_size=96,
-        num_attention_heads=HEADS,
-        num_key_value_heads=_kv(layout),
-        num_hidden_layers=2,
-        max_position_embeddings=T,
-        **_quiet(**kw),
-    )
-    return transformers.Olmo2ForCausalLM(cfg)
+    return _llama_like("Olmo2Config", "Olmo2ForCausalLM", layout, **kw)
 
 
 def _gemma3(layout, **kw):
