@@ -55,14 +55,6 @@ def test_a_block_checks_its_options_once_in_the_config(monkeypatch):
     assert len(built) == 3
 
 
-@pytest.fixture
-def plain_python(monkeypatch):
-    """As in a user's program: without the suite's run-time type checker."""
-    import jaxtyping
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
-
-
 def test_an_invalid_config_cannot_reach_a_block(plain_python):
     cfg = BlockConfig(16, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -22,7 +22,7 @@ import pytest
 # the models and references of the cached-generation tests: every family, at
 # widths, head ratios and windows that are not the presets' defaults, with
 # embeddings of unit size (a wrong cache row changes the argmax)
-from test_generation import V, _greedy_reference, _model
+from decoding import V, greedy_reference, model_of
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
 from blocklab.nn import cache as _cache
@@ -40,18 +40,18 @@ from blocklab.nn.functional import dense, dense_weight_first
 def test_both_loops_give_the_uncached_greedy_tokens(name, batch):
     """Ragged prompts, 11 new tokens (past gemma3's window of 3), one
     sequence (held without its batch axis in the unrolled loop) and three."""
-    model = _model(name)
+    model = model_of(name)
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, V, (batch, 6)).astype(np.int32)
     lengths = np.array([6, 2, 4][:batch], np.int32)
-    ref = _greedy_reference(model, prompts, lengths, 11)
+    ref = greedy_reference(model, prompts, lengths, 11)
     for unroll in (True, False):
         out = generate(model, prompts, 11, lengths=lengths, unroll_layers=unroll)
         assert np.array_equal(out, ref), unroll
 
 
 def test_sampling_and_eos_agree_between_the_loops():
-    model = _model("gemma3-window3")
+    model = model_of("gemma3-window3")
     prompts = np.random.default_rng(5).integers(0, V, (4, 5)).astype(np.int32)
     kw = dict(
         key=jax.random.key(3), temperature=1.3, top_k=15, lengths=np.array([5, 1, 3, 5])
@@ -99,7 +99,7 @@ def test_decode_blocks_equal_decode_step_and_leave_its_cache(batch):
     """Teacher-forced past the window: the logits of every step, and the
     per-layer caches once the last pending rows are written, equal the
     scanned `decode_step`'s (float32, 1e-5 of the logits' size)."""
-    model = _model("gemma3-window3")
+    model = model_of("gemma3-window3")
     rng = np.random.default_rng(10 + batch)
     prompts = rng.integers(0, V, (batch, 5)).astype(np.int32)
     lengths = np.array([5, 1, 3][:batch], np.int32)
@@ -129,7 +129,7 @@ def test_decode_blocks_equal_decode_step_and_leave_its_cache(batch):
 def test_decode_blocks_from_an_empty_cache():
     """No prefill: the first step rewrites row 0 (still empty) and then the
     tokens go in one by one; the logits equal `decode_step`'s."""
-    model = _model("olmo2-mqa")
+    model = model_of("olmo2-mqa")
     tokens = np.random.default_rng(4).integers(0, V, (2, 7)).astype(np.int32)
 
     @eqx.filter_jit
@@ -192,7 +192,7 @@ def test_unrolled_loop_neither_slices_weights_nor_copies_caches(batch):
     takes one per weight per layer per step) and no copy of a cache-sized
     buffer in the loop body (a unit batch axis made XLA copy every cache at
     every step, until `unstack` held one sequence without it)."""
-    model = _model("gemma3-window3")
+    model = model_of("gemma3-window3")
     width = 29  # the cache length, a size no weight has
     cache = model.init_cache((batch,), width)
     _, cache = model.prefill(np.ones((batch, 4), np.int32), cache)
@@ -234,7 +234,7 @@ def test_weight_first_projection_equals_dense():
 
 
 def test_unstack_gives_each_block():
-    model = _model("gpt2")
+    model = model_of("gpt2")
     blocks = model.stack.unstack()
     assert len(blocks) == 2
     for i, block in enumerate(blocks):
@@ -244,7 +244,7 @@ def test_unstack_gives_each_block():
 
 
 def test_unroll_layers_must_be_a_bool_or_none():
-    model = _model("gpt2")
+    model = model_of("gpt2")
     # (under the test suite's type checker the annotation refuses it first)
     with pytest.raises((ConfigError, TypeError), match="unroll_layers"):
         generate(model, np.ones((1, 2), np.int32), 1, unroll_layers="yes")

@@ -16,56 +16,12 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from decoding import V, forward, greedy_reference, model_of
 
 import blocklab as bl
-from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, generate
-from blocklab.nn import MoEDecoderConfig
+from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
 from blocklab.nn.cache import DecoderCache
 from blocklab.nn.generation import filter_logits, sample_logits
-
-V = 61
-
-
-def _sharpen(model, seed=1):
-    """Embeddings of unit size (logits of order 1-10, not ~0.1): a sharp test."""
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    emb = model.token_emb.weight
-    model = eqx.tree_at(
-        lambda m: m.token_emb.weight, model, jax.random.normal(k1, emb.shape)
-    )
-    if model.pos_emb is not None:
-        pos = model.pos_emb.weight
-        model = eqx.tree_at(
-            lambda m: m.pos_emb.weight, model, 0.5 * jax.random.normal(k2, pos.shape)
-        )
-    return model
-
-
-#: (name, config): every family, on widths, head ratios and windows that are
-#: not the presets' defaults.
-FAMILIES = {
-    "gpt2": lambda: DecoderConfig.gpt2(V, 32, 4, 2, max_len=40),
-    "llama-gqa": lambda: DecoderConfig.llama(V, 48, 6, 2, num_kv_heads=2, max_len=40),
-    "olmo2-mqa": lambda: DecoderConfig.olmo2(V, 32, 4, 2, num_kv_heads=1, max_len=40),
-    "gemma3-window3": lambda: DecoderConfig.gemma3(
-        V, 32, 4, 2, num_kv_heads=2, head_dim=8, window=3, global_every=2, max_len=40
-    ),
-    "mixtral-window5": lambda: MoEDecoderConfig.mixtral(
-        V, 32, 4, 2, num_experts=4, top_k=2, num_kv_heads=2, window=5, max_len=40
-    ),
-}
-
-
-#: The uncached reference forward, compiled once per structure and shape.
-_forward = jax.jit(lambda model, ids: model(ids))
-
-
-def _model(name, seed=0):
-    if name == "charlm":
-        model = CharLM(V, 32, 4, 2, max_len=40, key=jax.random.key(seed))
-    else:
-        model = DecoderLM(FAMILIES[name](), key=jax.random.key(seed))
-    return _sharpen(model, seed + 1)
 
 
 @eqx.filter_jit
@@ -121,14 +77,14 @@ def test_cached_logits_equal_uncached_with_ragged_prompts(name):
     """Every prefill row and every decode step equals the uncached forward at
     that position, with ragged prompts and past the window (gemma3: 3,
     mixtral: 5; total length 19)."""
-    model = _model(name)
+    model = model_of(name)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, V, (3, 7)).astype(np.int32)
     lengths = np.array([7, 2, 5], np.int32)
     forced = rng.integers(0, V, (3, 12)).astype(np.int32)
     logits, steps, length = _teacher_forced(model, prompts, lengths, forced)
     assert np.array_equal(length, lengths + 12)
-    ref = np.asarray(_forward(model, _sequences(prompts, lengths, forced)))
+    ref = np.asarray(forward(model, _sequences(prompts, lengths, forced)))
     for b in range(3):
         n = lengths[b]
         _assert_close(logits[b, :n], ref[b, :n])
@@ -139,7 +95,7 @@ def test_cached_logits_equal_uncached_with_ragged_prompts(name):
 def test_single_sequence_cache_and_chunked_prefill():
     """A single sequence (T,), prefilled in two chunks, then decoded: RoPE
     positions continue from the cache's length."""
-    model = _model("llama-gqa")
+    model = model_of("llama-gqa")
     ids = np.random.default_rng(1).integers(0, V, 16).astype(np.int32)
 
     @eqx.filter_jit
@@ -158,56 +114,34 @@ def test_single_sequence_cache_and_chunked_prefill():
     logits, cache = chunked(model, ids)
     assert isinstance(cache, DecoderCache) and cache.batch_shape == ()
     assert int(cache.length) == 16
-    _assert_close(logits, _forward(model, ids))
-
-
-def _greedy_reference(model, prompts, lengths, n, eos_id=None):
-    """Python loop: one uncached forward of the padded rows per new token."""
-    B, T = prompts.shape
-    seqs = np.zeros((B, T + n), np.int32)
-    seqs[:, :T] = prompts
-    cur = np.array(lengths)
-    done = np.zeros(B, bool)
-    for _ in range(n):
-        logits = np.asarray(_forward(model, seqs))
-        nxt = logits[np.arange(B), cur - 1].argmax(-1)
-        if eos_id is not None:
-            nxt = np.where(done, eos_id, nxt)
-            done |= nxt == eos_id
-        seqs[np.arange(B), cur] = nxt
-        cur = cur + 1
-    # row b: its prompt, its n new tokens, then the padding value
-    out = np.full_like(seqs, 0 if eos_id is None else eos_id)
-    for b in range(B):
-        out[b, : lengths[b] + n] = seqs[b, : lengths[b] + n]
-    return out
+    _assert_close(logits, forward(model, ids))
 
 
 @pytest.mark.parametrize(
     "name", ["charlm", pytest.param("gemma3-window3", marks=_SLOW)]
 )
 def test_greedy_generate_equals_a_loop_of_full_forwards(name):
-    model = _model(name)
+    model = model_of(name)
     rng = np.random.default_rng(2)
     prompts = rng.integers(0, V, (3, 6)).astype(np.int32)
     lengths = np.array([6, 1, 4], np.int32)
     out = generate(model, prompts, 9, lengths=lengths)
     assert out.shape == (3, 15) and out.dtype == jnp.int32
-    assert np.array_equal(out, _greedy_reference(model, prompts, lengths, 9))
+    assert np.array_equal(out, greedy_reference(model, prompts, lengths, 9))
     # one prompt (T,) gives (T + n,): the first row alone
     one = generate(model, prompts[0], 9)
     assert one.shape == (15,) and np.array_equal(one, out[0])
 
 
 def test_eos_ends_a_sequence_and_pads_with_it():
-    model = _model("llama-gqa")
+    model = model_of("llama-gqa")
     rng = np.random.default_rng(3)
     prompts = rng.integers(0, V, (2, 5)).astype(np.int32)
     lengths = np.array([5, 3], np.int32)
     free = generate(model, prompts, 10, lengths=lengths)
     eos = int(free[0, 5 + 2])  # row 0's third new token
     out = generate(model, prompts, 10, lengths=lengths, eos_id=eos)
-    assert np.array_equal(out, _greedy_reference(model, prompts, lengths, 10, eos))
+    assert np.array_equal(out, greedy_reference(model, prompts, lengths, 10, eos))
     row0 = np.asarray(out[0])
     first = 5 + int(np.argmax(row0[5:] == eos))
     assert first <= 7 and (row0[first:] == eos).all()
@@ -215,12 +149,12 @@ def test_eos_ends_a_sequence_and_pads_with_it():
     both = generate(model, prompts, 10, lengths=lengths, eos_id=int(free[1, 3]))
     assert (np.asarray(both[1, 3:]) == int(free[1, 3])).all()
     assert np.array_equal(
-        both, _greedy_reference(model, prompts, lengths, 10, int(free[1, 3]))
+        both, greedy_reference(model, prompts, lengths, 10, int(free[1, 3]))
     )
 
 
 def test_zero_new_tokens_returns_the_prompts_padded():
-    model = _model("llama-gqa")
+    model = model_of("llama-gqa")
     prompts = np.arange(12, dtype=np.int32).reshape(2, 6)
     out = generate(model, prompts, 0, lengths=np.array([6, 2]), eos_id=9)
     assert np.array_equal(out, [[0, 1, 2, 3, 4, 5], [6, 7, 9, 9, 9, 9]])
@@ -288,7 +222,7 @@ def test_samples_follow_the_filtered_distribution():
 
 def test_sampled_generate_equals_a_loop_with_the_same_keys():
     """Step i draws from the uncached logits with key fold_in(key, i)."""
-    model = _model("llama-gqa")
+    model = model_of("llama-gqa")
     rng = np.random.default_rng(6)
     prompts = rng.integers(0, V, (2, 4)).astype(np.int32)
     key = jax.random.key(7)
@@ -297,7 +231,7 @@ def test_sampled_generate_equals_a_loop_with_the_same_keys():
     seqs = np.zeros((2, 10), np.int32)
     seqs[:, :4] = prompts
     for i in range(6):
-        logits = _forward(model, seqs)[:, 3 + i]  # causal: the zeros after do not count
+        logits = forward(model, seqs)[:, 3 + i]  # causal: the zeros after do not count
         nxt = sample_logits(logits, jax.random.fold_in(key, i), **kw)
         seqs[:, 4 + i] = np.asarray(nxt)
     assert np.array_equal(out, seqs)
