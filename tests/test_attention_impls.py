@@ -112,7 +112,7 @@ def _draw(seed):
     T = int(rng.integers(5, 15))
     opts = dict(num_kv_heads=KV, head_dim=p)
     if rng.random() < 0.5:
-        opts["scale"] = float(rng.uniform(0.2, 1.0))
+        opts["attn_scale"] = float(rng.uniform(0.2, 1.0))
     if rng.random() < 0.6:
         opts["rope_theta"] = float(rng.choice([100.0, 1e4]))
     if rng.random() < 0.5:
