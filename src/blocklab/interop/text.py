@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._validate import ConfigError, check_float, check_int, check_key
+from .._validate import ConfigError, check_int
 from ..nn import CharLM, DecoderLM
 from ..nn.cache import model_limits
-from ..nn.generation import generate, sample_logits
+from ..nn.generation import check_sampling, generate, sample_logits
 
 __all__ = ["generate_text"]
 
@@ -99,16 +99,10 @@ def generate_text(
     single = isinstance(prompts, str)
     texts = [prompts] if single else _prompt_list(prompts)
     new = check_int(_OWNER, "max_new_tokens", max_new_tokens, min=0)
+    key, temperature, top_k, top_p = check_sampling(
+        _OWNER, key, temperature, top_k, top_p, vocab
+    )
     sampling = key is not None
-    if sampling:
-        key = check_key(_OWNER, "key", key)
-    temperature = check_float(
-        _OWNER, "temperature", temperature, min=0.0, min_open=sampling
-    )
-    top_k = check_int(_OWNER, "top_k", top_k, min=1, max=vocab, optional=True)
-    top_p = check_float(
-        _OWNER, "top_p", top_p, min=0.0, min_open=True, max=1.0, optional=True
-    )
     names = ["prompts"] if single else [f"prompts[{b}]" for b in range(len(texts))]
     ids = [
         _encode(tokenizer, t, name, vocab) for t, name in zip(texts, names, strict=True)

@@ -33,7 +33,7 @@ from .functional import _check_int_array, linear
 
 __all__ = [
     "AttentionCache", "write_cache", "check_start",
-    "DecoderCache", "init_cache", "extend", "prefill", "decode_step",
+    "DecoderCache", "Decoding", "init_cache", "extend", "prefill", "decode_step",
     "model_limits", "Unstacked", "unstack", "decode_blocks",
 ]  # fmt: skip
 
@@ -409,3 +409,71 @@ def decode_step(
         model, ids[..., None], DecoderCache(cache.layers, length, cache.max_len)
     )
     return logits[..., 0, :], cache
+
+
+class Decoding:
+    """The cached-decoding methods of a language model (`DecoderLM` and
+    `CharLM` inherit them): each checks its arguments and calls this module's
+    function of the same name, naming the model's class in its errors."""
+
+    def init_cache(
+        self,
+        batch_shape: tuple[int, ...] = (),
+        max_len: int | None = None,
+        dtype: Any = None,
+    ) -> DecoderCache:
+        """An empty `DecoderCache` (length 0) for `batch_shape` sequences.
+
+        Args:
+            batch_shape: `()` for one sequence, `(B,)` for a batch.
+            max_len: tokens each sequence may hold, at most (default)
+                the model's `max_len`. Every layer keeps all of them, the local
+                (window) layers too (one cache shape for the scanned stack;
+                they mask the keys older than their window).
+            dtype: of the keys and values; default the embedding's.
+        """
+        return init_cache(
+            self, batch_shape, max_len, dtype, owner=f"{type(self).__name__}.init_cache"
+        )
+
+    def prefill(
+        self,
+        ids: Int[ArrayLike, "*batch T"],
+        cache: DecoderCache | None = None,
+        *,
+        lengths: Int[ArrayLike, "*batch"] | None = None,
+    ) -> tuple[Float[Array, "*batch T vocab"], DecoderCache]:
+        r"""Run a prompt through the model, writing its keys and values.
+
+        Sequence $b$'s tokens take positions and cache indices
+        $\ell_b, \ldots, \ell_b + T - 1$ from its length $\ell_b$ in the
+        cache (0 for a fresh one), so `prefill` also extends a cache by a
+        chunk. Row $i$ of the logits equals `self(...)` at position
+        $\ell_b + i$ of the whole sequence.
+
+        Args:
+            ids: `(T,)` or `(*batch, T)` token ids.
+            cache: from `init_cache`; `None` makes one of the model's `max_len`.
+            lengths: ragged right-padded prompts, shape `batch` (one per
+                sequence, never per query): sequence $b$'s length grows
+                by `lengths[b]` (in `[1, T]`) instead of $T$; its padding is
+                written, but overwritten by its next tokens before any
+                query sees it.
+
+        Returns:
+            `(logits, cache)`: `(*batch, T, vocab)` float32 logits and the
+            cache with the new lengths.
+        """
+        return prefill(
+            self, ids, cache, lengths, owner=f"{type(self).__name__}.prefill"
+        )
+
+    def decode_step(
+        self, ids: Int[ArrayLike, "*batch"], cache: DecoderCache
+    ) -> tuple[Float[Array, "*batch vocab"], DecoderCache]:
+        """One new token per sequence: `ids` of shape `cache.batch_shape`, at
+        each sequence's own position `cache.length`; returns its
+        `(*batch, vocab)` float32 logits (those of `self` at that position)
+        and the cache one longer. Its cost depends on `cache.max_len`, not on
+        the position."""
+        return decode_step(self, ids, cache, owner=f"{type(self).__name__}.decode_step")

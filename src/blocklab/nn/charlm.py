@@ -61,7 +61,7 @@ def _build_charlm(
     return embedding(vocab_size, tok_key), embedding(max_len, pos_key), stack
 
 
-class CharLM(eqx.Module):
+class CharLM(eqx.Module, _cache.Decoding):
     r"""A causal character language model: embeddings, a `Stack` of blocks, a tied head.
 
     For token ids $t_1, \ldots, t_T$ (with $T \le$ `max_len`),
@@ -282,35 +282,3 @@ class CharLM(eqx.Module):
         logits = linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
         c = self.readout_multiplier  # 1, or d0/d under muP
         return logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
-
-    # Cached decoding (as DecoderLM's; blocklab.generate) --------------------
-
-    def init_cache(
-        self,
-        batch_shape: tuple[int, ...] = (),
-        max_len: int | None = None,
-        dtype: Any = None,
-    ) -> _cache.DecoderCache:
-        """An empty `DecoderCache` for `batch_shape` sequences of at most
-        `max_len` (default and bound: `self.max_len`) tokens; see
-        `DecoderLM.init_cache`."""
-        return _cache.init_cache(
-            self, batch_shape, max_len, dtype, owner="CharLM.init_cache"
-        )
-
-    def prefill(
-        self,
-        tokens: Int[ArrayLike, "*batch T"],
-        cache: _cache.DecoderCache | None = None,
-        *,
-        lengths: Int[ArrayLike, "*batch"] | None = None,
-    ) -> tuple[Float[Array, "*batch T vocab"], _cache.DecoderCache]:
-        """Run a prompt through the model, writing its keys and values; the
-        logits equal `self(...)` at the same positions. See `DecoderLM.prefill`."""
-        return _cache.prefill(self, tokens, cache, lengths, owner="CharLM.prefill")
-
-    def decode_step(
-        self, tokens: Int[ArrayLike, "*batch"], cache: _cache.DecoderCache
-    ) -> tuple[Float[Array, "*batch vocab"], _cache.DecoderCache]:
-        """One new token per sequence; see `DecoderLM.decode_step`."""
-        return _cache.decode_step(self, tokens, cache, owner="CharLM.decode_step")

@@ -87,7 +87,7 @@ def _build(cfg: DecoderConfig, key):
     return embedding(cfg.vocab_size, tok_key), pos, stack, head
 
 
-class DecoderLM(eqx.Module):
+class DecoderLM(eqx.Module, _cache.Decoding):
     r"""A causal decoder-only language model on a scanned `Stack`.
 
     For token ids $t_1, \ldots, t_T$ at positions $s_1, \ldots, s_T$
@@ -170,68 +170,6 @@ class DecoderLM(eqx.Module):
     def head_weight(self) -> Float[Array, "vocab d"]:
         """The output projection: the token embedding when tied."""
         return self.token_emb.weight if self.head is None else self.head.weight
-
-    # Cached decoding (blocklab.generate) ------------------------------------
-
-    def init_cache(
-        self,
-        batch_shape: tuple[int, ...] = (),
-        max_len: int | None = None,
-        dtype: Any = None,
-    ) -> _cache.DecoderCache:
-        """An empty `DecoderCache` (length 0) for `batch_shape` sequences.
-
-        Args:
-            batch_shape: `()` for one sequence, `(B,)` for a batch.
-            max_len: tokens each sequence may hold, at most (default)
-                `cfg.max_len`. Every layer keeps all of them, the local
-                (window) layers too (one cache shape for the scanned stack;
-                they mask the keys older than their window).
-            dtype: of the keys and values; default the embedding's.
-        """
-        return _cache.init_cache(
-            self, batch_shape, max_len, dtype, owner="DecoderLM.init_cache"
-        )
-
-    def prefill(
-        self,
-        ids: Int[ArrayLike, "*batch T"],
-        cache: _cache.DecoderCache | None = None,
-        *,
-        lengths: Int[ArrayLike, "*batch"] | None = None,
-    ) -> tuple[Float[Array, "*batch T vocab"], _cache.DecoderCache]:
-        r"""Run a prompt through the model, writing its keys and values.
-
-        Sequence $b$'s tokens take positions and cache indices
-        $\ell_b, \ldots, \ell_b + T - 1$ from its length $\ell_b$ in the
-        cache (0 for a fresh one), so `prefill` also extends a cache by a
-        chunk. Row $i$ of the logits equals `self(...)` at position
-        $\ell_b + i$ of the whole sequence.
-
-        Args:
-            ids: `(T,)` or `(*batch, T)` token ids.
-            cache: from `init_cache`; `None` makes one of `cfg.max_len`.
-            lengths: ragged right-padded prompts, shape `batch` (one per
-                sequence, never per query): sequence $b$'s length grows
-                by `lengths[b]` (in `[1, T]`) instead of $T$; its padding is
-                written, but overwritten by its next tokens before any
-                query sees it.
-
-        Returns:
-            `(logits, cache)`: `(*batch, T, vocab)` float32 logits and the
-            cache with the new lengths.
-        """
-        return _cache.prefill(self, ids, cache, lengths, owner="DecoderLM.prefill")
-
-    def decode_step(
-        self, ids: Int[ArrayLike, "*batch"], cache: _cache.DecoderCache
-    ) -> tuple[Float[Array, "*batch vocab"], _cache.DecoderCache]:
-        """One new token per sequence: `ids` of shape `cache.batch_shape`, at
-        each sequence's own position `cache.length`; returns its
-        `(*batch, vocab)` float32 logits (those of `self` at that position)
-        and the cache one longer. Its cost depends on `cache.max_len`, not on
-        the position."""
-        return _cache.decode_step(self, ids, cache, owner="DecoderLM.decode_step")
 
     def hidden(
         self,

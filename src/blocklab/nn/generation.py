@@ -105,6 +105,25 @@ def sample_logits(
     return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
 
 
+def check_sampling(
+    owner: str, key: Any, temperature: Any, top_k: Any, top_p: Any, vocab: int
+) -> tuple[Any, float, int | None, float | None]:
+    """The sampling arguments of `generate`, checked: `key` (`None` is greedy),
+    `temperature` (> 0 when sampling, >= 0 otherwise), `top_k` in
+    `[1, vocab]` and `top_p` in `(0, 1]` (each optional)."""
+    sampling = key is not None
+    if sampling:
+        key = check_key(owner, "key", key)
+    temperature = check_float(
+        owner, "temperature", temperature, min=0.0, min_open=sampling
+    )
+    top_k = check_int(owner, "top_k", top_k, min=1, max=vocab, optional=True)
+    top_p = check_float(
+        owner, "top_p", top_p, min=0.0, min_open=True, max=1.0, optional=True
+    )
+    return key, temperature, top_k, top_p
+
+
 def generate(
     model: eqx.Module,
     ids: Shaped[ArrayLike, "*batch T"],
@@ -209,16 +228,10 @@ def generate(
             f"T={T} tokens plus max_new_tokens must not exceed the model's "
             f"max_len={max_len} (at most {max_len - T} new tokens)."
         )
+    key, temperature, top_k, top_p = check_sampling(
+        _OWNER, key, temperature, top_k, top_p, vocab
+    )
     sampling = key is not None
-    if sampling:
-        key = check_key(_OWNER, "key", key)
-    temperature = check_float(
-        _OWNER, "temperature", temperature, min=0.0, min_open=sampling
-    )
-    top_k = check_int(_OWNER, "top_k", top_k, min=1, max=vocab, optional=True)
-    top_p = check_float(
-        _OWNER, "top_p", top_p, min=0.0, min_open=True, max=1.0, optional=True
-    )
     eos_id = check_int(_OWNER, "eos_id", eos_id, min=0, max=vocab - 1, optional=True)
     if unroll_layers is None:
         unroll = model.stack.num_blks <= UNROLL_MAX_LAYERS
