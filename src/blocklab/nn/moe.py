@@ -48,6 +48,7 @@ from .._validate import (
 from . import init
 from .ffn import _PHI, ACTS, GATED_ACTS, FeedForward
 from .functional import ACTIVATIONS, linear
+from .normalization import check_float_input
 
 __all__ = [
     "MoEFeedForward",
@@ -262,11 +263,7 @@ class MoEFeedForward(eqx.Module):
                 f"MoEFeedForward was built with num_hiddens={self.num_hiddens}, "
                 f"but its input x has shape {tuple(x.shape)}."
             )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ConfigError(
-                f"MoEFeedForward: x must be floating point, got dtype {x.dtype} (an "
-                "integer input would be truncated); cast it with .astype(jnp.float32)."
-            )
+        check_float_input(x, "MoEFeedForward")
         if x.size == 0:
             raise ConfigError(
                 f"MoEFeedForward: x has no tokens (shape {tuple(x.shape)}); the "
