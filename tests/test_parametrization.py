@@ -16,7 +16,7 @@ import pytest
 
 import blocklab as bl
 from blocklab.nn import parametrization as P
-from blocklab.training.optimizer import schedule_factor
+from blocklab.training.optimizers import schedule_factor
 
 
 def _leaves(model):

@@ -42,7 +42,7 @@ from ..nn import DecoderConfig, DecoderLM
 from ..nn.charlm import CharLM
 from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
-from ..training.optimizer import optimizer as make_optimizer
+from ..training.optimizers import optimizer as make_optimizer
 from ..training.step import init_state, make_train_step
 from ..training.sweep import sweep_grid, train_sweep
 from ._render import figure_links, json_floats, markdown_table

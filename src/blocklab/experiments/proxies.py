@@ -46,7 +46,7 @@ from .._validate import ConfigError, check_choice
 from ..data.datasets import TimeMachine
 from ..nn.charlm import CharLM
 from ..training.losses import lm_loss
-from ..training.optimizer import optimizer as make_optimizer
+from ..training.optimizers import optimizer as make_optimizer
 from ..training.step import validation_loss
 from ..training.sweep import SweepResult, train_sweep
 from ._render import figure_links, json_floats, markdown_table

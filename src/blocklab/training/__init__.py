@@ -8,7 +8,7 @@ from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
 from .losses import lm_loss, moe_loss, next_token_loss
 from .member_axis import check_seeds, member_mesh, pad_members, sharded_map
-from .optimizer import optimizer, schedule_factor
+from .optimizers import optimizer, schedule_factor
 from .placement import logical_axes, mesh_of, shard
 from .run import TrainResult, train_lm, train_model
 from .sharded_checkpoint import restore_sharded, save_sharded
