@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_models import randomize
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -77,21 +78,10 @@ def hf_config(family, layout="gqa", **kw):
     return getattr(transformers, CLASSES[family][0])(**fields)
 
 
-def randomize(model, seed=0):
-    """N(0, 0.1^2) weights; norm gains 1 + N(0, 0.1^2) (Gemma: N(0, 0.1^2))."""
-    gen = torch.Generator().manual_seed(seed)
-    gemma = "Gemma" in type(model).__name__
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = 0.1 * torch.randn(p.shape, generator=gen)
-            unit = "norm" in name and name.endswith("weight") and not gemma
-            p.copy_(noise + (1.0 if unit else 0.0))
-    return model.eval()
-
-
 def hf_model(family, layout="gqa", seed=0, **kw):
-    cfg = hf_config(family, layout, **kw)
-    return randomize(getattr(transformers, CLASSES[family][1])(cfg), seed)
+    """N(0, 0.1^2) weights; norm gains 1 + N(0, 0.1^2) (Gemma: N(0, 0.1^2))."""
+    model = getattr(transformers, CLASSES[family][1])(hf_config(family, layout, **kw))
+    return randomize(model, gemma=family == "gemma2", seed=seed)
 
 
 def hf_logits(model, ids):

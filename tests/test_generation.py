@@ -17,6 +17,7 @@ import jaxtyping
 import numpy as np
 import pytest
 from decoding import V, forward, greedy_reference, model_of
+from hf_models import mixtral_config, randomize
 
 import blocklab as bl
 from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
@@ -408,32 +409,7 @@ def _hf_family(name):
             layer_types=["sliding_attention", "full_attention"], **rope,
         )  # fmt: skip
         return transformers.Gemma3ForCausalLM(cfg)
-    cfg = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, **rope,
-    )  # fmt: skip
-    return transformers.MixtralForCausalLM(cfg)
-
-
-def _randomize(model, *, embeddings, gemma):
-    """N(0, 0.3^2) matrices, small biases, perturbed norm gains: greedy
-    continuations that change from token to token (not one repeated id)."""
-    torch = pytest.importorskip("torch")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            is_norm = "norm" in name or ".ln_" in name or name.startswith("ln_")
-            if is_norm and name.endswith("weight"):
-                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.02 * noise)
-            elif "emb" in name or name.endswith(("wte.weight", "wpe.weight")):
-                p.copy_(embeddings * noise)
-            else:
-                p.copy_(0.3 * noise)
-    return model.eval()
+    return transformers.MixtralForCausalLM(mixtral_config(**rope))
 
 
 @pytest.mark.parametrize(
@@ -449,7 +425,15 @@ def _randomize(model, *, embeddings, gemma):
 def test_greedy_tokens_equal_transformers_generate(name):
     torch = pytest.importorskip("torch")
     gemma = name == "gemma3"
-    hf = _randomize(_hf_family(name), embeddings=0.02 if gemma else 0.3, gemma=gemma)
+    # N(0, 0.3^2) matrices, small biases, perturbed norm gains: greedy
+    # continuations that change from token to token (not one repeated id).
+    hf = randomize(
+        _hf_family(name),
+        gemma=gemma,
+        matrices=0.3,
+        biases=0.02,
+        embeddings=0.02 if gemma else 0.3,
+    )
     ids = np.random.default_rng(0).integers(0, V, (2, 5))
     with torch.no_grad():
         ref = hf.generate(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_models import randomize
 
 torch = pytest.importorskip(
     "torch",
@@ -107,22 +108,6 @@ def _gemma3(layout, **kw):
 forward = jax.jit(lambda model, ids: model(ids))
 
 BUILDERS = {"gpt2": _gpt2, "llama": _llama, "olmo2": _olmo2, "gemma3": _gemma3}
-
-
-def randomize(model, *, gemma=False, seed=0):
-    """Random weights: N(0, 0.1^2) matrices, perturbed norm gains and biases."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            is_norm = "norm" in name or ".ln_" in name or name.startswith("ln_")
-            if is_norm and name.endswith("weight"):
-                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
 
 
 def hf_model(family, layout="mha", **kw):

@@ -4,6 +4,7 @@ MixtralForCausalLM (random weights from a config; nothing is downloaded)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_models import mixtral_config
 
 import blocklab as bl
 from blocklab.interop import to_huggingface_state_dict
@@ -15,17 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 def _hf(top_k, window, *, seed=0, **extra):
     torch.manual_seed(seed)
-    config = transformers.MixtralConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=32,
-        sliding_window=window,
+    config = mixtral_config(
+        top_k,
+        window,
         initializer_range=0.2,  # logits of order 10: a sharp comparison
         attn_implementation="eager",
         **extra,
@@ -87,17 +80,8 @@ def test_state_dict_round_trip_in_transformers_names():
     ],
 )
 def test_unsupported_mixtral_config_is_refused_by_name(extra, match):
-    config = transformers.MixtralConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_local_experts=4,
-        **{"num_experts_per_tok": 2, **extra},
-    )
     with pytest.raises(ValueError, match=match):
-        bl.interop.hf_config_to_decoder(config, "MixtralForCausalLM")
+        bl.interop.hf_config_to_decoder(mixtral_config(**extra), "MixtralForCausalLM")
 
 
 def test_router_jitter_in_training_mode_is_refused():
