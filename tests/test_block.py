@@ -9,6 +9,7 @@ import jaxtyping
 import numpy as np
 import pytest
 import reference as ref
+from ref_blocks import block_and_dict
 
 import blocklab as bl
 
@@ -18,30 +19,8 @@ CONFIGS = list(
 )
 
 
-def _block_and_dict(seed, *, placement, norm, act, bias, qk_norm=False):
-    rng = np.random.default_rng(seed)
-    sd = ref.random_state_dict(
-        rng,
-        D,
-        norm_kind=norm,
-        act=act,
-        placement=placement,
-        bias=bias,
-        dtype=np.float64,
-    )
-    if qk_norm:
-        ref.add_qk_norm(sd, rng, D // H, dtype=np.float64)
-    blk = bl.TransformerBlock(
-        D,
-        H,
-        norm=norm,
-        act=act,
-        placement=placement,
-        bias=bias,
-        qk_norm=qk_norm,
-        key=jax.random.key(seed),
-    )
-    return bl.load_state_dict(blk, sd, dtype=jnp.float64), sd, rng
+def _block_and_dict(seed, **structure):
+    return block_and_dict(seed, D, H, **structure)
 
 
 def test_there_are_112_configurations():

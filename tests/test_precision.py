@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from ref_blocks import block_and_dict
 
-import blocklab as bl
 import blocklab.nn.functional as F
 
 
@@ -101,26 +101,8 @@ def test_float32_block_matches_the_float64_reference(placement, norm, act):
     # output is a chain of sums of <= 64 products, two norms and a softmax, so
     # its float32 rounding error is a few hundred ulp of 2^-24 at most: 2e-5.
     d, heads, t = 16, 4, 6
-    rng = np.random.default_rng(0)
-    sd = ref.random_state_dict(
-        rng,
-        d,
-        norm_kind=norm,
-        act=act,
-        placement=placement,
-        bias=True,
-        dtype=np.float64,
-    )
-    blk = bl.TransformerBlock(
-        d,
-        heads,
-        norm=norm,
-        act=act,
-        placement=placement,
-        bias=True,
-        key=jax.random.key(0),
-    )
-    blk = bl.load_state_dict(blk, sd, dtype=jnp.float32)
+    structure = dict(placement=placement, norm=norm, act=act, bias=True)
+    blk, sd, rng = block_and_dict(0, d, heads, dtype=jnp.float32, **structure)
     x = rng.normal(size=(t, d))
     lens = np.arange(1, t + 1)
     got = blk(jnp.asarray(x, jnp.float32), jnp.asarray(lens))
