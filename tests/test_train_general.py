@@ -139,41 +139,30 @@ def test_a_frozen_run_stays_frozen_although_later_steps_are_finite():
     np.testing.assert_array_equal(res.model.w, two.model.w)
 
 
+def _assert_refused(loss_fn, match, steps=1):
+    """`train_model` refuses `loss_fn` with a ConfigError matching `match`."""
+    with pytest.raises(ConfigError, match=match):
+        train_model(
+            zero_model(),
+            regression_batch,
+            optax.sgd(0.1),
+            steps,
+            key=jax.random.key(0),
+            loss_fn=loss_fn,
+        )
+
+
 def test_non_scalar_loss_is_refused_before_the_run():
     def per_example(model, batch, key):
         x, y = batch
         return (model(x) - y) ** 2  # forgot .mean()
 
-    with pytest.raises(ConfigError, match=r"real scalar loss.*float32\[5\]"):
-        train_model(
-            zero_model(),
-            regression_batch,
-            optax.sgd(0.1),
-            2,
-            key=jax.random.key(0),
-            loss_fn=per_example,
-        )
+    _assert_refused(per_example, r"real scalar loss.*float32\[5\]", steps=2)
 
 
 def test_integer_loss_and_three_outputs_are_refused():
-    with pytest.raises(ConfigError, match="real scalar loss"):
-        train_model(
-            zero_model(),
-            regression_batch,
-            optax.sgd(0.1),
-            1,
-            key=jax.random.key(0),
-            loss_fn=lambda m, b, k: jnp.int32(1),
-        )
-    with pytest.raises(ConfigError, match="real scalar loss.*tuple"):
-        train_model(
-            zero_model(),
-            regression_batch,
-            optax.sgd(0.1),
-            1,
-            key=jax.random.key(0),
-            loss_fn=lambda m, b, k: (mse(m, b, k), 1.0, 2.0),
-        )
+    _assert_refused(lambda m, b, k: jnp.int32(1), "real scalar loss")
+    _assert_refused(lambda m, b, k: (mse(m, b, k), 1.0, 2.0), "real scalar loss.*tuple")
 
 
 def test_a_batch_the_loss_cannot_take_names_its_shapes():
