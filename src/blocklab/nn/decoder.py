@@ -69,7 +69,7 @@ def _build(cfg: DecoderConfig, key):
         return eqx.nn.Embedding(weight=0.02 * jax.random.normal(k, (n, d), jnp.float32))
 
     block = cfg.block
-    # a subclass's FFN (interop.mixtral.MoEDecoderConfig)
+    # a subclass's FFN (nn.moe_decoder.MoEDecoderConfig)
     ffn_factory = getattr(cfg, "ffn_factory", None)
 
     def make_block(k):
