@@ -145,8 +145,24 @@ def ffn_width(num_hiddens: int, act: str, multiple_of: int | None = None) -> int
     return -(-base // multiple_of) * multiple_of
 
 
+class ComparedByKey:
+    """`==` and `hash` of a frozen config by its `_key()`: what makes two
+    configs build the same thing (`BlockConfig`, `DecoderConfig`)."""
+
+    def _key(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ComparedByKey):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class BlockConfig:
+class BlockConfig(ComparedByKey):
     r"""Every option of a `TransformerBlock`, validated once, when built.
 
     Frozen and hashable (a static field of the block). The constructor checks
@@ -282,14 +298,6 @@ class BlockConfig:
             self.rope_theta is None,
             self.window is None,
         )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BlockConfig):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
 
     @property
     def gated(self) -> bool:

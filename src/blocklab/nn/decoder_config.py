@@ -21,7 +21,7 @@ from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from . import parametrization
-from .config import BlockConfig, ffn_width
+from .config import BlockConfig, ComparedByKey, ffn_width
 
 __all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
 
@@ -41,7 +41,7 @@ CONFIG_CLASSES: dict[str, type] = {}
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
-class DecoderConfig:
+class DecoderConfig(ComparedByKey):
     r"""The hyperparameters of a `DecoderLM` (frozen, hashable, validated once).
 
     Two spellings build the same config:
@@ -253,14 +253,6 @@ class DecoderConfig:
         # only their presence, so that the layers of one stack share it).
         fields = (getattr(self, f.name) for f in dataclasses.fields(self))
         return (type(self), *fields, self.block.window, self.block.rope_theta)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, DecoderConfig):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names that are not the config's own: the block's
