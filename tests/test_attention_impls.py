@@ -279,3 +279,13 @@ def test_chunked_prefill_in_a_cache_equals_the_reference(small_blocks):
     np.testing.assert_allclose(out, ref, atol=2e-6)
     np.testing.assert_array_equal(c_out.k, c_ref.k)
     np.testing.assert_allclose(ref, mha(x, jnp.arange(1, 12)), atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "model", [3, jnp.ones(3), bl.FeedForward(8, key=jax.random.key(0))]
+)
+def test_with_attention_impl_refuses_a_model_without_attention(model):
+    """`with_attention_impl(3, "chunked")` returned 3: a model with no attention
+    layer to switch is a mistake, named."""
+    with pytest.raises(ConfigError, match=r"with_attention_impl: model holds no"):
+        bl.with_attention_impl(model, "chunked")

@@ -346,3 +346,20 @@ def test_numeric_arguments_are_refused_naming_them(call, match, monkeypatch):
                 monkeypatch.setattr(mod, name, inspect.unwrap(getattr(mod, name)))
     with pytest.raises(ConfigError, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    ("shape", "match"),
+    [
+        ((2.5, 4), r"causal_lengths: shape\[0\] must be an int, got 2.5"),
+        ((-3,), r"causal_lengths: shape\[0\] must lie in \[0, inf\], got -3"),
+        (5, r"causal_lengths: shape must be a tuple of sizes .* got 5"),
+    ],
+)
+def test_causal_lengths_refuses_a_shape_that_is_not_sizes(shape, match, plain_python):
+    from blocklab._validate import ConfigError
+    from blocklab.nn.functional import causal_lengths
+
+    with pytest.raises(ConfigError, match=match):
+        causal_lengths(shape)
+    np.testing.assert_array_equal(causal_lengths((2, 3)), [[1, 2, 3]])

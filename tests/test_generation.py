@@ -353,6 +353,23 @@ def test_text_is_refused_pointing_to_generate_text(small, text, monkeypatch):
         generate(small, text, 3)
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [
+        jax.random.split(jax.random.key(0), 2),
+        jax.random.split(jax.random.PRNGKey(0), 2),
+    ],
+    ids=["typed", "legacy"],
+)
+def test_a_batch_of_keys_is_refused_by_name(small, keys):
+    """`key=jax.random.split(key, 2)` failed inside `fold_in`; one key (of
+    either kind) is what `generate` draws from."""
+    ids = np.ones((2, 4), np.int32)
+    with pytest.raises(ConfigError, match=r"generate: key must be one PRNG key, got"):
+        generate(small, ids, 3, key=keys)
+    assert generate(small, ids, 3, key=keys[0]).shape == (2, 7)
+
+
 def test_cache_api_refuses_what_does_not_fit(small):
     with pytest.raises(
         ConfigError,

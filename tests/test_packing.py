@@ -107,3 +107,13 @@ def test_bad_segment_ids_are_named(plain_python):
         bl.lm_loss(model, ids, ids, segment_ids=jnp.zeros((2, 3), jnp.int32))
     with pytest.raises(ConfigError, match="documents"):
         bl.TokenDataset.pack_documents([np.array([], int)], 4)
+
+
+@pytest.mark.parametrize(
+    ("doc", "bad"), [([7, 2**40, 1], 2**40), ([3, -5, 2], -5)], ids=["huge", "negative"]
+)
+def test_pack_documents_refuses_ids_that_int32_cannot_hold(doc, bad):
+    """2**40 would wrap to 0 and -5 would pack as -5: both are refused, naming
+    the document, the position and the id."""
+    with pytest.raises(ConfigError, match=rf"documents\[0\]\[1\] = {bad} is not a"):
+        bl.data.pack_documents([np.array(doc, np.int64)], 4)

@@ -258,6 +258,13 @@ def pack_documents(
                 f"{owner}: documents[{i}] must be a non-empty 1-D integer array, "
                 f"got dtype {d.dtype}, shape {d.shape}."
             )
+        bad = (d < 0) | (d > np.iinfo(np.int32).max)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ConfigError(
+                f"{owner}: documents[{i}][{j}] = {int(d[j])} is not a token id: ids "
+                f"are integers in [0, {np.iinfo(np.int32).max}] (stored as int32)."
+            )
         docs.append(d)
     if not docs:
         raise ConfigError(f"{owner}: documents is empty; pass at least one.")

@@ -111,7 +111,12 @@ def _f64(tree):
             return jnp.asarray(a, jnp.float64)
         return a
 
-    return jax.tree_util.tree_map(cast, with_attention_impl(tree, "reference"))
+    leaves = jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda n: isinstance(n, MultiHeadAttention)
+    )
+    if any(isinstance(n, MultiHeadAttention) for n in leaves):
+        tree = with_attention_impl(tree, "reference")
+    return jax.tree_util.tree_map(cast, tree)
 
 
 def _check_positive(owner: str, name: str, value: float) -> None:

@@ -647,6 +647,15 @@ def with_attention_impl(model: Any, impl: str) -> Any:
         impl: one of `ATTENTION_IMPLS` (`ConfigError` lists them otherwise).
     """
     impl = check_impl("with_attention_impl", impl)
+    found = jax.tree_util.tree_leaves(
+        model,
+        is_leaf=lambda n: isinstance(n, MultiHeadAttention),
+    )
+    if not any(isinstance(n, MultiHeadAttention) for n in found):
+        raise ConfigError(
+            "with_attention_impl: model holds no MultiHeadAttention to switch, got "
+            f"a {type(model).__name__}; pass a layer, a block, a stack or a model."
+        )
 
     def is_module(node):
         return isinstance(node, eqx.Module)

@@ -356,11 +356,17 @@ def causal_lengths(shape: tuple[int, ...]) -> Int[Array, "..."]:
     `x.shape[:-1] = shape = (..., T)`: `jnp.arange(1, T + 1)` with as many axes
     as `shape` (leading ones of size 1), so a batch never reads it as one
     length per sequence, whatever `B` and `T` are."""
-    shape = tuple(shape)
-    if not shape:
+    owner = "causal_lengths"
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise ConfigError(
-            "causal_lengths: shape must be x.shape[:-1] = (..., T), got ()."
+            f"{owner}: shape must be a tuple of sizes x.shape[:-1] = (..., T), got "
+            f"{shape!r}; for one sequence of T tokens write (T,)."
         )
+    shape = tuple(
+        check_int(owner, f"shape[{i}]", n, min=0) for i, n in enumerate(shape)
+    )
+    if not shape:
+        raise ConfigError(f"{owner}: shape must be x.shape[:-1] = (..., T), got ().")
     T = shape[-1]
     return jnp.arange(1, T + 1).reshape((1,) * (len(shape) - 1) + (T,))
 

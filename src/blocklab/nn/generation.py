@@ -114,6 +114,13 @@ def check_sampling(
     sampling = key is not None
     if sampling:
         key = check_key(owner, "key", key)
+        legacy = not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if key.shape[: key.ndim - legacy]:
+            raise ConfigError(
+                f"{owner}: key must be one PRNG key, got a batch of keys of shape "
+                f"{tuple(key.shape)}; pass one (e.g. jax.random.split(key)[0]), or "
+                "jax.vmap the call over the keys."
+            )
     temperature = check_float(
         owner, "temperature", temperature, min=0.0, min_open=sampling
     )
