@@ -378,3 +378,26 @@ def test_traced_id_check_names_the_id_across_vmapped_members():
             bad[1, 2] = -1  # the smallest of two negatives, in another member
         with pytest.raises(eqx.EquinoxRuntimeError, match=rf"got {want} \(the"):
             f(bad)
+
+
+def test_a_mesh_given_as_text_is_refused_by_name(plain_python):
+    """`train_model(..., mesh="data=8")` failed with an AttributeError."""
+    import jax
+    import optax
+
+    import blocklab as bl
+    from blocklab import ConfigError
+
+    model = bl.CharLM(28, 16, 2, 1, key=jax.random.key(0))
+    with pytest.raises(
+        ConfigError,
+        match=r"train_model: mesh must be a jax.sharding.Mesh, got 'data=8'",
+    ):
+        bl.train_model(
+            model,
+            bl.TimeMachine(),
+            optax.adam(1e-3),
+            2,
+            key=jax.random.key(0),
+            mesh="data=8",
+        )

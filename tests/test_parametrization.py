@@ -274,3 +274,30 @@ def test_bad_optimizer_input_is_named(key):
             bl.lm_loss(
                 model, jnp.zeros((1, 4), int), jnp.zeros((1, 4), int), z_loss=bad
             )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            dict(learning_rat=1e-3),
+            r"unknown hyperparameter 'learning_rat' for adam; valid: \[.*'b2'",
+        ),
+        (dict(learning_rate=1e-3, b2="0.95"), r"b2 must be a number, got '0.95'"),
+    ],
+)
+def test_optimizer_refuses_a_misspelt_or_textual_hyperparameter(
+    kwargs, match, plain_python
+):
+    """Both were accepted and failed only at the first step."""
+    model = bl.CharLM(28, 16, 2, 1, key=jax.random.key(0))
+    with pytest.raises(bl.ConfigError, match=match):
+        bl.optimizer(model, optax.adam, **kwargs)
+    assert bl.optimizer(model, optax.adam, learning_rate=1e-3, b2=0.95) is not None
+
+
+def test_coord_check_refuses_a_model_factory_that_is_not_callable(plain_python):
+    with pytest.raises(
+        bl.ConfigError, match=r"coord_check: make_model must be a function"
+    ):
+        bl.coord_check(3, [16, 32])

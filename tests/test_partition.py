@@ -262,3 +262,20 @@ def test_the_block_constraint_is_an_identity_and_free_when_off():
     assert count(on) == 2  # once per scan iteration (in the body) and on the output
     np.testing.assert_array_equal(np.asarray(on(x)), np.asarray(stack(x)))
     assert on.with_constraint(None).constrain is None
+
+
+def test_a_mesh_size_or_a_rule_of_the_wrong_type_is_refused_by_name(plain_python):
+    """`mesh_of({"data": 8.0})` said only "needs a size >= 1, got 8.0", and a
+    rule `{"embed": 8}` failed with "'int' object is not iterable"."""
+    from blocklab.training import mesh_of, shard
+
+    with pytest.raises(
+        ConfigError, match=r"axis 'data' needs an int size >= 1, got 8\.0 \(float\)"
+    ):
+        mesh_of({"data": 8.0})
+    model = CharLM(28, 16, 2, 1, key=jax.random.key(0))
+    with pytest.raises(
+        ConfigError,
+        match=r"rule for logical axis 'embed' must be a mesh axis name.*got 8",
+    ):
+        shard(model, mesh_of({"data": 1}), {"embed": 8})

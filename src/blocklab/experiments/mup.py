@@ -265,6 +265,11 @@ def coord_check(
             model's parametrization).
     """
     owner = "coord_check"
+    if not callable(make_model):
+        raise ConfigError(
+            f"{owner}: make_model must be a function make_model(width, key) -> "
+            f"model, got {make_model!r} ({type(make_model).__name__})."
+        )
     widths = tuple(check_int(owner, "widths[i]", w, min=1) for w in widths)
     if len(set(widths)) < 2:
         raise ConfigError(f"{owner}: give at least two distinct widths, got {widths}.")

@@ -112,6 +112,24 @@ def _check_multipliers(owner: str, model: Any, multipliers: Any) -> Any:
     return jax.tree_util.tree_unflatten(want, out)
 
 
+def _check_names(owner: str, fn: Callable[..., Any], hyperparams: dict) -> None:
+    """Each hyperparameter is one of `OWN` or an argument of `fn` (unless `fn`
+    takes `**kwargs`), so a misspelt name fails here, not in a later step."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: let optax decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = set(OWN) | (set(params) - {"learning_rate"})
+    for name in hyperparams:
+        if name not in valid:
+            raise ConfigError(
+                f"{owner}: unknown hyperparameter {name!r} for "
+                f"{getattr(fn, '__name__', fn)!s}; valid: {sorted(valid)}."
+            )
+
+
 def _check_hyper(owner: str, name: str, value: Any) -> Any:
     if name == "learning_rate" and callable(value):
         raise ConfigError(
@@ -124,6 +142,11 @@ def _check_hyper(owner: str, name: str, value: Any) -> Any:
         return check_float(owner, name, value, min=0.0, max=1.0)
     if name in OWN:
         return check_float(owner, name, value, min=0.0)
+    if isinstance(value, (str, bytes)):
+        raise ConfigError(
+            f"{owner}: {name} must be a number, got {value!r} (a "
+            f"{type(value).__name__}); write {name}=0.95, not {name}='0.95'."
+        )
     return value
 
 
@@ -167,6 +190,7 @@ def optimizer(
             f"{owner}: base_optimizer_fn must be an optax optimizer factory "
             f"(e.g. optax.adam), got {base_optimizer_fn!r}."
         )
+    _check_names(owner, base_optimizer_fn, hyperparams)
     mult = _check_multipliers(owner, model, multipliers)
     values = dict(
         learning_rate=1.0, weight_decay=0.0, warmup_steps=0.0, decay_steps=0.0,

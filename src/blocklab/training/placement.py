@@ -297,6 +297,15 @@ def resolve_rules(rules: str | Rules, mesh: Any) -> dict[str, tuple[str, ...]]:
             if value is None:
                 out[name] = ()
                 continue
+            if not isinstance(value, str) and not (
+                isinstance(value, (tuple, list))
+                and all(isinstance(a, str) for a in value)
+            ):
+                raise ConfigError(
+                    f"{owner}: the rule for logical axis {name!r} must be a mesh "
+                    f"axis name, a tuple of them or None, got {value!r}; mesh axes: "
+                    f"{list(axes)}."
+                )
             value = (value,) if isinstance(value, str) else tuple(value)
             for a in value:
                 if a not in axes:
@@ -549,7 +558,10 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
             or isinstance(size, bool)
             or size < 1
         ):
-            raise ConfigError(f"mesh: axis {name!r} needs a size >= 1, got {size!r}.")
+            raise ConfigError(
+                f"mesh: axis {name!r} needs an int size >= 1, got {size!r} "
+                f"({type(size).__name__})."
+            )
         if name in out:
             raise ConfigError(f"mesh: axis {name!r} is given twice in {spec!r}.")
         out[name] = int(size)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_int, check_key
@@ -201,6 +202,12 @@ def train_model(
     if mesh is None:
         state = init_state(model, optimizer) if fresh else state
     else:
+        if not isinstance(mesh, Mesh):
+            raise ConfigError(
+                f"{owner}: mesh must be a jax.sharding.Mesh, got {mesh!r} "
+                f"({type(mesh).__name__}); build one with "
+                "blocklab.training.mesh_of('data=8') or jax.make_mesh."
+            )
         rules = "fsdp" if rules is None else rules
         if isinstance(step.source, HostSource):
             raise ConfigError(
