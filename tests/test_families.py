@@ -311,6 +311,8 @@ def test_inference_picks_the_plainest_family():
             "layer_types.*use_sliding_window",
         ),
         ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked"),
+        # an unknown layer type is refused, not read as a local layer
+        ("gemma2", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked"),
         ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional"),
         ("gemma2", {"hidden_activation": "gelu_fast"}, "hidden_activation"),
         (

@@ -420,3 +420,16 @@ def test_olmo2_entropy_collapse_at_init_and_its_removal_by_qk_norm():
     # while with QK-norm the logits stay bounded and attention near uniform.
     assert ent_qk.min() > 0.75 * uniform
     assert logit_qk.max() < 3 * math.sqrt(D // HEADS)
+
+
+def test_gemma3_refuses_an_unknown_layer_type():
+    """A `layer_types` entry that is neither full nor sliding attention
+    (`chunked_attention`) was read as a local layer; it is refused by name."""
+    import types
+
+    from blocklab.interop.huggingface import FAMILIES
+
+    hf = _gemma3("gqa", layer_types=["sliding_attention", "full_attention"]).config
+    fields = dict(hf.to_dict(), layer_types=["sliding_attention", "chunked_attention"])
+    with pytest.raises(ConfigError, match=r"layer_types.*chunked_attention"):
+        FAMILIES["gemma3"].to_config(types.SimpleNamespace(**fields))
