@@ -38,7 +38,7 @@ import numpy as np
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
 from .._validate import ConfigError
-from ..nn.attention import MultiHeadAttention, with_attention_impl
+from ..nn.attention import MultiHeadAttention, holds_attention, with_attention_impl
 from ..nn.block import TransformerBlock
 from ..nn.functional import layer_norm, rms_norm
 from ..nn.stack import Stack
@@ -111,10 +111,7 @@ def _f64(tree):
             return jnp.asarray(a, jnp.float64)
         return a
 
-    leaves = jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda n: isinstance(n, MultiHeadAttention)
-    )
-    if any(isinstance(n, MultiHeadAttention) for n in leaves):
+    if holds_attention(tree):
         tree = with_attention_impl(tree, "reference")
     return jax.tree_util.tree_map(cast, tree)
 

@@ -37,6 +37,7 @@ __all__ = [
     "QK_NORMS",
     "ATTENTION_IMPLS",
     "with_attention_impl",
+    "holds_attention",
 ]
 
 
@@ -632,6 +633,14 @@ class MultiHeadAttention(eqx.Module):
         return jnp.where(bad[..., None], jnp.nan, out).astype(x.dtype)
 
 
+def holds_attention(tree: Any) -> bool:
+    """Whether the pytree `tree` holds a `MultiHeadAttention` anywhere."""
+    found = jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda n: isinstance(n, MultiHeadAttention)
+    )
+    return any(isinstance(n, MultiHeadAttention) for n in found)
+
+
 def with_attention_impl(model: Any, impl: str) -> Any:
     """`model` with every `MultiHeadAttention` switched to `impl`.
 
@@ -647,11 +656,7 @@ def with_attention_impl(model: Any, impl: str) -> Any:
         impl: one of `ATTENTION_IMPLS` (`ConfigError` lists them otherwise).
     """
     impl = check_impl("with_attention_impl", impl)
-    found = jax.tree_util.tree_leaves(
-        model,
-        is_leaf=lambda n: isinstance(n, MultiHeadAttention),
-    )
-    if not any(isinstance(n, MultiHeadAttention) for n in found):
+    if not holds_attention(model):
         raise ConfigError(
             "with_attention_impl: model holds no MultiHeadAttention to switch, got "
             f"a {type(model).__name__}; pass a layer, a block, a stack or a model."

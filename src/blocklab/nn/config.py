@@ -26,6 +26,7 @@ from .normalization import NORMS
 __all__ = [
     "BlockConfig",
     "as_config",
+    "check_option_names",
     "ATTENTION_IMPLS",
     "PLACEMENTS",
     "QK_NORMS",
@@ -318,6 +319,22 @@ class BlockConfig(ComparedByKey):
         return dataclasses.asdict(self)
 
 
+def check_option_names(
+    owner: str, options: Mapping[str, Any], *, beside: tuple[str, ...] = ()
+) -> None:
+    """Refuse a keyword that is not a field of `BlockConfig` (nor one of the
+    caller's own fields, `beside`): a `TypeError` naming it and the fields."""
+    fields = {f.name for f in dataclasses.fields(BlockConfig)}
+    unknown = sorted(set(options) - fields - set(beside))
+    if unknown:
+        names = ", ".join(sorted(fields - {"num_hiddens", "num_heads"}))
+        own = f"{owner}'s fields ({', '.join(sorted(beside))}) and " if beside else ""
+        raise TypeError(
+            f"{owner}: unknown option {unknown[0]!r}; the options are {own}the "
+            f"fields of BlockConfig: {names}."
+        )
+
+
 def as_config(
     owner: str,
     num_hiddens: Any,
@@ -347,14 +364,7 @@ def as_config(
                 "set it in the config instead (dataclasses.replace(cfg, ...))."
             )
         return num_hiddens
-    fields = {f.name for f in dataclasses.fields(BlockConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        names = ", ".join(sorted(fields - {"num_hiddens", "num_heads"}))
-        raise TypeError(
-            f"{owner}: unknown option {unknown[0]!r}; the options are the fields "
-            f"of BlockConfig: {names}."
-        )
+    check_option_names(owner, options)
     if num_heads is None:
         num_heads = default_heads
     if num_heads is None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from . import parametrization
-from .config import BlockConfig, ComparedByKey, ffn_width
+from .config import BlockConfig, ComparedByKey, check_option_names, ffn_width
 
 __all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
 
@@ -136,7 +136,8 @@ class DecoderConfig(ComparedByKey):
                     f"{_OWNER}: give num_hiddens and num_heads (the block's "
                     "options as keywords), or block=BlockConfig(...)."
                 )
-            block = _block_of(num_hiddens, num_heads, block_options)
+            check_option_names(type(self).__name__, block_options, beside=tuple(own))
+            block = BlockConfig(num_hiddens, num_heads, **block_options)
         elif not isinstance(block, BlockConfig):
             raise ConfigError(
                 f"{_OWNER}: block must be a BlockConfig, got {type(block).__name__}."
@@ -146,7 +147,9 @@ class DecoderConfig(ComparedByKey):
                 if value is not None:
                     block_options[name] = value
             if block_options:
-                _check_names(block_options)
+                check_option_names(
+                    type(self).__name__, block_options, beside=tuple(own)
+                )
                 block = dataclasses.replace(block, **block_options)
         defaults = {
             f.name: f.default
@@ -168,7 +171,6 @@ class DecoderConfig(ComparedByKey):
         block = self.block
         for name in ("vocab_size", "num_blks", "max_len"):
             put(name, check_int(_OWNER, name, getattr(self, name), min=1))
-        put("block", block)
         check_choice(_OWNER, "block.norm", block.norm, DECODER_NORMS)
         put(
             "positions",
@@ -427,20 +429,3 @@ class DecoderConfig(ComparedByKey):
 
 
 CONFIG_CLASSES["DecoderConfig"] = DecoderConfig
-
-
-def _check_names(options: Mapping[str, Any]) -> None:
-    fields = {f.name for f in dataclasses.fields(BlockConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        model = sorted(f.name for f in dataclasses.fields(DecoderConfig))
-        raise TypeError(
-            f"{_OWNER}: unknown option {unknown[0]!r}; the options are "
-            f"DecoderConfig's fields ({', '.join(model)}) and BlockConfig's "
-            f"({', '.join(sorted(fields))})."
-        )
-
-
-def _block_of(num_hiddens: Any, num_heads: Any, options: Mapping[str, Any]):
-    _check_names(options)
-    return BlockConfig(num_hiddens, num_heads, **options)
