@@ -29,6 +29,7 @@ from .functional import (
     rope,
     rope_theta_bits,
 )
+from .hooks import Hooks, at
 from .normalization import RMSNorm, check_float_input
 
 __all__ = [
@@ -248,8 +249,13 @@ class MultiHeadAttention(eqx.Module):
             softcap=self.softcap, k_bad=k_bad,
         )  # fmt: skip
 
-    def _project(self, x, positions):
+    def _project(self, x, positions, hooks=None):
         """Queries, keys and values of `x` (..., T, d), after QK-norm and RoPE.
+
+        Sites (`hooks`): `hook_q`, `hook_k`, `hook_v` the projections per
+        head `(..., T, heads, p)` before QK-norm and RoPE; `hook_rot_q`,
+        `hook_rot_k` the queries and keys the scores use (after QK-norm and
+        RoPE).
 
         Heads-major layouts (~10% faster on CPU): k and v (..., KV, T, p);
         q (..., KV, G, T, p), query head i = (i // G, i % G), or without
@@ -260,6 +266,20 @@ class MultiHeadAttention(eqx.Module):
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // KV
         q, k, v = dense(self.W_q, x), dense(self.W_k, x), dense(self.W_v, x)
+        if hooks is not None:
+            q, k, v = (
+                hooks.sites(
+                    name,
+                    a,
+                    lambda a, n=n: a.reshape(*lead, T, n, p),
+                    lambda a: a.reshape(*lead, T, a.shape[-2] * p),
+                )  # fmt: skip
+                for name, a, n in (
+                    ("hook_q", q, H),
+                    ("hook_k", k, KV),
+                    ("hook_v", v, KV),
+                )
+            )
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         grouped = G > 1
@@ -278,6 +298,9 @@ class MultiHeadAttention(eqx.Module):
             q_pos = pos[..., None, None, :] if grouped else pos[..., None, :]
             q = rope(q, q_pos, theta=theta)
             k = rope(k, pos[..., None, :], theta=theta)
+        if hooks is not None:
+            q = hooks.sites("hook_rot_q", q, *_head_rows(q.shape, grouped))
+            k = hooks.sites("hook_rot_k", k, *_head_rows(k.shape, False))
         return q, k, v
 
     def _scaled(self, raw: Array) -> Array:
@@ -287,17 +310,19 @@ class MultiHeadAttention(eqx.Module):
             return raw / math.sqrt(p)  # bit-identical to dividing by sqrt(p)
         return raw * self.scale
 
-    def _heads_out(self, mixed, dtype):
+    def _heads_out(self, mixed, dtype, hooks=None):
         """`step`'s output from the mixed values `(*lead, KV, G, Tq, p)`:
-        heads back to rows, then $W_O$ (weight first for one token)."""
+        heads back to rows (site `hook_z`), then $W_O$ (weight first for one
+        token)."""
         *lead, _, _, Tq, p = mixed.shape
         H = self.num_heads
         mixed = jnp.moveaxis(mixed.reshape(*lead, H, Tq, p), -2, -3)
+        mixed = at(hooks, "hook_z", mixed)
         mixed = mixed.reshape(*lead, Tq, H * p).astype(dtype)
         project = dense_weight_first if Tq == 1 else dense
         return project(self.W_o, mixed).astype(dtype)
 
-    def _attend_deferred(self, x, q, cache, rows, start, pos):
+    def _attend_deferred(self, x, q, cache, rows, start, pos, hooks=None):
         """`step`'s output without writing: the new tokens see the cache
         indices before `start` and each other (causal, windowed), one softmax
         over both. `q` `(*lead, KV, G, Tq, p)`; `rows` the new keys/values."""
@@ -335,7 +360,7 @@ class MultiHeadAttention(eqx.Module):
         mixed = jnp.einsum(
             spec, weights[..., :L].astype(cache.v.dtype), cache.v
         ) + jnp.einsum(spec, weights[..., L:].astype(rows.v.dtype), rows.v)
-        return self._heads_out(mixed, x.dtype)
+        return self._heads_out(mixed, x.dtype, hooks)
 
     def init_cache(
         self, batch_shape: tuple[int, ...] = (), max_len: int = 0, dtype=jnp.float32
@@ -380,6 +405,7 @@ class MultiHeadAttention(eqx.Module):
         *,
         impl: str | None = None,
         defer_write: bool = False,
+        hooks: Hooks | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], AttentionCache]:
         r"""Attend from new tokens to a key/value cache, and write theirs into it.
 
@@ -423,6 +449,10 @@ class MultiHeadAttention(eqx.Module):
                 and written once after it (XLA copies a cache that is updated
                 inside the layer loop: about 2x the step time at 2000 cached
                 positions on a CPU). Reference maths.
+            hooks: the sites of `__call__` but for the scores and the pattern
+                (whose key axis is the cache's here): `hook_q`, `hook_k`,
+                `hook_v`, `hook_rot_q`, `hook_rot_k`, `hook_z`, for the new
+                tokens.
 
         Returns:
             `(out, new_cache)`: `out` of the shape and dtype of `x`, and the
@@ -452,12 +482,18 @@ class MultiHeadAttention(eqx.Module):
                 )
         start = check_start(owner, start, lead, Tq, L)
         pos = start[..., None] + jnp.arange(Tq)  # (*lead, Tq) absolute positions
-        q, k, v = self._project(x, pos)
+        if hooks is not None and hooks.wants_any(_REFERENCE_SITES):
+            raise ConfigError(
+                f"{owner}: the sites {_REFERENCE_SITES} are not available while "
+                "decoding (their key axis is the cache's); capture them on the "
+                "whole sequence at once."
+            )
+        q, k, v = self._project(x, pos, hooks)
         if G == 1:  # one layout below: q (*lead, KV, G, Tq, p)
             q = q[..., None, :, :]
         rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         if check_bool(owner, "defer_write", defer_write):
-            return self._attend_deferred(x, q, cache, rows, start, pos), rows
+            return self._attend_deferred(x, q, cache, rows, start, pos, hooks), rows
         new = write_cache(cache, rows, start)
         j = jnp.arange(L)
         qpos = pos[..., :, None]  # (*lead, Tq, 1)
@@ -475,14 +511,15 @@ class MultiHeadAttention(eqx.Module):
                 jnp.swapaxes(new.k, -1, -2).reshape(B, KV, L, p),
                 new.v.reshape(B, KV, L, p), rule, None,
             )  # fmt: skip
-            mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H * p)
+            mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H, p)
+            mixed = at(hooks, "hook_z", mixed).reshape(*lead, Tq, H * p)
             out = dense(self.W_o, mixed.astype(x.dtype))
             return out.astype(x.dtype), new
         raw = jnp.einsum("...gqp,...pk->...gqk", q, new.k, preferred_element_type=stat)
         logits = self._capped(self._scaled(raw))
         weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
-        return self._heads_out(mixed, x.dtype), new
+        return self._heads_out(mixed, x.dtype, hooks), new
 
     def trace(
         self,
@@ -492,6 +529,7 @@ class MultiHeadAttention(eqx.Module):
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> AttentionTrace:
         """Attend, returning the output together with its weights and logits.
 
@@ -499,7 +537,8 @@ class MultiHeadAttention(eqx.Module):
         so that every diagnostic sees the same numbers; `__call__` with
         `"reference"` returns its `.output`, so under `jit` the unused
         diagnostics cost nothing. Arguments as for `__call__`; `logits` are
-        after the soft-cap.
+        after the soft-cap. `weights` are the pattern after any edit of
+        `hook_pattern` (or `hook_attn_scores`).
         """
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
@@ -520,7 +559,7 @@ class MultiHeadAttention(eqx.Module):
         row_ok = jnp.all(jnp.isfinite(x), axis=-1)  # (..., T)
         x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
         grouped = G > 1
-        q, k, v = self._project(x, positions)
+        q, k, v = self._project(x, positions, hooks)
 
         # float32 logits for low-precision input; float64 input stays float64.
         stat = jnp.promote_types(q.dtype, jnp.float32)
@@ -533,13 +572,27 @@ class MultiHeadAttention(eqx.Module):
         logits = self._capped(self._scaled(raw))
         head_axes = (-3, -4) if grouped else (-3,)
         mask = None if visible is None else jnp.expand_dims(visible, head_axes)
-        weights = _softmax_clamped(logits, mask)
+        scores = logits
+        if hooks is not None and hooks.wants("hook_attn_scores"):
+            heads = (*lead, H, T, T)
+            masked = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
+            site = masked.reshape(heads)
+            edited = hooks("hook_attn_scores", site)
+            if edited is not site:
+                scores = edited.reshape(logits.shape)
+        weights = _softmax_clamped(scores, mask)
+        if hooks is not None:
+            weights = hooks.sites(
+                "hook_pattern", weights, lambda w: w.reshape(*lead, H, T, T),
+                lambda w: w.reshape(weights.shape),
+            )  # fmt: skip
         mixed = jnp.einsum(
             spec_o,
             dropout(weights, self.dropout, key).astype(v.dtype),
             v,
         )
         mixed = jnp.moveaxis(mixed, -2, -4) if grouped else jnp.swapaxes(mixed, -3, -2)
+        mixed = at(hooks, "hook_z", mixed.reshape(*lead, T, H, p))
         mixed = mixed.reshape(*lead, T, H * p)
         out = dense(self.W_o, mixed)
         bad = ~row_ok
@@ -562,6 +615,7 @@ class MultiHeadAttention(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         impl: str | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Self-attention over one sequence, or over each of a batch.
 
@@ -586,6 +640,17 @@ class MultiHeadAttention(eqx.Module):
                 the caller's (`functional.segment_positions`).
             key: enables attention dropout; `None` is deterministic.
             impl: overrides the layer's `attention_impl` for this call.
+            hooks: records and edits the sites (`blocklab.nn.hooks`; names
+                in the layer's scope, TransformerLens's): `hook_q`, `hook_k`,
+                `hook_v` `(..., T, heads, p)` (the projections, before
+                QK-norm and RoPE; `heads` is `num_kv_heads` for k and v);
+                `hook_rot_q`, `hook_rot_k` (what the scores use: after
+                QK-norm and RoPE); `hook_attn_scores` `(..., H, T, T)` (the
+                scaled, soft-capped logits with $-\\infty$ where masked);
+                `hook_pattern` `(..., H, T, T)` (the softmax weights);
+                `hook_z` `(..., T, H, p)` (the mixed values, before $W_O$).
+                The scores and the pattern exist only in the reference
+                maths: a call that wants them runs it.
 
         Returns:
             The shape and dtype of `x`.
@@ -600,10 +665,13 @@ class MultiHeadAttention(eqx.Module):
         check_float_input(x, owner)
         dropout_on = key is not None and self.dropout > 0
         impl = self._impl(impl, x.shape[-2], x.dtype, dropout_on, owner)
-        if impl == "reference":
+        if impl == "reference" or (
+            hooks is not None and hooks.wants_any(_REFERENCE_SITES)
+        ):
             return self.trace(
-                x, valid_lens, positions=positions, segment_ids=segment_ids, key=key
-            ).output
+                x, valid_lens, positions=positions, segment_ids=segment_ids,
+                key=key, hooks=hooks,
+            ).output  # fmt: skip
         *lead, T, _ = x.shape
         lead = tuple(lead)
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
@@ -622,12 +690,13 @@ class MultiHeadAttention(eqx.Module):
         # the reference path's non-finite guard (see the class docstring)
         row_ok = jnp.all(jnp.isfinite(x), axis=-1)
         x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
-        q, k, v = self._project(x, positions)
+        q, k, v = self._project(x, positions, hooks)
         B = rule.q_index.shape[0]
         q = q.reshape(B, KV, G, T, p)
         k, v = k.reshape(B, KV, T, p), v.reshape(B, KV, T, p)
         mixed, sees_bad = self._kernel(impl, q, k, v, rule, ~rows(row_ok))
-        mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, T, H * p)
+        mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, T, H, p)
+        mixed = at(hooks, "hook_z", mixed).reshape(*lead, T, H * p)
         out = dense(self.W_o, mixed.astype(v.dtype))
         bad = sees_bad.reshape(*lead, T) | ~row_ok
         return jnp.where(bad[..., None], jnp.nan, out).astype(x.dtype)
@@ -722,6 +791,22 @@ def check_segment_ids(owner: str, segment_ids, shape) -> Array:
             f"x.shape[:-1] = {tuple(shape)}, got shape {tuple(seg.shape)}."
         )
     return jnp.broadcast_to(jnp.asarray(seg), tuple(shape))
+
+
+#: The sites only the reference maths has (`trace`).
+_REFERENCE_SITES = ("hook_attn_scores", "hook_pattern")
+
+
+def _head_rows(shape, grouped):
+    """`(to_site, from_site)` between a heads-major layout, `(..., KV, G,
+    T, p)` (grouped) or `(..., heads, T, p)`, and a site's `(..., T, heads, p)`."""
+    if grouped:
+        *lead, KV, G, T, p = shape
+        return (
+            lambda a: jnp.swapaxes(a.reshape(*lead, KV * G, T, p), -3, -2),
+            lambda a: jnp.swapaxes(a, -3, -2).reshape(*lead, KV, G, T, p),
+        )
+    return (lambda a: jnp.swapaxes(a, -3, -2), lambda a: jnp.swapaxes(a, -3, -2))
 
 
 def _positions(positions, shape) -> Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,6 +16,7 @@ from .attention import AttentionTrace, MultiHeadAttention
 from .config import PLACEMENTS, BlockConfig, as_config
 from .ffn import FeedForward
 from .functional import dropout
+from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, check_float_input, make_norm
 
 __all__ = ["TransformerBlock", "BlockTrace", "BlockConfig", "PLACEMENTS"]
@@ -165,20 +167,28 @@ class TransformerBlock(eqx.Module):
     def dropout(self) -> float:
         return self.cfg.dropout
 
-    def _sublayer(self, x, branch_fn, norm, out_norm, key):
-        """One residual sublayer; returns (new stream, what the branch wrote)."""
+    def _sublayer(self, x, branch_fn, i, key, hooks=None):
+        """Sublayer `i` (1: attention, 2: FFN); returns (new stream, what the
+        branch wrote). Sites: `ln{i}.*`, `ln{i}_post.*` (sandwich) and the
+        branch's output, `hook_attn_out` or `hook_mlp_out`."""
+        norm, out_norm = (
+            (self.norm1, self.out_norm1) if i == 1 else (self.norm2, self.out_norm2)
+        )
+        ln = scope(hooks, f"ln{i}")
         reads_normed = self.placement in ("pre", "sandwich")
-        branch = branch_fn(norm(x) if reads_normed else x)
+        branch = branch_fn(norm(x, hooks=ln) if reads_normed else x)
         if self.placement == "output":
-            branch = norm(branch)
+            branch = norm(branch, hooks=ln)
         elif self.placement == "sandwich":
-            branch = out_norm(branch)
+            branch = out_norm(branch, hooks=scope(hooks, f"ln{i}_post"))
         branch = dropout(branch, self.dropout, key)
+        branch = at(hooks, "hook_attn_out" if i == 1 else "hook_mlp_out", branch)
         if self.placement == "post":
             # The sum feeding the norm in float32 (or wider): float16 streams
             # near 1e4 would overflow in x + branch before being normalized.
             wide = jnp.promote_types(x.dtype, jnp.float32)
-            return norm(x.astype(wide) + branch.astype(wide)).astype(x.dtype), branch
+            out = norm(x.astype(wide) + branch.astype(wide), hooks=ln)
+            return out.astype(x.dtype), branch
         return x + branch, branch
 
     def trace(
@@ -189,6 +199,7 @@ class TransformerBlock(eqx.Module):
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> BlockTrace:
         """Run the block, returning its output and the intermediate values.
 
@@ -197,9 +208,11 @@ class TransformerBlock(eqx.Module):
         attention is traced, i.e. runs its reference path whatever its
         `attention_impl` (`__call__` uses the chosen implementation).
         """
-        return self._run(x, valid_lens, positions, segment_ids, key, traced=True)
+        return self._run(
+            x, valid_lens, positions, segment_ids, key, traced=True, hooks=hooks
+        )
 
-    def _run(self, x, valid_lens, positions, segment_ids, key, traced):
+    def _run(self, x, valid_lens, positions, segment_ids, key, traced, hooks=None):
         check_float_input(x, "TransformerBlock")  # also refuses a Python list
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
@@ -219,22 +232,30 @@ class TransformerBlock(eqx.Module):
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
 
+        attn_extra = {**extra, **_hooks_for(self.attention, hooks, "attn")}
+        ffn_extra = _hooks_for(self.ffn, hooks, "mlp")
+
         def attend(y):
             nonlocal attn_trace
             if traced and hasattr(self.attention, "trace"):
-                attn_trace = self.attention.trace(y, valid_lens, key=k_attn, **extra)
+                attn_trace = self.attention.trace(
+                    y, valid_lens, key=k_attn, **attn_extra
+                )
                 return attn_trace.output
-            return self.attention(y, valid_lens, key=k_attn, **extra)
+            return self.attention(y, valid_lens, key=k_attn, **attn_extra)
 
         def feed(y):
             nonlocal ffn_trace
             if hasattr(self.ffn, "trace"):
-                ffn_trace = self.ffn.trace(y, key=k_ffn)
+                ffn_trace = self.ffn.trace(y, key=k_ffn, **ffn_extra)
                 return ffn_trace.output
-            return self.ffn(y, key=k_ffn)
+            return self.ffn(y, key=k_ffn, **ffn_extra)
 
-        x, attn_out = self._sublayer(x, attend, self.norm1, self.out_norm1, k_drop1)
-        x, ffn_out = self._sublayer(x, feed, self.norm2, self.out_norm2, k_drop2)
+        x = at(hooks, "hook_resid_pre", x)
+        x, attn_out = self._sublayer(x, attend, 1, k_drop1, hooks)
+        x = at(hooks, "hook_resid_mid", x)
+        x, ffn_out = self._sublayer(x, feed, 2, k_drop2, hooks)
+        x = at(hooks, "hook_resid_post", x)
         return BlockTrace(x, attn_out, ffn_out, attn_trace, ffn_trace)
 
     def __call__(
@@ -245,8 +266,9 @@ class TransformerBlock(eqx.Module):
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T d"]:
-        """Apply the block to one sequence, or to each of a batch.
+        r"""Apply the block to one sequence, or to each of a batch.
 
         Args:
             x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)`, of a
@@ -266,11 +288,26 @@ class TransformerBlock(eqx.Module):
                 integers): a token attends only within its segment; forwarded
                 to the attention only when given.
             key: enables dropout; `None` is deterministic (evaluation).
+            hooks: records and edits the block's activation sites
+                (`blocklab.nn.hooks`, `blocklab.interp`; TransformerLens's
+                names): `hook_resid_pre` (the input), `ln1.hook_normalized`,
+                `attn.*` (see `MultiHeadAttention.__call__`),
+                `hook_attn_out` (what the attention branch adds to the
+                stream: after its output norm, `ln1_post`, in `"sandwich"`,
+                after `ln1` in `"output"`), `hook_resid_mid` (the stream
+                between the sublayers; in `"post"` that is
+                $N_1(x + \mathrm{attn})$), `ln2.hook_normalized`, `mlp.*`
+                (see `FeedForward.__call__`, `MoEFeedForward.trace`),
+                `hook_mlp_out`, `hook_resid_post` (the output). In `"post"`
+                `ln{i}` normalizes the sum $x + F(x)$, in `"output"` the
+                branch's output.
 
         Returns:
             The shape and dtype of `x`.
         """
-        out = self._run(x, valid_lens, positions, segment_ids, key, traced=False)
+        out = self._run(
+            x, valid_lens, positions, segment_ids, key, traced=False, hooks=hooks
+        )
         return out.output
 
     def step(
@@ -280,6 +317,7 @@ class TransformerBlock(eqx.Module):
         start: Int[ArrayLike, "*#batch"],
         *,
         defer_write: bool = False,
+        hooks: Hooks | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.
 
@@ -296,6 +334,8 @@ class TransformerBlock(eqx.Module):
             start: int, or one per sequence (shape `x.shape[:-2]`).
             defer_write: as for `MultiHeadAttention.step`: return the new
                 tokens' keys and values instead of the written cache.
+            hooks: the sites of `__call__` for the new tokens, but for the
+                attention's scores and pattern (`MultiHeadAttention.step`).
 
         Returns:
             `(output, new_cache)`: the shape and dtype of `x`, and the cache
@@ -308,14 +348,42 @@ class TransformerBlock(eqx.Module):
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
         new_cache = []
+        attn_extra = _hooks_for(self.attention, hooks, "attn", method="step")
+        ffn_extra = _hooks_for(self.ffn, hooks, "mlp")
 
         def attend(y):
-            out, written = self.attention.step(y, cache, start, defer_write=defer_write)
+            out, written = self.attention.step(
+                y, cache, start, defer_write=defer_write, **attn_extra
+            )
             new_cache.append(written)
             return out
 
-        x, _ = self._sublayer(x, attend, self.norm1, self.out_norm1, None)
+        x = at(hooks, "hook_resid_pre", x)
+        x, _ = self._sublayer(x, attend, 1, None, hooks)
+        x = at(hooks, "hook_resid_mid", x)
         x, _ = self._sublayer(
-            x, lambda y: self.ffn(y, key=None), self.norm2, self.out_norm2, None
+            x, lambda y: self.ffn(y, key=None, **ffn_extra), 2, None, hooks
         )
+        x = at(hooks, "hook_resid_post", x)
         return x, new_cache[0]
+
+
+def _hooks_for(module, hooks, name, method="__call__") -> dict[str, Any]:
+    """`{"hooks": hooks.scope(name)}` for a sub-module whose `method` takes
+    hooks, `{}` when there are none; a sub-module that cannot report the
+    sites wanted under `name` is refused by name."""
+    if hooks is None:
+        return {}
+    fn = getattr(module, method, None)
+    try:
+        takes = fn is not None and "hooks" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        return {"hooks": hooks.scope(name)}
+    if hooks.under(name):
+        raise ConfigError(
+            f"sites under {hooks.prefix}{name}.* were asked for, but the block's "
+            f"{type(module).__name__} has no `hooks` argument to report them."
+        )
+    return {}

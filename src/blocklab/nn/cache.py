@@ -30,6 +30,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._validate import ConfigError, check_bool, check_ids, check_int
 from .functional import _check_int_array, linear
+from .hooks import Hooks, at, scope
 
 __all__ = [
     "AttentionCache", "write_cache", "check_start",
@@ -199,26 +200,31 @@ def model_limits(model: Any) -> tuple[int, int]:
     return int(cfg.vocab_size), int(cfg.max_len)
 
 
-def _embed(model: Any, ids: Array, positions: Array) -> Array:
+def _embed(
+    model: Any, ids: Array, positions: Array, hooks: Hooks | None = None
+) -> Array:
     """The model's input embedding of `ids` at `positions` (both `(..., Tq)`)."""
     h = model.token_emb.weight[ids]
     scale = getattr(getattr(model, "cfg", None), "embed_scale", None)
     if scale is not None:
         h = h * jnp.asarray(scale, h.dtype)
+    h = at(hooks, "hook_embed", h)
     if model.pos_emb is not None:
-        h = h + model.pos_emb.weight[positions]
+        h = h + at(hooks, "hook_pos_embed", model.pos_emb.weight[positions])
     return h
 
 
-def _head(model: Any, h: Array) -> Array:
+def _head(model: Any, h: Array, hooks: Hooks | None = None) -> Array:
     """Final norm and head, float32 logits (as the model's `__call__`)."""
+    normed = model.norm(h, hooks=scope(hooks, "ln_final"))
     if hasattr(model, "logits"):  # DecoderLM: head, readout multiplier, softcap
-        return model.logits(model.norm(h))
+        return model.logits(normed, hooks=hooks)
     # a DecoderLM without `logits`, or CharLM (tied; readout 1, or d0/d: muP)
     weight = getattr(model, "head_weight", model.token_emb.weight)
-    z = linear(model.norm(h), weight, out_dtype=jnp.float32)
+    z = linear(normed, weight, out_dtype=jnp.float32)
     c = getattr(model, "readout_multiplier", 1.0)
-    return z if c == 1.0 else z * jnp.asarray(c, z.dtype)
+    z = z if c == 1.0 else z * jnp.asarray(c, z.dtype)
+    return at(hooks, "unembed.hook_out", z)
 
 
 def extend(
@@ -226,6 +232,8 @@ def extend(
     ids: Int[Array, "*batch Tq"],
     cache: DecoderCache,
     num_valid: Int[ArrayLike, "*#batch"] | None = None,
+    *,
+    hooks: Hooks | None = None,
 ) -> tuple[Float[Array, "*batch Tq vocab"], DecoderCache]:
     r"""Run `Tq` new tokens per sequence through `model` with its cache (no checks).
 
@@ -240,10 +248,11 @@ def extend(
     start = cache.length
     Tq = ids.shape[-1]
     positions = start[..., None] + jnp.arange(Tq, dtype=start.dtype)
-    h = _embed(model, ids, positions)
-    h, layers = model.stack.step(h, cache.layers, start)
+    h = _embed(model, ids, positions, hooks)
+    kw = {} if hooks is None else {"hooks": hooks}
+    h, layers = model.stack.step(h, cache.layers, start, **kw)
     grow = Tq if num_valid is None else jnp.asarray(num_valid, start.dtype)
-    return _head(model, h), DecoderCache(layers, start + grow, cache.max_len)
+    return _head(model, h, hooks), DecoderCache(layers, start + grow, cache.max_len)
 
 
 class Unstacked(NamedTuple):

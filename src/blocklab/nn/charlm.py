@@ -19,6 +19,7 @@ from . import cache as _cache
 from .block import TransformerBlock
 from .config import BlockConfig
 from .functional import causal_lengths, linear
+from .hooks import Hooks, at, scope
 from .normalization import RMSNorm
 from .parametrization import apply_init, attention_scale, check_base_width
 from .parametrization import readout_multiplier as _readout_multiplier
@@ -216,7 +217,11 @@ class CharLM(eqx.Module, _cache.Decoding):
         return out
 
     def __call__(
-        self, tokens: Int[ArrayLike, "*batch T"], *, key: PRNGKeyArray | None = None
+        self,
+        tokens: Int[ArrayLike, "*batch T"],
+        *,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T vocab"]:
         """Next-token logits for one sequence, or for each of a batch.
 
@@ -226,6 +231,9 @@ class CharLM(eqx.Module, _cache.Decoding):
                 values of `jax.vmap` over it, computed with one matrix product
                 per projection (faster, see `blocklab.nn.functional.linear`).
             key: enables dropout (when the blocks have any); `None` evaluates.
+            hooks: the activation sites, as for `DecoderLM.__call__`
+                (`hook_embed`, `hook_pos_embed`, `blocks.*.<site>`,
+                `ln_final.hook_normalized`, `unembed.hook_out`).
 
         Returns:
             `(..., T, vocab_size)` logits, float32 (float64 for a float64
@@ -276,9 +284,13 @@ class CharLM(eqx.Module, _cache.Decoding):
                 "CharLM", "token ids", tokens, self.vocab_size, what="vocab_size"
             )
         T = tokens.shape[-1]
-        h = self.token_emb.weight[tokens] + self.pos_emb.weight[:T]
-        h = self.stack(h, causal_lengths(tokens.shape), key=key)
+        h = at(hooks, "hook_embed", self.token_emb.weight[tokens])
+        h = h + at(hooks, "hook_pos_embed", self.pos_emb.weight[:T])
+        kw = {} if hooks is None else {"hooks": hooks}
+        h = self.stack(h, causal_lengths(tokens.shape), key=key, **kw)
         # float32 accumulation and output: logits of a bf16 model are not rounded
-        logits = linear(self.norm(h), self.token_emb.weight, out_dtype=jnp.float32)
+        h = self.norm(h, hooks=scope(hooks, "ln_final"))
+        logits = linear(h, self.token_emb.weight, out_dtype=jnp.float32)
         c = self.readout_multiplier  # 1, or d0/d under muP
-        return logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
+        logits = logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
+        return at(hooks, "unembed.hook_out", logits)

@@ -31,6 +31,7 @@ from .attention import check_segment_ids
 from .block import TransformerBlock
 from .decoder_config import CONFIG_CLASSES, DecoderConfig
 from .functional import causal_lengths, linear, rope_theta_bits, segment_positions
+from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
 from .stack import Stack
 
@@ -178,6 +179,7 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         positions: Int[ArrayLike, "*#batch T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T d"]:
         """The final-normed hidden states $\\mathrm{Norm}(h_N)$ (see `__call__`)."""
         cfg = self.cfg
@@ -211,18 +213,21 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         h = self.token_emb.weight[ids]
         if cfg.embed_scale is not None:
             h = h * jnp.asarray(cfg.embed_scale, h.dtype)
+        h = at(hooks, "hook_embed", h)
         valid_lens = causal_lengths(h.shape[:-1])
+        if hooks is not None:
+            packed["hooks"] = hooks
         if self.pos_emb is not None:
             pos = eqx.error_if(
                 pos,
                 (pos < 0) | (pos >= cfg.max_len),
                 f"DecoderLM: positions must lie in [0, max_len={cfg.max_len}).",
             )
-            h = h + self.pos_emb.weight[pos]
+            h = h + at(hooks, "hook_pos_embed", self.pos_emb.weight[pos])
             h = self.stack(h, valid_lens, key=key, **packed)
         else:
             h = self.stack(h, valid_lens, positions=pos, key=key, **packed)
-        return self.norm(h)
+        return self.norm(h, hooks=scope(hooks, "ln_final"))
 
     def __call__(
         self,
@@ -231,6 +236,7 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         positions: Int[ArrayLike, "*#batch T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T vocab"]:
         """Next-token logits for one sequence or a batch.
 
@@ -247,15 +253,26 @@ class DecoderLM(eqx.Module, _cache.Decoding):
                 at 0 at each segment change (`functional.segment_positions`),
                 so each document gets the logits it would get alone.
             key: enables dropout where the blocks have any; `None` evaluates.
+            hooks: records and edits the activation sites
+                (`blocklab.nn.hooks`; most users call `blocklab.interp.capture`
+                or `intervene`): `hook_embed` (the scaled token embedding),
+                `hook_pos_embed` (learned positions), the blocks' sites as
+                `blocks.*.<site>` (`TransformerBlock.__call__`; stacked over
+                layers), `ln_final.hook_normalized` and `unembed.hook_out`
+                (the logits).
 
         Returns:
             `(..., T, vocab_size)` float32 logits; row `i` scores the token
             after `ids[..., i]`.
         """
-        h = self.hidden(ids, positions=positions, segment_ids=segment_ids, key=key)
-        return self.logits(h)
+        h = self.hidden(
+            ids, positions=positions, segment_ids=segment_ids, key=key, hooks=hooks
+        )
+        return self.logits(h, hooks=hooks)
 
-    def logits(self, h: Float[Array, "*batch d"]) -> Float[Array, "*batch vocab"]:
+    def logits(
+        self, h: Float[Array, "*batch d"], *, hooks: Hooks | None = None
+    ) -> Float[Array, "*batch vocab"]:
         r"""The logits of final-normed hidden states `h` (as `hidden` returns):
         $z = c_\text{out}\, h\, W_\text{head}^\top$ accumulated in float32
         ($c_\text{out}$ = `cfg.readout_multiplier`: 1, or $d_0/d$ under μP), then
@@ -265,4 +282,5 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         c = self.cfg.readout_multiplier  # 1, or d0/d under muP
         z = z if c == 1.0 else z * c
         cap = self.cfg.final_softcap
-        return z if cap is None else cap * jnp.tanh(z / cap)
+        z = z if cap is None else cap * jnp.tanh(z / cap)
+        return at(hooks, "unembed.hook_out", z)

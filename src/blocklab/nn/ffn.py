@@ -12,6 +12,7 @@ from .._validate import ConfigError, check_key
 from . import init
 from .config import ACTS, GATED_ACTS, BlockConfig, as_config, ffn_width
 from .functional import ACTIVATIONS, dense
+from .hooks import Hooks, at
 from .normalization import check_float_input
 
 __all__ = ["FeedForward", "ACTS", "GATED_ACTS", "ffn_width"]
@@ -103,12 +104,23 @@ class FeedForward(eqx.Module):
         self.W_g = init.linear(num_hiddens, width, bias=bias, key=kg) if gated else None
 
     def __call__(
-        self, x: Float[Array, "*batch d"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*batch d"],
+        *,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch d"]:
         """Apply the FFN to each row of `x` (`(T, d)` or any `(..., d)`).
 
         `key` is accepted for the sublayer call signature and unused (the FFN
         is deterministic). Returns the dtype of `x`; integer input is refused.
+
+        Sites (`hooks`, in the FFN's scope; TransformerLens's names), each
+        `(..., width)`: `hook_pre`, the pre-activation $x W_1^\top + b_1$,
+        or for a gated FFN the gate's $x W_g^\top + b_g$; `hook_pre_linear`
+        (gated only), the linear branch $x W_1^\top + b_1$; `hook_post`,
+        what $W_2$ reads ($\\phi(\\cdot)$, or $\\phi(\text{gate}) \\odot
+        \text{linear}$).
         """
         del key
         if x.ndim == 0 or x.shape[-1] != self.num_hiddens:
@@ -120,5 +132,10 @@ class FeedForward(eqx.Module):
         name, gated = _PHI[self.act], self.act in GATED_ACTS
         phi = (lambda z: z) if name is None else ACTIVATIONS[name]
         hidden = dense(self.W_1, x)
-        hidden = phi(dense(self.W_g, x)) * hidden if gated else phi(hidden)
+        if gated:
+            hidden = at(hooks, "hook_pre_linear", hidden)
+            hidden = phi(at(hooks, "hook_pre", dense(self.W_g, x))) * hidden
+        else:
+            hidden = phi(at(hooks, "hook_pre", hidden))
+        hidden = at(hooks, "hook_post", hidden)
         return dense(self.W_2, hidden).astype(x.dtype)

@@ -48,6 +48,7 @@ from .._validate import (
 from . import init
 from .ffn import _PHI, ACTS, GATED_ACTS, FeedForward
 from .functional import ACTIVATIONS, linear
+from .hooks import Hooks
 from .normalization import check_float_input
 
 __all__ = [
@@ -248,13 +249,22 @@ class MoEFeedForward(eqx.Module):
         )
 
     def trace(
-        self, x: Float[Array, "*batch d"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*batch d"],
+        *,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> MoETrace:
         """Apply the layer and return its router statistics (see `MoETrace`).
 
         Args:
             x: `(T, d)` or any `(..., d)`; the statistics are over all its rows.
             key: accepted for the sublayer call signature and unused.
+            hooks: sites, in the layer's scope: `hook_router_logits`
+                `(..., E)` (float32, before the softmax) and
+                `hook_router_choices` `(..., top_k)` (int32 expert indices, in
+                order of probability; an edit reroutes the tokens, their gates
+                unchanged).
         """
         del key
         self._check_router()
@@ -273,7 +283,13 @@ class MoEFeedForward(eqx.Module):
         wide = jnp.promote_types(x.dtype, jnp.float32)
         rows = x.reshape(-1, self.num_hiddens)
         logits = linear(rows.astype(wide), self.router.weight.astype(wide))
+        if hooks is not None:
+            site = logits.reshape(*x.shape[:-1], self.num_experts)
+            logits = hooks("hook_router_logits", site).reshape(logits.shape)
         probs, gates, idx = route(logits, self.top_k, self.routing)
+        if hooks is not None:
+            site = idx.reshape(*x.shape[:-1], self.top_k)
+            idx = hooks("hook_router_choices", site).reshape(idx.shape)
         if self.dispatch == "dense":
             y = self._dense(rows, gates, idx)
         else:
@@ -292,14 +308,18 @@ class MoEFeedForward(eqx.Module):
         return MoETrace(out, aux, z, load, router_prob, entropy, logits)
 
     def __call__(
-        self, x: Float[Array, "*batch d"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*batch d"],
+        *,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch d"]:
         """Apply the mixture to each row of `x` (`(T, d)` or any `(..., d)`).
 
-        `key` is accepted for the sublayer call signature and unused. Returns
-        the dtype of `x`.
+        `key` is accepted for the sublayer call signature and unused;
+        `hooks` as for `trace`. Returns the dtype of `x`.
         """
-        return self.trace(x, key=key).output
+        return self.trace(x, key=key, hooks=hooks).output
 
     # ------------------------------------------------------------- dispatch
     def _dense(self, rows, gates, idx):

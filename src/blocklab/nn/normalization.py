@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from .functional import layer_norm, rms_norm
+from .hooks import Hooks
 
 __all__ = ["RMSNorm", "LayerNorm", "make_norm", "NORMS"]
 
@@ -88,14 +89,22 @@ class RMSNorm(eqx.Module):
         w = self.weight.astype(jnp.promote_types(self.weight.dtype, jnp.float32))
         return 1.0 + w if self.unit_offset else w
 
-    def __call__(self, x: Float[Array, "*batch d"]) -> Float[Array, "*batch d"]:
-        """Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out.
+    def __call__(
+        self, x: Float[Array, "*batch d"], *, hooks: Hooks | None = None
+    ) -> Float[Array, "*batch d"]:
+        r"""Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out.
 
-        Integer inputs are refused (`ValueError`).
+        Integer inputs are refused (`ValueError`). Site (`hooks`, in the
+        norm's scope): `hook_normalized`, $x / \mathrm{rms}(x)$ before the
+        gain, in float32 (as TransformerLens defines it).
         """
         _check_input(x, self.num_hiddens, "RMSNorm")
         weight = self.gain if self.unit_offset else self.weight
-        return rms_norm(x, weight, self.eps)
+        if hooks is None or not hooks.wants("hook_normalized"):
+            return rms_norm(x, weight, self.eps)
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = hooks("hook_normalized", rms_norm(xf, None, self.eps))
+        return (y * weight.astype(y.dtype)).astype(x.dtype)
 
 
 class LayerNorm(eqx.Module):
@@ -121,13 +130,22 @@ class LayerNorm(eqx.Module):
         self.weight = jnp.ones(num_hiddens, jnp.float32)
         self.bias = jnp.zeros(num_hiddens, jnp.float32)
 
-    def __call__(self, x: Float[Array, "*batch d"]) -> Float[Array, "*batch d"]:
-        """Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out.
+    def __call__(
+        self, x: Float[Array, "*batch d"], *, hooks: Hooks | None = None
+    ) -> Float[Array, "*batch d"]:
+        r"""Normalize `x` of shape `(..., num_hiddens)`; same shape and dtype out.
 
-        Integer inputs are refused (`ValueError`).
+        Integer inputs are refused (`ValueError`). Site (`hooks`, in the
+        norm's scope): `hook_normalized`, $(x - \mu)/\sigma$ before the gain
+        and bias, in float32 (as TransformerLens defines it).
         """
         _check_input(x, self.num_hiddens, "LayerNorm")
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        if hooks is None or not hooks.wants("hook_normalized"):
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = hooks("hook_normalized", layer_norm(xf, None, None, self.eps))
+        y = y * self.weight.astype(y.dtype) + self.bias.astype(y.dtype)
+        return y.astype(x.dtype)
 
 
 #: The valid values of the `norm` option: name -> the module class it builds

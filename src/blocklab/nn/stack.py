@@ -14,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_key
 from .cache import write_cache
+from .hooks import Hooks
 
 __all__ = ["Stack"]
 
@@ -139,14 +140,17 @@ class Stack(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
+        hooks: Hooks | None = None,
     ) -> tuple[Float[Array, "*batch T d"], Any]:
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, segment_ids, key: as for `__call__`.
+            x, valid_lens, positions, segment_ids, key, hooks: as for
+                `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
-                stacked over the blocks. `None` collects nothing.
+                stacked over the blocks. `None` collects nothing. Not with
+                `hooks`.
 
         Returns:
             `(h_N, stats)` with a leading axis of size N on every leaf of `stats`.
@@ -156,21 +160,30 @@ class Stack(eqx.Module):
         extra = {} if positions is None else {"positions": positions}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
+        if hooks is not None and collect is not None:
+            raise ConfigError("Stack.scan: pass collect or hooks, not both.")
+        layers = None if hooks is None else jnp.arange(self.num_blks, dtype=jnp.int32)
 
         constrain = self.constrain
 
         def step(h, xs):
-            blk_params, k = xs
+            blk_params, k, i = xs
             blk = eqx.combine(blk_params, static)
             if constrain is not None:
                 h = constrain(h)
+            if hooks is not None:
+                mine = hooks.stacked(i)
+                return blk(h, valid_lens, key=k, hooks=mine, **extra), mine.values
             if collect is None:
                 return blk(h, valid_lens, key=k, **extra), None
             return collect(blk, h, k)
 
         if self.remat:
             step = jax.checkpoint(step)
-        h, stats = jax.lax.scan(step, x, (dynamic, keys), unroll=self.unroll)
+        h, stats = jax.lax.scan(step, x, (dynamic, keys, layers), unroll=self.unroll)
+        if hooks is not None:
+            hooks.values.update(stats)
+            stats = None
         return (h if constrain is None else constrain(h)), stats
 
     def __call__(
@@ -181,22 +194,29 @@ class Stack(eqx.Module):
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
 
         `valid_lens` is passed to every block, and `positions` (RoPE) and
         `segment_ids` (packed sequences) too when given; `key` (dropout) is
-        split into one subkey per block.
+        split into one subkey per block. `hooks` (`blocklab.nn.hooks`) sees
+        the blocks' sites as `blocks.*.<site>` (`TransformerBlock.__call__`),
+        with the block index as the edits' `layer`; what it records comes
+        out of the scan stacked over the blocks, `(N, ...)`.
         """
         return self.scan(
-            x, valid_lens, positions=positions, segment_ids=segment_ids, key=key
-        )[0]
+            x, valid_lens, positions=positions, segment_ids=segment_ids, key=key,
+            hooks=hooks,
+        )[0]  # fmt: skip
 
     def step(
         self,
         x: Float[Array, "*batch Tq d"],
         caches: Any,
         start: Int[ArrayLike, "*#batch"],
+        *,
+        hooks: Hooks | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the N blocks to new tokens against their key/value caches.
 
@@ -211,11 +231,20 @@ class Stack(eqx.Module):
                 cache index `start`.
             caches: the stacked per-block caches.
             start: int, or one per sequence (shape `x.shape[:-2]`).
+            hooks: as for `__call__` (the sites of `TransformerBlock.step`).
 
         Returns:
             `(h_N, new_caches)`, the caches stacked as they came in.
         """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        steps = jnp.arange(self.num_blks, dtype=jnp.int32)
+
+        def run(blk, h, cache, i, **kw):
+            if hooks is None:
+                return blk.step(h, cache, start, **kw), None
+            mine = hooks.stacked(i)
+            return blk.step(h, cache, start, hooks=mine, **kw), mine.values
+
         if x.shape[-2] == 1:
             # Decoding: the caches are read in the layer loop and written once
             # after it (`defer_write`); written inside it, XLA copies them.
@@ -226,14 +255,24 @@ class Stack(eqx.Module):
                     caches,
                 )
                 blk = eqx.combine(blk_params, static)
-                return blk.step(h, cache, start, defer_write=True)
+                (h, rows), seen = run(blk, h, cache, i, defer_write=True)
+                return h, (rows, seen)
 
-            steps = jnp.arange(self.num_blks)
-            h, rows = jax.lax.scan(read_only, x, (dynamic, steps), unroll=self.unroll)
-            return h, write_cache(caches, rows, start, stacked=True)
+            h, (rows, seen) = jax.lax.scan(
+                read_only, x, (dynamic, steps), unroll=self.unroll
+            )
+            new = write_cache(caches, rows, start, stacked=True)
+        else:
 
-        def body(h, xs):
-            blk_params, cache = xs
-            return eqx.combine(blk_params, static).step(h, cache, start)
+            def body(h, xs):
+                blk_params, cache, i = xs
+                (h, cache), seen = run(eqx.combine(blk_params, static), h, cache, i)
+                return h, (cache, seen)
 
-        return jax.lax.scan(body, x, (dynamic, caches), unroll=self.unroll)
+            layers = None if hooks is None else steps
+            h, (new, seen) = jax.lax.scan(
+                body, x, (dynamic, caches, layers), unroll=self.unroll
+            )
+        if hooks is not None:
+            hooks.values.update(seen)
+        return h, new
