@@ -6,7 +6,8 @@ are Equinox pytrees acting on one sequence `(T, d)`; batches and seeds come
 from `jax.vmap`.
 
 The packages are the layers, bottom to top (imports point down only):
-`data`, `nn`, `training`, `diagnostics`, `interop`, `experiments`, `cli`.
+`data`, `nn`, `training`, `diagnostics` / `interop` / `interp`,
+`experiments`, `cli`.
 This namespace re-exports what most users call; everything else is imported
 from its layer, e.g. `from blocklab.nn.functional import gelu`.
 """
@@ -31,6 +32,7 @@ from .interop import (
     state_dict,
     to_huggingface_state_dict,
 )
+from .interp import capture, intervene
 from .nn import (
     BlockConfig,
     CharLM,
@@ -128,6 +130,9 @@ __all__ = [
     "save_pretrained",
     "state_dict",
     "to_huggingface_state_dict",
+    # looking inside (blocklab.interp)
+    "capture",
+    "intervene",
 ]
 
 #: Layer packages imported on first use (`bl.experiments`, `bl.cli`).

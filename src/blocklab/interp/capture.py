@@ -127,9 +127,7 @@ def attribute(
                 f"attribute: site {site!r} holds {catalogue[site].dtype} values "
                 "(router choices); it has no gradient."
             )
-    deltas = {
-        s: jnp.zeros(catalogue[s].shape, catalogue[s].dtype) for s in selection
-    }
+    deltas = {s: jnp.zeros(catalogue[s].shape, catalogue[s].dtype) for s in selection}
 
     def run(deltas):
         table = {k: list(v) for k, v in base.items()}
@@ -149,8 +147,7 @@ def attribute(
         value = metric(out)
         if jnp.shape(value) != ():
             raise ConfigError(
-                f"attribute: metric must return a scalar, got shape "
-                f"{jnp.shape(value)}."
+                f"attribute: metric must return a scalar, got shape {jnp.shape(value)}."
             )
         return value, hooks.values
 

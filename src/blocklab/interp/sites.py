@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._validate import ConfigError
 from ..nn.hooks import STACKED, Edit, Hooks
@@ -197,10 +196,3 @@ def edit_table(
         for site, layers in select(catalogue, pattern, what="edits").items():
             table.setdefault(site, []).append((fn, layers))
     return table
-
-
-def zeros_like_spec(spec: Any) -> Any:
-    """Zeros of a `jax.ShapeDtypeStruct`."""
-    return np.zeros(spec.shape, spec.dtype)
-
-
