@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,9 @@ __all__ = [
 #: site -> `None` (all of it) or the sorted tuple of selected layers.
 Selection = dict[str, "tuple[int, ...] | None"]
 
-_CATALOGUES: dict[Any, dict[str, jax.ShapeDtypeStruct]] = {}
+#: Catalogues by model structure and input shapes, the most recent last.
+_CATALOGUES: OrderedDict[Any, dict[str, jax.ShapeDtypeStruct]] = OrderedDict()
+_CATALOGUES_KEPT = 64
 
 
 def call_with_hooks(model: Any, inputs: Any, hooks: Hooks | None, kwargs) -> Any:
@@ -84,6 +87,7 @@ def site_shapes(
     except TypeError:  # an unhashable static field: no caching
         key, hit = None, None
     if hit is not None:
+        _CATALOGUES.move_to_end(key)
         return hit
 
     def run(m, x, kw):
@@ -94,6 +98,8 @@ def site_shapes(
     shapes = jax.eval_shape(run, model, inputs, kwargs)
     if key is not None:
         _CATALOGUES[key] = shapes
+        while len(_CATALOGUES) > _CATALOGUES_KEPT:
+            _CATALOGUES.popitem(last=False)
     return shapes
 
 
