@@ -70,13 +70,12 @@ class TransformerBlock(eqx.Module):
     `"swiglu"`, RoPE, GQA), OLMo 2 (`"output"`, `qk_norm="full"`) or Gemma 3
     (`"sandwich"`, `"gemma_rms"`, `"geglu"`, `qk_norm="head"`, a window).
 
-    Inputs must have a floating dtype (integer input is refused). In float16,
-    the `"post"` residual sum is computed in float32 before its norm, so a
-    stream near float16's range (~1e4) does not overflow there; a branch whose
-    *own output* exceeds float16's range (65504) still gives inf when it is
-    cast back to the input dtype (a gated FFN grows as $|x|^2$, so with
-    `"output"` placement, which feeds it the raw stream, keep $|x| \lesssim
-    100$ in float16, or use bfloat16).
+    Inputs must have a floating dtype (integer input is refused). In float16
+    (and bfloat16), the `"post"` residual sum is computed in float32 before
+    its norm, and the `"output"` placement, which feeds the raw stream to the
+    branch, runs the branch and its norm in float32: a stream near float16's
+    range (~1e4) overflows in neither (a gated FFN grows as $|x|^2$). The
+    other placements feed the branch a normalized stream.
     """
 
     norm1: RMSNorm | LayerNorm
@@ -175,11 +174,16 @@ class TransformerBlock(eqx.Module):
             (self.norm1, self.out_norm1) if i == 1 else (self.norm2, self.out_norm2)
         )
         ln = scope(hooks, f"ln{i}")
-        reads_normed = self.placement in ("pre", "sandwich")
-        branch = branch_fn(norm(x, hooks=ln) if reads_normed else x)
         if self.placement == "output":
-            branch = norm(branch, hooks=ln)
-        elif self.placement == "sandwich":
+            # The raw stream feeds the branch: a half-precision stream near
+            # 1e4 would overflow inside it (a gated FFN grows as |x|^2), so
+            # the branch and its norm run in float32 (or wider).
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            branch = norm(branch_fn(x.astype(wide)), hooks=ln).astype(x.dtype)
+        else:
+            reads_normed = self.placement in ("pre", "sandwich")
+            branch = branch_fn(norm(x, hooks=ln) if reads_normed else x)
+        if self.placement == "sandwich":
             branch = out_norm(branch, hooks=scope(hooks, f"ln{i}_post"))
         branch = dropout(branch, self.dropout, key)
         branch = at(hooks, "hook_attn_out" if i == 1 else "hook_mlp_out", branch)
