@@ -117,3 +117,21 @@ def test_pack_documents_refuses_ids_that_int32_cannot_hold(doc, bad):
     the document, the position and the id."""
     with pytest.raises(ConfigError, match=rf"documents\[0\]\[1\] = {bad} is not a"):
         bl.data.pack_documents([np.array(doc, np.int64)], 4)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_a_reused_segment_id_starts_a_new_segment(positions):
+    """[0, 0, 1, 1, 0, 0, 0, 0]: the third run reuses id 0. Its positions
+    restart (segment_positions), so it must also see only itself: its logits
+    are those of the document alone, and the whole row equals the one with
+    ids [0, 0, 1, 1, 2, 2, 2, 2] (attention joined the runs before)."""
+    model = _model(positions)
+    ids = jnp.array([[5, 9, 2, 7, 3, 8, 1, 4]], jnp.int32)
+    reused = jnp.array([[0, 0, 1, 1, 0, 0, 0, 0]], jnp.int32)
+    distinct = jnp.array([[0, 0, 1, 1, 2, 2, 2, 2]], jnp.int32)
+    got = model(ids, segment_ids=reused)
+    np.testing.assert_array_equal(got, model(ids, segment_ids=distinct))
+    alone = model(ids[:, 4:])
+    np.testing.assert_allclose(got[:, 4:], alone, rtol=1e-5, atol=1e-5)
+    first = model(ids[:, :2])
+    np.testing.assert_allclose(got[:, :2], first, rtol=1e-5, atol=1e-5)

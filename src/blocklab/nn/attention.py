@@ -761,7 +761,11 @@ def with_attention_impl(model: Any, impl: str) -> Any:
 
 def check_segment_ids(owner: str, segment_ids, shape) -> Array:
     """`segment_ids` checked (integers; shape `(T,)` or broadcasting to
-    `shape` = `(..., T)` with last axis `T`) and broadcast to `shape`."""
+    `shape` = `(..., T)` with last axis `T`), broadcast to `shape`, and
+    renumbered by runs: a segment is a maximal run of equal ids, so an id
+    used again after another (`[0, 0, 1, 1, 0, 0]`) starts a new segment,
+    as its positions restart (`functional.segment_positions`); the runs are
+    numbered 0, 1, 2, ... along the last axis."""
     if (
         isinstance(segment_ids, (bool, np.bool_))
         or not hasattr(segment_ids, "dtype")
@@ -790,7 +794,10 @@ def check_segment_ids(owner: str, segment_ids, shape) -> Array:
             f"{owner}: segment_ids must have shape (T,) = ({shape[-1]},) or "
             f"x.shape[:-1] = {tuple(shape)}, got shape {tuple(seg.shape)}."
         )
-    return jnp.broadcast_to(jnp.asarray(seg), tuple(shape))
+    seg = jnp.broadcast_to(jnp.asarray(seg), tuple(shape))
+    change = seg[..., 1:] != seg[..., :-1]
+    starts = jnp.concatenate([jnp.zeros_like(change[..., :1]), change], axis=-1)
+    return jnp.cumsum(starts, axis=-1, dtype=jnp.int32)
 
 
 #: The sites only the reference maths has (`trace`).
