@@ -8,6 +8,8 @@ import pytest
 import blocklab as bl
 from blocklab.nn import functional as F
 
+KEY = jax.random.key(0)
+
 
 def _reference(x, positions, theta, *, float32_angles=True):
     """Half-split RoPE with explicit loops over positions and feature pairs."""
@@ -163,3 +165,25 @@ def test_matches_transformers_apply_rotary_pos_emb():
         for ours, theirs in ((q, rq), (k, rk)):
             got = F.rope(jnp.asarray(ours), jnp.asarray(pos), theta=theta)
             np.testing.assert_allclose(got, theirs.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_rope_rotates_by_the_float32_angles_past_position_1000(dtype):
+    """The angles positions x inv_freq must be computed in float32 whatever the
+    input dtype: in bfloat16, 1000 x 1.0 rounds to a spacing of 8 there, so
+    the rotation would move by up to ~6 rad, which a norm check cannot see.
+    A bf16 / fp16 rotation of x must equal the float32 rotation of the same
+    (rounded) x, to the input dtype's rounding of the output."""
+    x = jax.random.normal(jax.random.key(3), (64, 2, 16)).astype(dtype)
+    pos = jnp.arange(1000, 1064)[:, None]
+    got = np.asarray(F.rope(x, pos, theta=10000.0), np.float32)
+    want = np.asarray(F.rope(x.astype(jnp.float32), pos, theta=10000.0))
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, atol=4 * eps * np.abs(want).max())
+    # and a whole model: a bf16 RoPE attention against its float32 self there
+    attn = bl.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, key=KEY)
+    h = jax.random.normal(jax.random.key(4), (8, 32))
+    far = jnp.arange(1200, 1208)
+    lo = attn(h.astype(dtype), positions=far).astype(jnp.float32)
+    hi = attn(h.astype(dtype).astype(jnp.float32), positions=far)
+    np.testing.assert_allclose(lo, hi, atol=0.05 * float(np.abs(hi).max()))
