@@ -613,3 +613,16 @@ def test_old_obscure_errors_name_the_argument_and_the_fix():
         ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"
     ):
         inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")
+
+
+@pytest.mark.parametrize("jit", [jax.jit, eqx.filter_jit])
+def test_out_of_range_ids_of_a_decoder_under_jit_name_the_id(jit):
+    """A `DecoderLM` as the `CharLM` above: under plain `jax.jit` too, the
+    error the user sees names the offending id and the vocabulary size."""
+    model = bl.DecoderLM(bl.DecoderConfig(50, 16, 2, 1), key=jax.random.key(0))
+    fn = jit(lambda m, t: m(t))
+    with pytest.raises(
+        (eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError),
+        match=r"DecoderLM: token ids must lie in \[0, vocab_size=50\), got 70",
+    ):
+        jax.block_until_ready(fn(model, jnp.array([1, 2, 70])))

@@ -320,3 +320,22 @@ def test_post_ln_collapses_tokens_and_starves_query_key_gradients(chapter):
         for stats in (post, pre):
             g = np.asarray(stats.grad_norms[name][:, 31])
             assert np.all((g > 0.03) & (g < 0.15)), (name, g)
+
+
+def test_signal_stats_refuses_or_flags_a_non_finite_input():
+    """One NaN in X gave NaN stream statistics but finite gradient norms,
+    silently. Concrete X: refused, naming the position. Under vmap (traced):
+    every statistic of that member is NaN, gradient norms included, and the
+    other member's equal its own call."""
+    stack = bl.chapter_stack("pre", num_blks=2, num_hiddens=16, num_heads=2,
+                             key=jax.random.key(0))  # fmt: skip
+    X = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    bad = X.at[1, 3, 7].set(jnp.nan)
+    with pytest.raises(bl.ConfigError, match=r"X must be finite, got X\[1, 3, 7\]=nan"):
+        bl.signal_stats(stack, bad)
+    both = jax.vmap(lambda x: bl.signal_stats(stack, x))(jnp.stack([X, bad]))
+    alone = bl.signal_stats(stack, X)
+    for name, norm in both.grad_norms.items():
+        assert np.isnan(norm[1]).all(), name
+        np.testing.assert_allclose(norm[0], alone.grad_norms[name], rtol=1e-5)
+    assert np.isnan(both.stream_rms[1]).all() and np.isfinite(both.stream_rms[0]).all()

@@ -165,7 +165,6 @@ def _collect(block, h, key):
     return tr.output, stats
 
 
-@eqx.filter_jit
 def signal_stats(
     stack: Stack,
     X: Float[Array, "B T d"],
@@ -192,7 +191,28 @@ def signal_stats(
 
     Returns:
         A `SignalStats` with arrays of length N = `stack.num_blks`.
+
+    Raises:
+        ConfigError: a concrete `X` holding NaN or inf (named by position).
+            A traced one (under `jit` or `vmap`) cannot be refused: every
+            statistic of it is then NaN, the gradient norms included (the
+            attention's guard against non-finite keys would otherwise keep
+            those finite).
     """
+    if not isinstance(X, jax.core.Tracer) and hasattr(X, "dtype"):
+        bad = ~np.isfinite(np.asarray(X))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ConfigError(
+                f"signal_stats: X must be finite, got X{list(where)}="
+                f"{np.asarray(X)[where]} ({int(bad.sum())} non-finite entries)."
+            )
+    return _signal_stats(stack, X, readout)
+
+
+@eqx.filter_jit
+def _signal_stats(stack, X, readout) -> SignalStats:
+    """`signal_stats`, jitted, without the concrete input check."""
     R = _readout_array(readout, X.shape, X.dtype)
     # Differentiate only the four projection weights, so that no other weight
     # gradient is ever formed (the input gradients are needed anyway).
@@ -211,8 +231,13 @@ def signal_stats(
     (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
     H = stats["h"]  # (N, B, T, d)
     attn_grads = grads.blocks.attention
+    finite = jnp.all(jnp.isfinite(X))
     grad_norms = {
-        name: jnp.sqrt(jnp.sum(jnp.square(getattr(attn_grads, name).weight), (-2, -1)))
+        name: jnp.where(
+            finite,
+            jnp.sqrt(jnp.sum(jnp.square(getattr(attn_grads, name).weight), (-2, -1))),
+            jnp.nan,
+        )
         for name in PROJECTIONS
     }
     return SignalStats(
