@@ -7,7 +7,8 @@ module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
 `porting` maps PyTorch state dicts; `pretrained`
 reads and writes checkpoint folders (config.json + safetensors, through
 `safetensors_io`) without torch; `text` is text in, text out
-(`generate_text`, through any tokenizer with `encode`/`decode`). torch and
+(`generate_text`, through any tokenizer with `encode`/`decode`);
+`tokenizer` reads a checkpoint folder's tokenizer (`load_tokenizer`). torch and
 transformers are imported lazily, only when a torch model is passed.
 """
 
@@ -30,6 +31,7 @@ from .pretrained import (
     save_pretrained,
 )
 from .text import generate_text
+from .tokenizer import load_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -42,6 +44,7 @@ __all__ = [
     "load_huggingface_state_dict",
     "load_pretrained",
     "load_state_dict",
+    "load_tokenizer",
     "pretrained_config",
     "read_config",
     "register_family",
