@@ -17,6 +17,7 @@ from .theory import (
     llama_ffn_width,
     qk_logit_bound,
 )
+from .trained import model_diagnostics
 
 __all__ = [
     "Identity",
@@ -28,6 +29,7 @@ __all__ = [
     "count_params",
     "gelu_second_moment",
     "llama_ffn_width",
+    "model_diagnostics",
     "qk_logit_bound",
     "signal_run",
     "signal_stats",

@@ -411,7 +411,10 @@ def train_sweep(
         steps_per_call: steps fused per compiled call (also the probe period).
         probe: `probe(model) -> pytree of arrays`, evaluated on every member at
             step 0 and after every chunk (e.g. the largest attention logit on
-            a fixed batch).
+            a fixed batch), vmapped over the members: `SweepResult.probes`
+            stacks it `(K, R, ...)`. A diagnostic of every member over
+            training is `probe=lambda m:
+            blocklab.diagnostics.model_diagnostics(m, ids)`.
         validate: compute each final model's validation loss (token datasets
             with the next-token loss).
         rules: with a mesh that has axes besides `"members"` (e.g.
