@@ -21,7 +21,8 @@ calls), so a shared, noisy machine slows them alike; medians and bests over
 the rounds, every call blocked on with `block_until_ready`. (d) runs
 `--jac-reps` times after one warm-up call.
 
-Usage: `python benchmarks/interp.py [--reps 30] [--jac-reps 3] [--json]`;
+Usage: `python benchmarks/interp.py [--reps 30] [--jac-reps 3] [--no-lens]
+[--json]` (`--no-lens`: (a)-(c) only);
 `--quick` (d = 64, 2 layers, batch 2 x 32, 8 lens tokens) runs in seconds,
 as a smoke test.
 """
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="products per vmap")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--jac-reps", type=int, default=3)
+    parser.add_argument("--no-lens", action="store_true", help="only (a)-(c)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -169,14 +171,15 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "capture": capture_costs(model, ids, args.reps),
     }
-    result["jacobian_lens"] = jacobian_cost(
-        model, args.lens_tokens, args.jac_reps, result["capture"]["forward_ms"],
-        args.chunk,
-    )  # fmt: skip
+    if not args.no_lens:
+        result["jacobian_lens"] = jacobian_cost(
+            model, args.lens_tokens, args.jac_reps, result["capture"]["forward_ms"],
+            args.chunk,
+        )  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
-    cap, jac = result["capture"], result["jacobian_lens"]
+    cap, jac = result["capture"], result.get("jacobian_lens")
     print(f"config: {result['config']}, {result['threads']} threads")
     print("| what | median ms | best ms | / forward (median) |")
     print("|---|---:|---:|---:|")
@@ -190,6 +193,8 @@ def main(argv=None) -> int:
             f"| {label} | {cap[f'{key}_ms']:.2f} | {cap[f'best_{key}_ms']:.2f} | "
             f"{ratio:.3f} |"
         )
+    if jac is None:
+        return 0
     print(
         f"| (d) Jacobian lens, {jac['tokens']} tokens, all layers "
         f"({jac['num_vjps']} VJPs, one executable) | {jac['jacobians_ms']:.0f} | "
