@@ -290,15 +290,7 @@ HLO_MODELS = {
         "llama",
         pytest.param("gpt2", marks=pytest.mark.slow),
         pytest.param("gemma3", marks=pytest.mark.slow),
-        pytest.param(
-            "mixtral",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="MoEFeedForward.trace reshapes the router logits and "
-                "choices to and from their sites whenever hooks is not None "
-                "(two stablehlo.reshape each), even when nothing is wanted",
-            ),
-        ),
+        "mixtral",
     ],
 )
 def test_nothing_captured_or_edited_lowers_to_the_plain_forward(kind):

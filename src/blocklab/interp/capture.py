@@ -59,7 +59,7 @@ def capture(
     table = {} if not edits else edit_table(catalogue, edits)
     hooks = Hooks(set(selection), table)
     outputs = call_with_hooks(model, inputs, hooks, kwargs)
-    return outputs, unpack(hooks.values, selection)
+    return outputs, unpack(hooks.values, selection, model=model)
 
 
 def intervene(
@@ -152,4 +152,4 @@ def attribute(
         return value, hooks.values
 
     (value, values), grads = jax.value_and_grad(run, has_aux=True)(deltas)
-    return value, unpack(values, selection), unpack(grads, selection)
+    return value, unpack(values, selection, model=model), unpack(grads, selection)

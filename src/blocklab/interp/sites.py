@@ -168,8 +168,17 @@ def select(
     return out
 
 
-def unpack(values: Mapping[str, Any], selection: Selection) -> dict[str, Any]:
-    """The recorded values under the names the module docstring gives."""
+def unpack(
+    values: Mapping[str, Any], selection: Selection, *, model: Any = None
+) -> dict[str, Any]:
+    """The recorded values under the names the module docstring gives; a
+    selected site the call never reached is refused by name."""
+    missing = sorted(set(selection) - set(values))
+    if missing:
+        raise ConfigError(
+            f"site(s) {missing} were not reached by this call of "
+            f"{type(model).__name__} (its path has no such point)."
+        )
     out: dict[str, Any] = {}
     for site, layers in selection.items():
         value = values[site]

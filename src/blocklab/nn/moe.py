@@ -283,13 +283,20 @@ class MoEFeedForward(eqx.Module):
         wide = jnp.promote_types(x.dtype, jnp.float32)
         rows = x.reshape(-1, self.num_hiddens)
         logits = linear(rows.astype(wide), self.router.weight.astype(wide))
-        if hooks is not None:
-            site = logits.reshape(*x.shape[:-1], self.num_experts)
-            logits = hooks("hook_router_logits", site).reshape(logits.shape)
+        lead = x.shape[:-1]
+        if hooks is not None:  # reshaped only when wanted: no ops otherwise
+            logits = hooks.sites(
+                "hook_router_logits", logits,
+                lambda a: a.reshape(*lead, self.num_experts),
+                lambda a: a.reshape(-1, self.num_experts),
+            )  # fmt: skip
         probs, gates, idx = route(logits, self.top_k, self.routing)
         if hooks is not None:
-            site = idx.reshape(*x.shape[:-1], self.top_k)
-            idx = hooks("hook_router_choices", site).reshape(idx.shape)
+            idx = hooks.sites(
+                "hook_router_choices", idx,
+                lambda a: a.reshape(*lead, self.top_k),
+                lambda a: a.reshape(-1, self.top_k),
+            )  # fmt: skip
         if self.dispatch == "dense":
             y = self._dense(rows, gates, idx)
         else:
