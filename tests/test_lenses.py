@@ -264,6 +264,9 @@ def test_refusals(llama, ids, plain_python):
         bl.ConfigError, match=r"positions must lie in \[-T, T\) for T=5"
     ):
         jacobians(llama, ids, positions=[5])
+    fused = bl.with_attention_impl(llama, "chunked")
+    with pytest.raises(bl.ConfigError, match="mode='forward' needs forward-mode"):
+        jacobians(fused, ids, mode="forward")
     with pytest.raises(bl.ConfigError, match="chunk"):
         jacobians(llama, ids, chunk=0)
     with pytest.raises(

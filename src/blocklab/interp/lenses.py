@@ -399,7 +399,17 @@ def jacobians(
     T, d = spec.shape[-2], spec.shape[-1]
     pos = _check_positions(owner, positions, T)
     chunk = check_int(owner, "chunk", chunk, min=1, optional=True)
-    return _jacobians(model, inputs, pos, mode, d if chunk is None else chunk)
+    try:
+        return _jacobians(model, inputs, pos, mode, d if chunk is None else chunk)
+    except TypeError as err:
+        if mode != "forward" or "custom_vjp" not in str(err):
+            raise
+        raise ConfigError(
+            f"{owner}: mode='forward' needs forward-mode derivatives, which this "
+            "model's attention implementation (a custom_vjp kernel) does not "
+            "have; use mode='reverse', or "
+            "blocklab.with_attention_impl(model, 'reference')."
+        ) from None
 
 
 def _check_lens(owner: str, jac: Any, L: int, d: int) -> Array:
