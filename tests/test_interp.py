@@ -146,18 +146,11 @@ def test_a_zero_steering_vector_is_the_identity():
 @pytest.mark.parametrize(
     "no_heads",
     [
-        np.array([], np.int32),  # not a Sequence: past the annotation only
-        pytest.param(
-            [],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="edits._mask reads [] as float32 and refuses it; the fix "
-                "is proposed in the issue-32 report (remove this mark with it)",
-            ),
-        ),
+        np.array([], np.int32),
+        [],  # read as float32 by jnp.asarray: made integer
     ],
 )
-def test_ablating_no_heads_is_the_identity(plain_python, no_heads):
+def test_ablating_no_heads_is_the_identity(no_heads):
     model, ids = lm(), ids_of(0)
     none = intervene(model, ids, {"blocks.*.attn.hook_z": ablate_heads(no_heads)})
     np.testing.assert_array_equal(none, model(ids))
@@ -453,12 +446,6 @@ def test_bad_requests_are_refused_by_name(plain_python):
         capture(linear, stream()[0], "hook_embed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sites.select iterates any non-str `sites` (TypeError for an int or "
-    "None, a dict's keys silently); the fix is proposed in the issue-32 report "
-    "(remove this mark with it)",
-)
 @pytest.mark.parametrize("sites", [3, None, {"hook_embed": 1}])
 def test_sites_that_are_not_names_are_refused(plain_python, sites):
     with pytest.raises(bl.ConfigError, match="sites must be"):

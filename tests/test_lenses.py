@@ -280,3 +280,15 @@ def test_refusals(llama, ids, plain_python):
         logit_lens(llama, ids, target=ids + VOCAB)
     with pytest.raises(bl.ConfigError, match="k must be at most vocab_size=40"):
         logit_lens(llama, ids, k=VOCAB + 1)
+
+
+def test_a_charlm_has_lenses_too():
+    """`CharLM.logits` (tied head, μP readout multiplier): its logit lens at the
+    last layer is the model's output, and its Jacobian lens with J = I there."""
+    model = bl.CharLM(28, 16, 2, 2, max_len=16, parametrization="mup", base_width=8,
+                      key=jax.random.key(5))  # fmt: skip
+    toks = jnp.arange(9) % 28
+    lens = logit_lens(model, toks, logits=True)
+    np.testing.assert_allclose(lens.logits[-1], model(toks), rtol=1e-6, atol=1e-6)
+    assert float(np.abs(lens.kl[-1]).max()) < 1e-6
+    assert float(lens.kl[0].max()) > 0

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jaxtyping import ArrayLike
 
 from .._validate import ConfigError
 from ..nn.hooks import Edit
@@ -48,6 +49,8 @@ def _mask(value, index, axis, owner):
     axis = axis % value.ndim
     n = value.shape[axis]
     idx = jnp.atleast_1d(jnp.asarray(index))
+    if idx.size == 0:  # no entries: an empty list reads as float32
+        idx = idx.astype(jnp.int32)
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ConfigError(f"{owner}: index must be integers, got dtype {idx.dtype}.")
     hit = jnp.zeros(n, bool).at[idx].set(True, mode="drop")
@@ -59,7 +62,7 @@ def _mask(value, index, axis, owner):
 def patch(
     source: Any,
     *,
-    index: int | Sequence[int] | None = None,
+    index: int | Sequence[int] | ArrayLike | None = None,
     axis: int = -2,
 ) -> Edit:
     r"""Replace the site's value with `source`'s: $a \leftarrow a'$.
@@ -83,7 +86,7 @@ def patch(
 
 
 def ablate(
-    index: int | Sequence[int],
+    index: int | Sequence[int] | ArrayLike,
     *,
     axis: int,
     mode: str = "zero",
@@ -117,7 +120,7 @@ def ablate(
 
 
 def ablate_heads(
-    heads: int | Sequence[int], *, mode: str = "zero", mean: Any = None
+    heads: int | Sequence[int] | ArrayLike, *, mode: str = "zero", mean: Any = None
 ) -> Edit:
     """`ablate` of attention heads, for the site `attn.hook_z` `(..., T, H, p)`
     (each head's mixed values before $W_O$: the head no longer writes, or
@@ -126,7 +129,7 @@ def ablate_heads(
 
 
 def ablate_neurons(
-    neurons: int | Sequence[int], *, mode: str = "zero", mean: Any = None
+    neurons: int | Sequence[int] | ArrayLike, *, mode: str = "zero", mean: Any = None
 ) -> Edit:
     """`ablate` of FFN hidden units, for `mlp.hook_post` (or `mlp.hook_pre`)
     `(..., T, F)`."""

@@ -132,6 +132,12 @@ def select(
     """
     if isinstance(patterns, str):
         patterns = [patterns]
+    elif not isinstance(patterns, (list, tuple)):
+        raise ConfigError(
+            f"{what} must be a site name or pattern (a str) or a list of them, "
+            f"e.g. 'blocks.*.hook_resid_post', got {type(patterns).__name__} "
+            f"{patterns!r}."
+        )
     concrete = _concrete(catalogue)
     chosen: dict[str, set[int | None]] = {}
     for pattern in patterns:

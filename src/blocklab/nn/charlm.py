@@ -288,9 +288,17 @@ class CharLM(eqx.Module, _cache.Decoding):
         h = h + at(hooks, "hook_pos_embed", self.pos_emb.weight[:T])
         kw = {} if hooks is None else {"hooks": hooks}
         h = self.stack(h, causal_lengths(tokens.shape), key=key, **kw)
-        # float32 accumulation and output: logits of a bf16 model are not rounded
         h = self.norm(h, hooks=scope(hooks, "ln_final"))
-        logits = linear(h, self.token_emb.weight, out_dtype=jnp.float32)
+        return self.logits(h, hooks=hooks)
+
+    def logits(
+        self, h: Float[Array, "*batch d"], *, hooks: Hooks | None = None
+    ) -> Float[Array, "*batch vocab"]:
+        r"""The logits of final-normed hidden states `h`: $z = c_\text{out}\,
+        h\, E^\top$ (the tied head) accumulated in float32, $c_\text{out}$ = 1
+        or $d_0/d$ under μP; site `unembed.hook_out`."""
+        # float32 accumulation and output: logits of a bf16 model are not rounded
+        z = linear(h, self.token_emb.weight, out_dtype=jnp.float32)
         c = self.readout_multiplier  # 1, or d0/d under muP
-        logits = logits if c == 1.0 else logits * jnp.asarray(c, logits.dtype)
-        return at(hooks, "unembed.hook_out", logits)
+        z = z if c == 1.0 else z * jnp.asarray(c, z.dtype)
+        return at(hooks, "unembed.hook_out", z)
