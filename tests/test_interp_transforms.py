@@ -348,3 +348,27 @@ def test_a_scanned_stack_stays_one_scan(what):
     assert dots == dots3
     hlo = jax.jit(fns[what]).lower(_model(6), _ids()).as_text()
     assert hlo.count("stablehlo.while") == 1
+
+
+def test_vmap_over_a_sweeps_members_equals_each_member():
+    """Members of a sweep are one pytree with a leading member axis (models
+    built by `eqx.filter_vmap` over seeds): `capture` and an edit under
+    `eqx.filter_vmap` over that axis equal each member's own call."""
+    keys = jax.random.split(jax.random.key(7), 3)
+    members = eqx.filter_vmap(lambda k: bl.DecoderLM(_config(), key=k))(keys)
+    ids = _ids(batch=1)[0]
+    sites = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_z", "hook_embed"]
+    push = steer(jnp.ones(D), scale=0.5, layers=[1])
+
+    def run(m):
+        out, acts = capture(m, ids, sites, edits={"blocks.*.hook_resid_mid": push})
+        return out, acts
+
+    outs, acts = eqx.filter_vmap(run)(members)
+    for i, k in enumerate(keys):
+        one = bl.DecoderLM(_config(), key=k)
+        out, ref = run(one)
+        assert_close(outs[i], out, 1e-5, f"member {i} logits")
+        for name in sites:
+            assert_close(acts[name][i], ref[name], 1e-5, f"member {i} {name}")
+    assert float(np.abs(np.asarray(outs[0] - outs[1])).max()) > 1e-3  # distinct
