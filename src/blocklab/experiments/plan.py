@@ -18,9 +18,26 @@ For a `DecoderConfig`, a mesh shape (`data=8,model=4`) and sharding rules,
   `jax.ShapeDtypeStruct`s, so nothing is allocated. (A CPU compile of a
   large mesh takes minutes; the GPU/TPU compiler's figure differs somewhat.)
 
-Presets: `PRESET_CONFIGS` (`llama3-8b`, `llama3-70b` with the published
-sizes, and the library's small family presets); or a JSON file of
-`DecoderConfig` fields (or `DecoderLM.init_args()`'s output).
+The model (`config_of`): a preset of `PRESET_CONFIGS` (`llama3-8b`,
+`llama3-70b` with the published sizes, and the library's small family
+presets); a checkpoint folder of any family `load_pretrained` reads (only its
+`config.json` is read); a `transformers` `config.json` (any file name: a JSON
+object with `architectures` or `model_type`), mapped as `load_pretrained`
+maps it, with the same refusals; or a JSON file of `DecoderConfig` fields
+(or `DecoderLM.init_args()`'s output, `MoEDecoderConfig` included).
+
+What training refuses, the plan refuses: a global batch that the mesh axes
+of the logical `batch` axis do not divide (`train_model` splits the batch
+over them, `blocklab.training.mesh_training.check_batch`), and a sequence
+longer than the model's `max_len`.
+
+A mesh axis the rules split nothing over (no parameter, optimizer state or
+activation dimension is mapped to it, e.g. `model` under `fsdp`) is shown,
+not refused: `train_model` accepts such a mesh, and every device along that
+axis then holds, and computes, the same copy, so the figures are those of the
+mesh without it. `PlanResult.unused_axes` names each (size > 1), the table
+gives them a column and a note naming the presets that would use them
+(`fsdp+tp` for `model`).
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +57,30 @@ import numpy as np
 import optax
 
 from .._validate import ConfigError, check_choice, check_int
+from ..interop.pretrained import _config as _hf_to_config
+from ..interop.pretrained import _standardize as _hf_standardize
+from ..interop.pretrained import pretrained_config
 from ..nn import DecoderConfig, DecoderLM
+from ..nn.decoder_config import CONFIG_CLASSES
+from ..training.checkpoint import CheckpointError
 from ..training.mesh_training import state_shardings
-from ..training.placement import parse_mesh, resolve_rules
+from ..training.placement import ACTIVATION_AXES, PRESETS, parse_mesh, resolve_rules
 from ..training.step import PRECISIONS, init_state
 
-__all__ = ["PRESET_CONFIGS", "PlanResult", "config_of", "plan", "plans_table"]
+__all__ = [
+    "PRESET_CONFIGS",
+    "PlanResult",
+    "check_global_batch",
+    "config_of",
+    "plan",
+    "plans_table",
+]
+
+#: The sequence length of a plan when none is given (or the model's `max_len`).
+DEFAULT_SEQ_LEN = 2048
+#: The global batch of a plan when none is given, rounded up to a multiple of
+#: the devices that carry the batch.
+DEFAULT_BATCH = 8
 
 #: Published sizes (Llama 3 model card / config.json) and the small presets.
 PRESET_CONFIGS: dict[str, Any] = {
@@ -66,36 +101,136 @@ PRESET_CONFIGS: dict[str, Any] = {
 }  # fmt: skip
 
 
-def config_of(spec: str | DecoderConfig) -> DecoderConfig:
-    """A preset name, a JSON file of `DecoderConfig` fields, or a config.
+#: What `config_of` takes, for its errors.
+_CONFIG_KINDS = (
+    "a preset {presets}, a checkpoint folder (config.json + weights, as "
+    "transformers' save_pretrained writes it), a transformers config.json, or a "
+    "JSON file of DecoderConfig fields"
+)
+
+
+def config_of(
+    spec: str | os.PathLike | DecoderConfig, *, name: str = "config"
+) -> DecoderConfig:
+    """The `DecoderConfig` of a preset name, a checkpoint folder, a
+    `transformers` `config.json`, a JSON file of `DecoderConfig` fields (or
+    `DecoderLM.init_args()`'s output), or a config (returned as is).
+
+    A folder or a `transformers` config is mapped as `load_pretrained` maps
+    it (`blocklab.interop.pretrained_config`): the family from
+    `architectures` (else `model_type`), every field blocklab does not
+    implement refused by name. No weight is read.
+
+    Args:
+        spec: the config.
+        name: the argument's name in the errors (`"--config"` for the CLI).
 
     Raises:
-        ConfigError: neither a preset nor a readable JSON config file.
+        ConfigError: none of these, naming `name`, the value and what is
+            valid; or the config's own refusal (an unknown class, an
+            unsupported field), naming the file.
     """
     if isinstance(spec, DecoderConfig):
         return spec
     if isinstance(spec, str) and spec in PRESET_CONFIGS:
         return PRESET_CONFIGS[spec]()
-    path = Path(str(spec))
+    kinds = _CONFIG_KINDS.format(presets=sorted(PRESET_CONFIGS))
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec):
+        raise ConfigError(f"plan: {name} must be {kinds}; got {spec!r}.")
+    path = Path(spec)
+    if path.is_dir():
+        try:
+            return pretrained_config(path)
+        except (ConfigError, CheckpointError) as err:
+            raise ConfigError(f"plan: {name}={str(spec)!r}: {err}") from None
     if not path.is_file():
         raise ConfigError(
-            f"plan: config must be a preset {sorted(PRESET_CONFIGS)} or a JSON file "
-            f"of DecoderConfig fields, got {spec!r}."
+            f"plan: {name} must be {kinds}; got {str(spec)!r}, which is none of "
+            "these (no such preset, file or folder)."
         )
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"plan: config {spec!r} is not readable JSON: {err}") from err
-    if isinstance(fields, dict) and isinstance(fields.get("cfg"), dict):
-        fields = fields["cfg"]  # DecoderLM.init_args() output
+        raise ConfigError(
+            f"plan: {name}={str(spec)!r} is not readable JSON ({err}); it must be "
+            f"{kinds}."
+        ) from None
     if not isinstance(fields, dict):
-        raise ConfigError(f"plan: config {spec!r} must hold a JSON object of fields.")
-    if isinstance(fields.get("global_layers"), list):
-        fields["global_layers"] = tuple(fields["global_layers"])
+        raise ConfigError(
+            f"plan: {name}={str(spec)!r} must hold a JSON object, got "
+            f"{type(fields).__name__}; it must be {kinds}."
+        )
+    if "architectures" in fields or "model_type" in fields:
+        return _from_transformers(fields, path, name)
+    cfg_class = "DecoderConfig"
+    if isinstance(fields.get("cfg"), dict):  # DecoderLM.init_args() output
+        cfg_class = fields.get("cfg_class", cfg_class)
+        fields = fields["cfg"]
+    if cfg_class not in CONFIG_CLASSES:
+        raise ConfigError(
+            f"plan: {name}={str(spec)!r}: cfg_class must be one of "
+            f"{sorted(CONFIG_CLASSES)}, got {cfg_class!r}."
+        )
     try:
-        return DecoderConfig(**fields)
-    except TypeError as err:
-        raise ConfigError(f"plan: config {spec!r}: {err}") from err
+        return CONFIG_CLASSES[cfg_class](**fields)
+    except TypeError as err:  # ConfigError included: a field's own refusal
+        raise ConfigError(
+            f"plan: {name}={str(spec)!r} is not a {cfg_class} (a JSON object of "
+            f"its fields, or a transformers config.json with 'architectures'): "
+            f"{err}"
+        ) from None
+
+
+def _from_transformers(raw: dict, path: Path, name: str) -> DecoderConfig:
+    """A `transformers` config read as `load_pretrained` reads a folder's
+    (through its private helpers: interop has no public function of a
+    config.json outside a folder)."""
+    try:
+        return _hf_to_config(_hf_standardize(raw), path)[1]
+    except (ConfigError, CheckpointError) as err:
+        raise ConfigError(f"plan: {name}={str(path)!r}: {err}") from None
+
+
+def _batch_devices(mesh: str | dict, rules: Any) -> tuple[tuple[str, ...], int]:
+    """The mesh axes that carry the batch under `rules`, and their devices.
+
+    `train_model` splits each batch along its leading axis over the mesh
+    axes of the logical `batch` axis (`resolve_rules(rules, mesh)["batch"]`:
+    `data` and `expert`, whichever the mesh has, for the presets).
+    """
+    shape = parse_mesh(mesh)
+    abstract = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+    axes = tuple(resolve_rules(rules, abstract).get("batch", ()))
+    return axes, int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+
+def check_global_batch(
+    batch: int, mesh: str | dict, rules: Any = "fsdp", *, name: str = "batch"
+) -> int:
+    """`batch` (sequences), refused where `train_model` refuses it on `mesh`.
+
+    `train_model` splits each batch over the mesh axes that carry it (`data`
+    and `expert` for the presets) and refuses a batch that the product of
+    their sizes does not divide (`blocklab.training.mesh_training.check_batch`);
+    this is that rule on a mesh given by its shape.
+
+    Raises:
+        ConfigError: `batch` not an int >= 1, or not a multiple of that
+            product (naming `name`, the value, the axes and the multiples
+            around it).
+    """
+    batch = check_int("plan", name, batch, min=1)
+    axes, n = _batch_devices(mesh, rules)
+    if batch % n:
+        below = batch // n * n
+        near = [m for m in (below, below + n) if m > 0]
+        raise ConfigError(
+            f"plan: {name}={batch} sequences do not split over mesh axes "
+            f"{axes!r} ({n} devices) of mesh {parse_mesh(mesh)}, which carry the "
+            f"batch under rules {rules!r}; train_model refuses such a batch. Use a "
+            f"multiple of {n} ({' or '.join(map(str, near))})."
+        )
+    return batch
 
 
 @dataclass(frozen=True)
@@ -116,6 +251,9 @@ class PlanResult:
     temp_bytes: int | None = None
     argument_bytes: int | None = None
     compiled: bool = False
+    #: Mesh axes (name -> size, size > 1) the rules split nothing over: every
+    #: device along one holds the same copy (see the module docstring).
+    unused_axes: dict = field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -131,9 +269,11 @@ class PlanResult:
             return "-" if b is None else f"{b / gib:8.2f}"
 
         total = self.params_bytes + self.opt_bytes + (self.temp_bytes or 0)
+        unused = ",".join(f"{k}={v}" for k, v in self.unused_axes.items()) or "-"
         return [
             ",".join(f"{k}={v}" for k, v in self.mesh.items()), self.rules,
-            f(self.params_bytes), f(self.opt_bytes), f(self.temp_bytes), f(total),
+            str(self.batch), f(self.params_bytes), f(self.opt_bytes),
+            f(self.temp_bytes), f(total), unused,
         ]  # fmt: skip
 
     def table(self) -> str:
@@ -142,16 +282,36 @@ class PlanResult:
 
 def plans_table(results: list[PlanResult]) -> str:
     """The plans of one model as one table (a row per mesh)."""
-    head = ["mesh", "rules", "params GiB", "Adam GiB", "temp GiB", "sum GiB"]
+    head = ["mesh", "rules", "batch", "params GiB", "Adam GiB", "temp GiB",
+            "sum GiB", "unused"]  # fmt: skip
     rows = [head, *(r.row() for r in results)]
     widths = [max(len(r[i].strip()) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.strip().rjust(w) for c, w in zip(r, widths, strict=True))
              for r in rows]  # fmt: skip
     first = results[0]
+    notes = [_unused_note(r) for r in results if r.unused_axes]
     return (
-        f"{first.config}: {first.num_params / 1e9:.2f} B parameters, batch "
-        f"{first.batch} x {first.seq_len}, {first.precision}; per device:\n"
-        + "\n".join(lines)
+        f"{first.config}: {first.num_params / 1e9:.2f} B parameters, sequences "
+        f"of {first.seq_len}, {first.precision}; per device:\n"
+        + "\n".join(lines + list(dict.fromkeys(notes)))
+    )
+
+
+def _unused_note(r: PlanResult) -> str:
+    """Why a row has unused axes, and the presets that would use them."""
+    mesh = ",".join(f"{k}={v}" for k, v in r.mesh.items())
+    fixes = []
+    for axis in r.unused_axes:
+        presets = [p for p, m in PRESETS.items() if axis in m.values()]
+        if presets and all(p.strip() in PRESETS for p in r.rules.split("+")):
+            fixes.append(f"rules {r.rules}+{presets[0]} would split over {axis!r}")
+        else:
+            fixes.append(f"a rules mapping naming {axis!r} would split over it")
+    return (
+        f"unused on {mesh} under rules {r.rules}: nothing is split over "
+        f"{', '.join(repr(a) for a in r.unused_axes)}, so every device along it "
+        f"holds and computes the same copy (the figures are those of the mesh "
+        f"without it); {'; '.join(fixes)}."
     )
 
 
@@ -163,9 +323,8 @@ def _per_device(shapes: Any, shardings: Any, mesh_shape: dict) -> int:
         strict=True,
     ):
         split = 1
-        for entry in s.spec:
-            for a in (entry,) if isinstance(entry, str) else entry or ():
-                split *= mesh_shape[a]
+        for a in _spec_axes(s.spec):
+            split *= mesh_shape[a]
         total += x.size * x.dtype.itemsize // split
     return total
 
@@ -175,12 +334,12 @@ def _abstract(cfg: DecoderConfig) -> Any:
 
 
 def plan(
-    config: str | DecoderConfig,
+    config: str | os.PathLike | DecoderConfig,
     mesh: str | dict,
     *,
-    rules: str = "fsdp",
-    batch: int = 8,
-    seq_len: int = 2048,
+    rules: str | dict = "fsdp",
+    batch: int | None = None,
+    seq_len: int | None = None,
     precision: str = "bf16",
     compile: bool = False,  # noqa: A002 - the natural name
     timeout: float = 1800,
@@ -188,11 +347,17 @@ def plan(
     """Per-device bytes of `config` on a mesh `mesh` (`"data=8,model=4"`).
 
     Args:
-        config: a preset name (`PRESET_CONFIGS`), a JSON file, or a config.
+        config: a preset name (`PRESET_CONFIGS`), a checkpoint folder, a
+            `transformers` `config.json`, a JSON file of `DecoderConfig`
+            fields, or a config (see `config_of`).
         mesh: axis sizes.
         rules: a preset of `blocklab.training.placement` or a mapping.
         batch, seq_len: the global batch (sequences) and its length, for
-            the compiled step's temporaries.
+            the compiled step's temporaries; refused where `train_model`
+            refuses them (`check_global_batch`; a `seq_len` above `max_len`).
+            `None`: the smallest multiple of the devices carrying the batch
+            that is at least `DEFAULT_BATCH` (8); the model's `max_len`, at
+            most `DEFAULT_SEQ_LEN` (2048).
         precision: `"bf16"` (float32 parameters and state, bfloat16 compute)
             or `"float32"`.
         compile: also compile the training step for the mesh (in a child
@@ -200,20 +365,35 @@ def plan(
             temporaries.
         timeout: seconds for that child process.
 
+    Returns:
+        A `PlanResult`; its `unused_axes` name the mesh axes the rules split
+        nothing over.
+
     Raises:
-        ConfigError: a bad config, mesh or rules (e.g. a dimension that does
-            not divide over its mesh axis, named).
+        ConfigError: a bad config, mesh, rules, batch or length (e.g. a
+            dimension that does not divide over its mesh axis, named).
     """
     owner = "plan"
-    name = config if isinstance(config, str) else "config"
+    name = str(config) if isinstance(config, (str, os.PathLike)) else "config"
     cfg = config_of(config)
     shape = parse_mesh(mesh)
-    batch = check_int(owner, "batch", batch, min=1)
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, cfg.max_len)
     seq_len = check_int(owner, "seq_len", seq_len, min=1)
+    if seq_len > cfg.max_len:
+        raise ConfigError(
+            f"{owner}: seq_len={seq_len} is longer than the model's max_len="
+            f"{cfg.max_len} (DecoderLM, and so train_model, refuses longer "
+            f"sequences); use a seq_len <= {cfg.max_len}."
+        )
     precision = check_choice(owner, "precision", precision, PRECISIONS)
     abstract = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     label = rules if isinstance(rules, str) else json.dumps(rules)
-    resolve_rules(rules, abstract)
+    resolved = resolve_rules(rules, abstract)
+    if batch is None:
+        n = _batch_devices(shape, rules)[1]
+        batch = -(-DEFAULT_BATCH // n) * n
+    batch = check_global_batch(batch, shape, rules)
     optimizer = optax.adamw(1e-4)
     state = eqx.filter_eval_shape(init_state, _abstract(cfg), optimizer)
     shard = state_shardings(state, optimizer, abstract, rules)
@@ -230,6 +410,9 @@ def plan(
                    if jnp.issubdtype(x.dtype, jnp.inexact))  # fmt: skip
     tot_p = sum(x.size * x.dtype.itemsize for x in arrays(state.model))
     tot_o = sum(x.size * x.dtype.itemsize for x in arrays(state.opt_state))
+    used = {a for s in shardings(shard) for a in _spec_axes(s.spec)}
+    used |= {a for n in ACTIVATION_AXES for a in resolved.get(n, ())}
+    unused = {a: n for a, n in shape.items() if n > 1 and a not in used}
     temp = args_bytes = None
     if compile:
         temp, args_bytes = _compiled_in_child(
@@ -237,15 +420,21 @@ def plan(
         )
     return PlanResult(
         name, shape, label, batch, seq_len, precision, int(n_params), int(params),
-        int(opt), int(tot_p), int(tot_o), temp, args_bytes, compile,
+        int(opt), int(tot_p), int(tot_o), temp, args_bytes, compile, unused,
     )  # fmt: skip
+
+
+def _spec_axes(spec: Any) -> list[str]:
+    """The mesh axes a `PartitionSpec` splits over."""
+    return [a for entry in spec
+            for a in ((entry,) if isinstance(entry, str) else entry or ())]  # fmt: skip
 
 
 def _compiled_in_child(cfg, shape, rules, batch, seq_len, precision, timeout):
     n = int(np.prod(list(shape.values())))
     payload = json.dumps({
-        "config": cfg.to_dict(), "mesh": shape, "rules": rules, "batch": batch,
-        "seq_len": seq_len, "precision": precision,
+        "config": cfg.to_dict(), "cfg_class": type(cfg).__name__, "mesh": shape,
+        "rules": rules, "batch": batch, "seq_len": seq_len, "precision": precision,
     })  # fmt: skip
     if jax.device_count() == n:
         return _compiled_memory(payload)
@@ -288,10 +477,7 @@ def _compiled_memory(payload: str) -> tuple[int, int]:
     from ..training.step import make_train_step
 
     p = json.loads(payload)
-    fields = dict(p["config"])
-    if isinstance(fields.get("global_layers"), list):
-        fields["global_layers"] = tuple(fields["global_layers"])
-    cfg = DecoderConfig(**fields)
+    cfg = CONFIG_CLASSES[p["cfg_class"]](**p["config"])
     mesh = mesh_of(p["mesh"])
     rules, B, T, V = p["rules"], p["batch"], p["seq_len"], cfg.vocab_size
 
