@@ -83,10 +83,18 @@ def atomic_dir(
     renamed aside first and removed only after the new folder is in place
     (put back if the rename fails). On any failure the temporary folder is
     removed and `path` is left as it was.
+
+    The rule of `atomic_path`: a symlink is written through (the folder it
+    resolves to is replaced, the link stays a link); an existing folder keeps
+    its permission bits (a new one gets those of a plain `mkdir`); a folder
+    that cannot be written raises an `OSError` naming `path` and its folder,
+    not the temporary folder.
     """
     import shutil
 
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{owner}: {path} exists and is not a folder.")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -94,31 +102,44 @@ def atomic_dir(
             f"{owner}: the folder {path} exists and is not empty; pass "
             "overwrite=True to replace it."
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(
-        tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    )
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o777 & ~_umask()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        )
+    except OSError as err:
+        raise _folder_error(owner, path, err) from err
     try:
         yield tmp
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, mode)
         _fsync_dir(tmp)
         old = None
-        if path.exists():
-            old = Path(
-                tempfile.mkdtemp(
-                    prefix=f".{path.name}.", suffix=".old", dir=path.parent
-                )
-            )
-            os.replace(path, old / "x")
         try:
-            os.replace(tmp, path)
-        except BaseException:
-            if old is not None:
-                os.replace(old / "x", path)
-            raise
+            if path.exists():
+                old = Path(
+                    tempfile.mkdtemp(
+                        prefix=f".{path.name}.", suffix=".old", dir=path.parent
+                    )
+                )
+                os.replace(path, old / "x")
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                if old is not None:
+                    os.replace(old / "x", path)
+                raise
+        except OSError as err:
+            if old is not None:  # empty unless the old folder could not go back
+                with contextlib.suppress(OSError):
+                    os.rmdir(old)
+            raise _folder_error(owner, path, err) from err
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

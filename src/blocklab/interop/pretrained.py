@@ -37,10 +37,18 @@ without the `model.` / `transformer.` prefix is read with it. Unlike
 `transformers`, an untied config whose `lm_head.weight` is missing is refused
 (`transformers` would draw a random head).
 
+What a checkpoint needs to be used besides its weights, its token ids and
+`generation_config.json`, `save_pretrained` carries from the folder the model
+came from (`source=`), or takes as given (`token_ids=`,
+`generation_config=`); a model built from scratch says it has none.
+
 Errors name the file, key or field: a bad argument is a `ConfigError`; a
 folder that is not a readable checkpoint of its own config (no
 `config.json`, a missing shard, a truncated file, a missing or left-over
-key, a wrong shape, a stored dtype that is not floating point) is a
+key, a wrong shape, a stored dtype that is not floating point, a NaN or an
+infinity in a weight) or that contradicts itself (a `model_type` of another
+family than its `architectures`; an index beside a `model.safetensors` it
+does not list, which `transformers` would read instead) is a
 `CheckpointError`.
 """
 
@@ -78,9 +86,10 @@ from .hf_common import (
     rope_fields,
 )
 from .huggingface import _all_rules, _skeleton
-from .porting import _float_dtype, _walk, param_shapes
+from .porting import _float_dtype, _non_finite, _walk, param_shapes
 from .safetensors_io import (
     CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
     Catalog,
     open_catalog,
     parse_size,
@@ -102,15 +111,19 @@ IGNORED_KEYS = re.compile(r"(^|\.)(rotary_emb\.inv_freq|attn\.masked_bias|attn\.
 #: Dtypes a parameter may be stored in and kept in (others need `dtype=`).
 KEEP_DTYPES = ("F64", "F32", "F16", "BF16")
 
+#: The token ids of `config.json` that a checkpoint needs to be used
+#: (`generate` stops at `eos_token_id`); `save_pretrained` writes them.
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 
 # config.json -----------------------------------------------------------------
 
 
-def _folder(owner: str, path: Any) -> Path:
+def _folder(owner: str, path: Any, name: str = "path") -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ConfigError(
-            f"{owner}: path must be a folder name (a non-empty str or os.PathLike), "
-            f"got {path!r}."
+            f"{owner}: {name} must be a folder name (a non-empty str or "
+            f"os.PathLike), got {path!r}."
         )
     return Path(path)
 
@@ -187,25 +200,48 @@ def _standardize(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _family_of(raw: Mapping[str, Any], where: Path) -> HFFamily:
     archs = raw.get("architectures")
+    model_type = raw.get("model_type")
+    typed = [
+        f
+        for f in FAMILIES.values()
+        if model_type is not None and model_type == (f.model_type or f.name)
+    ]
     if archs:
         if isinstance(archs, str) or not isinstance(archs, list):
             raise CheckpointError(
                 f"load_pretrained: {where}: architectures must be a list of class "
                 f"names, got {archs!r}."
             )
+        named: dict[str, HFFamily] = {}  # family name -> family, in order
         for name in archs:
             if any(name in f.classes for f in FAMILIES.values()):
-                return family_for_class(name)
-        supported = sorted(c for f in FAMILIES.values() for c in f.classes)
-        raise ConfigError(
-            f"load_pretrained: {where}: architectures={archs!r} names no supported "
-            f"model class; supported: {supported} (register others with "
-            "blocklab.interop.register_family)."
-        )
-    model_type = raw.get("model_type")
-    for fam in FAMILIES.values():
-        if model_type is not None and model_type == (fam.model_type or fam.name):
-            return fam
+                fam = family_for_class(name)
+                named.setdefault(fam.name, fam)
+        if not named:
+            supported = sorted(c for f in FAMILIES.values() for c in f.classes)
+            raise ConfigError(
+                f"load_pretrained: {where}: architectures={archs!r} names no "
+                f"supported model class; supported: {supported} (register others "
+                "with blocklab.interop.register_family)."
+            )
+        fams = list(named.values())
+        # transformers builds the config class of model_type and the model of
+        # that class: a model_type of another family is another model.
+        if len(fams) > 1 or (typed and typed[0] is not fams[0]):
+            said = f"architectures={archs!r}"
+            if typed:
+                said += f" and model_type={model_type!r}"
+            names = sorted({f.name for f in fams} | {f.name for f in typed})
+            raise CheckpointError(
+                f"load_pretrained: {where}: {said} name different model families "
+                f"({', '.join(names)}); transformers builds the model of "
+                "model_type, so the folder does not say which model it holds. Make "
+                "them agree (e.g. model_type="
+                f"{fams[0].model_type or fams[0].name!r} for {fams[0].classes[0]})."
+            )
+        return fams[0]
+    if typed:
+        return typed[0]
     types_ = sorted(f.model_type or f.name for f in FAMILIES.values())
     raise ConfigError(
         f"load_pretrained: {where}: no architectures entry, and model_type="
@@ -332,11 +368,15 @@ def load_pretrained(
         A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral).
 
     Raises:
-        ConfigError: a bad argument, an unknown `architectures` class, or a
-            config field blocklab does not implement (named with its value).
+        ConfigError: a bad argument, an unknown `architectures` class, a
+            config field blocklab does not implement (named with its value),
+            or a weight that overflows `dtype`.
         CheckpointError: no `config.json`, a shard missing or truncated, a
             key missing or left over, a tensor of the wrong shape or of a
-            dtype that is not floating point (each named with its file).
+            dtype that is not floating point, a weight holding NaN or an
+            infinity (as `load_state_dict` refuses it), a `model_type` and
+            `architectures` of different families, or an index beside a
+            `model.safetensors` it does not list (each named with its file).
     """
     owner = "load_pretrained"
     folder = _folder(owner, path)
@@ -527,12 +567,12 @@ def _assemble(
     for hf, rule in rules:
         source = stored_of[hf]
         if isinstance(source, str):
-            array = catalog.read(source)
+            array = _read_finite(catalog, source)
         else:
-            array = layouts[hf].join([catalog.read(k) for k in source])
+            array = layouts[hf].join([_read_finite(catalog, k) for k in source])
         for b, piece in zip(rule.bl, rule.from_hf(array), strict=True):
             slot, layer = where[b]
-            _place(slot, layer, piece)
+            _place(slot, layer, _converted(piece, slot.dtype, hf))
         del array
     values = {path: slot.value for path, slot in slots.items()}
 
@@ -548,12 +588,37 @@ def _put(array: np.ndarray, sharding: Any) -> jax.Array:
     return jnp.asarray(array)
 
 
+def _read_finite(catalog: Catalog, key: str) -> np.ndarray:
+    """The stored tensor `key`, refused if it holds NaN or infinities (the rule
+    of `load_state_dict`)."""
+    array = catalog.read(key)
+    bad = _non_finite(array)
+    if bad is not None:
+        raise CheckpointError(
+            f"load_pretrained: {catalog.infos[key].file}: tensor {key!r} {bad}."
+        )
+    return array
+
+
+def _converted(piece: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
+    """`piece` in `dtype`, refused if it overflows there (as `load_state_dict`
+    refuses it)."""
+    piece = np.asarray(piece)
+    if piece.dtype == dtype:
+        return piece
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = piece.astype(dtype)
+    if _non_finite(out) is not None:
+        raise ConfigError(
+            f"load_pretrained: tensor {key!r} overflows dtype={np.dtype(dtype).name} "
+            f"(its largest magnitude is {float(np.abs(piece).max())!r}); pass a "
+            "wider dtype= (or None, the stored dtypes)."
+        )
+    return out
+
+
 def _place(slot: _Slot, layer: int | None, piece: np.ndarray) -> None:
     """Put one converted tensor into its parameter (its layer's slot)."""
-    piece = np.asarray(piece)
-    if piece.dtype != slot.dtype:
-        with np.errstate(over="ignore", invalid="ignore"):
-            piece = piece.astype(slot.dtype)
     # Each placement is waited for: with asynchronous dispatch the loop would
     # run ahead and keep many host tensors alive at once.
     if layer is None:
@@ -591,17 +656,121 @@ def _dtype_name(model: DecoderLM) -> str:
     return max(bytes_by, key=bytes_by.get) if bytes_by else "float32"
 
 
-def hf_config_dict(model: DecoderLM, fam: HFFamily) -> dict[str, Any]:
+def hf_config_dict(
+    model: DecoderLM, fam: HFFamily, token_ids: Mapping[str, Any]
+) -> dict[str, Any]:
     """The `config.json` of `model` for `fam`: the family's fields plus
-    `architectures`, `model_type` and `dtype`."""
+    `architectures`, `model_type`, `dtype` and `token_ids`."""
     fields = dict(fam.hf_fields(model.cfg))
-    fields.setdefault("pad_token_id", None)  # a default id may not fit a small vocab
+    fields.update(token_ids)
     fields.update(
         architectures=[fam.classes[0]],
         model_type=fam.model_type or fam.name,
         dtype=_dtype_name(model),
     )
     return {k: _json_value(v) for k, v in sorted(fields.items())}
+
+
+def _token_id(owner: str, where: str, name: str, value: Any, vocab: int) -> Any:
+    """`value` as the token id `name` of a model with `vocab` tokens: `None`,
+    an int in [0, vocab), or (`eos_token_id` only) a non-empty list of them."""
+
+    def one(v):
+        if (
+            isinstance(v, (int, np.integer))
+            and not isinstance(v, (bool, np.bool_))
+            and 0 <= v < vocab
+        ):
+            return int(v)
+        lists = ", or a non-empty list of such ints" if name == "eos_token_id" else ""
+        raise ConfigError(
+            f"{owner}: {where}={value!r} is not a token id of this model: None, "
+            f"an int in [0, {vocab}){lists}."
+        )
+
+    if value is None:
+        return None
+    if name == "eos_token_id" and isinstance(value, (list, tuple)) and value:
+        return [one(v) for v in value]
+    return one(value)
+
+
+def _json_object(owner: str, file: Path, name: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{owner}: {name}: {file} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{owner}: {name}: {file} is not a JSON object.")
+    return raw
+
+
+def _usage(
+    owner: str, vocab: int, source: Any, token_ids: Any, generation_config: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The token ids of `config.json` and the generation config that
+    `save_pretrained` writes (see its docstring for the rule)."""
+    ids: dict[str, Any] = dict.fromkeys(TOKEN_IDS)  # built from scratch: none
+    generation = None
+    if source is not None:
+        folder = _folder(owner, source, "source")
+        file = folder / CONFIG_NAME
+        if not file.is_file():
+            raise ConfigError(
+                f"{owner}: source={str(source)!r} is not a checkpoint folder (it "
+                f"has no {CONFIG_NAME}); pass the folder the model was loaded from."
+            )
+        raw = _json_object(owner, file, "source")
+        ids = {
+            k: _token_id(owner, f"source {file}: {k}", k, raw[k], vocab)
+            for k in TOKEN_IDS
+            if k in raw  # a missing id keeps transformers' default for the class
+        }
+        if (folder / GENERATION_CONFIG_NAME).is_file():
+            generation = _json_object(owner, folder / GENERATION_CONFIG_NAME, "source")
+    given: dict[str, Any] = {}
+    if token_ids is not None:
+        if not isinstance(token_ids, Mapping):
+            raise ConfigError(
+                f"{owner}: token_ids must be a dict of {list(TOKEN_IDS)}, got "
+                f"{type(token_ids).__name__} {token_ids!r}."
+            )
+        unknown = sorted(str(k) for k in token_ids if k not in TOKEN_IDS)
+        if unknown:
+            raise ConfigError(
+                f"{owner}: token_ids has the keys {unknown}; the valid keys are "
+                f"{list(TOKEN_IDS)}."
+            )
+        given = {
+            k: _token_id(owner, f"token_ids[{k!r}]", k, v, vocab)
+            for k, v in token_ids.items()
+        }
+        ids.update(given)
+    if generation_config is not None:
+        if not isinstance(generation_config, Mapping):
+            raise ConfigError(
+                f"{owner}: generation_config must be a dict (the content of "
+                f"{GENERATION_CONFIG_NAME}; for a transformers GenerationConfig, "
+                f"its .to_dict()), got {type(generation_config).__name__}."
+            )
+        generation = {str(k): v for k, v in generation_config.items()}
+    if generation is None:  # as transformers derives it from config.json
+        generation = {"_from_model_config": True}
+        generation.update((k, v) for k, v in ids.items() if v is not None)
+    else:
+        generation.update(given)
+    for k in TOKEN_IDS:
+        if k in generation:
+            generation[k] = _token_id(
+                owner, f"generation config {k}", k, generation[k], vocab
+            )
+    try:
+        json.dumps(generation, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            f"{owner}: the generation config cannot be written as JSON ({err})."
+        ) from None
+    return ids, generation
 
 
 def save_pretrained(
@@ -611,17 +780,35 @@ def save_pretrained(
     max_shard_size: Any = "5GB",
     overwrite: Any = False,
     family: str | None = None,
+    source: str | os.PathLike | None = None,
+    token_ids: Mapping[str, Any] | None = None,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> Path:
     r"""Write `model` as a checkpoint folder that `transformers` loads.
 
     The folder holds `config.json` (the family's config fields with
-    `architectures`, `model_type` and `dtype`) and the weights in the
-    family's names and layouts (`model.safetensors`, metadata
-    `{"format": "pt"}`), split into `model-0000i-of-0000N.safetensors` with
-    `model.safetensors.index.json` when they pass `max_shard_size`.
+    `architectures`, `model_type`, `dtype` and the token ids),
+    `generation_config.json`, and the weights in the family's names and
+    layouts (`model.safetensors`, metadata `{"format": "pt"}`), split into
+    `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`
+    when they pass `max_shard_size`.
     `transformers.AutoModelForCausalLM.from_pretrained(path)` then computes
     the model's logits, and `load_pretrained(path)` returns the model bit for
-    bit (each parameter in its dtype). A tied head is not stored.
+    bit (each parameter in its dtype). A tied head is stored once, as the
+    embedding (no `lm_head.weight`), as `transformers` stores it.
+
+    Token ids and generation config. A `DecoderLM` holds no token ids, so
+    they come from the folder the model was loaded from, `source=` (its
+    `config.json`'s `bos_token_id`, `eos_token_id`, `pad_token_id` and its
+    `generation_config.json`, written as they are: `generate` in
+    `transformers` then stops where the original did), and from `token_ids=`
+    / `generation_config=`, which replace them. Without any, the model is
+    taken as built from scratch and says it has none: the three ids are
+    written as `null` (not the class defaults `transformers` would fill in,
+    e.g. GPT-2's 50256, which may not even be in the vocabulary), and
+    `generate` runs to its length limit. With no generation config given or
+    in `source`, it is derived from the ids (`"_from_model_config": true`),
+    as `transformers` does.
 
     The folder is written beside `path` and renamed into place when complete:
     a failure leaves nothing half-written, and an earlier folder at `path` as
@@ -635,15 +822,32 @@ def save_pretrained(
         overwrite: replace a non-empty folder at `path`.
         family: a family's short name or class name; `None`: the family that
             can express the model (`resolve_family`).
+        source: the checkpoint folder the model was loaded from (e.g. the
+            path given to `load_pretrained`): its token ids and generation
+            config are written (an id its `config.json` leaves out stays out,
+            so `transformers` fills in its class default, as it did there).
+        token_ids: `{"bos_token_id": ..., "eos_token_id": ...,
+            "pad_token_id": ...}` (any of them): each an id in
+            `[0, vocab_size)` or `None` (none); `eos_token_id` may be a list
+            (several end tokens). They replace those of `source`, in
+            `config.json` and in the generation config.
+        generation_config: the content of `generation_config.json` (a dict;
+            a `transformers` `GenerationConfig`'s `.to_dict()`), replacing
+            that of `source`.
 
     Returns:
-        The folder's path.
+        The folder's path. A symlink `path` stays a link: the folder it
+        points to is replaced (with `overwrite=True`).
 
     Raises:
         ConfigError: `model` is not a `DecoderLM`, no (or an ambiguous)
             family can express it (each setting named), a bad
-            `max_shard_size`, or `path` is a file or a non-empty folder
-            without `overwrite=True`.
+            `max_shard_size`, `path` is a file or a non-empty folder
+            without `overwrite=True`, `source` is not a checkpoint folder,
+            or a token id (given, or carried from `source`) that is not one
+            of this model's (named with its value and the valid range).
+        OSError: the folder of `path` cannot be written (named, with the
+            reason; nothing is left behind).
     """
     owner = "save_pretrained"
     if not isinstance(model, DecoderLM):
@@ -662,6 +866,9 @@ def save_pretrained(
         )
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
     fam = resolve_family(owner, model.cfg, family, check=True)
+    ids, generation = _usage(
+        owner, model.cfg.vocab_size, source, token_ids, generation_config
+    )
     rules = dict(_all_rules(model.cfg, fam))
     arrays: dict[str, Callable[[], np.ndarray]] = {}
 
@@ -712,11 +919,15 @@ def save_pretrained(
             last[hf] = layouts[hf].split(state_tensor(hf))
         return last[hf][j]
 
-    config = hf_config_dict(model, fam)
+    config = hf_config_dict(model, fam, ids)
     with atomic_dir(folder, owner=owner, overwrite=overwrite) as tmp:
         for _ in write_shards(tmp, shards, tensor, num_params=num_params):
             pass
-        (tmp / CONFIG_NAME).write_text(
-            json.dumps(config, indent=2, sort_keys=True) + "\n"
-        )
+        for name, content in (
+            (CONFIG_NAME, config),
+            (GENERATION_CONFIG_NAME, generation),
+        ):
+            (tmp / name).write_text(
+                json.dumps(content, indent=2, sort_keys=True) + "\n"
+            )
     return folder

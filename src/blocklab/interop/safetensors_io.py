@@ -18,8 +18,9 @@ shard of its own); `write_shards` writes them with `{"format": "pt"}`
 metadata, and the index when there is more than one shard.
 
 Errors: a file that is missing, truncated or not safetensors, an index that
-is not JSON or names a missing shard, a key stored twice: `CheckpointError`
-naming the file (and key).
+is not JSON or names a missing shard, a key stored twice, an index beside a
+`model.safetensors` it does not list (two checkpoints in one folder):
+`CheckpointError` naming the file (and key).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..training.checkpoint import CheckpointError
 
 __all__ = [
     "CONFIG_NAME",
+    "GENERATION_CONFIG_NAME",
     "INDEX_NAME",
     "WEIGHTS_NAME",
     "Catalog",
@@ -51,6 +53,7 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -187,7 +190,8 @@ def open_catalog(folder: Path) -> Catalog:
     Raises:
         CheckpointError: an index that is not JSON or has no `weight_map`, a
             shard it lists that is missing, a file that is truncated or not
-            safetensors (each named).
+            safetensors, an index beside a `model.safetensors` it does not list
+            (each named).
     """
     index = folder / INDEX_NAME
     if not index.is_file():
@@ -212,6 +216,15 @@ def open_catalog(folder: Path) -> Catalog:
         declared[key] = shard
         if folder / shard not in files:
             files.append(folder / shard)
+    single = folder / WEIGHTS_NAME
+    if single not in files and single.exists():
+        raise CheckpointError(
+            f"load_pretrained: {folder} holds both {INDEX_NAME} (listing "
+            f"{len(files)} shard(s)) and a {WEIGHTS_NAME} it does not list: two "
+            f"checkpoints in one folder (transformers reads {WEIGHTS_NAME}, the "
+            "index would give the shards). Remove the one that is not this "
+            "checkpoint."
+        )
     return Catalog(folder, files, declared)
 
 
