@@ -15,14 +15,18 @@ from .datasets import (
     pack_documents,
     preprocess,
 )
+from .pipeline import TokenFile, TokenPipeline, tokenize_files
 
 __all__ = [
     "VOCAB",
     "TimeMachine",
     "TokenDataset",
+    "TokenFile",
+    "TokenPipeline",
     "corpus_path",
     "decode",
     "encode",
     "pack_documents",
     "preprocess",
+    "tokenize_files",
 ]
