@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -122,9 +125,33 @@ def test_round_trip_keeps_token_ids_and_generate_stops_at_eos(tmp_path):
     assert gen == orig_gen and gen["eos_token_id"] == [eos, never]
     assert _generate(_from_pretrained(ours), prompt, 10) == want
 
-    # Without source= the model says it has no ids: generate runs to its limit.
-    bare = save_pretrained(model, tmp_path / "bare")
+    # The plain round trip keeps them too: load_pretrained puts them in the
+    # model's config, and a model changed (fine-tuned) keeps its config.
+    assert model.cfg.eos_token_id == eos and model.cfg.bos_token_id == 1
+    tuned = jax.tree_util.tree_map(
+        lambda a: a * 1.0 if eqx.is_inexact_array(a) else a, model
+    )
+    plain = save_pretrained(tuned, tmp_path / "plain")
+    assert _json(plain / "generation_config.json") == orig_gen
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert _json(plain / "config.json")[k] == _json(original / "config.json")[k]
+    assert _generate(_from_pretrained(plain), prompt, 10) == want
+    assert load_pretrained(plain).cfg == model.cfg
+
+    # A model whose config has none says so: generate runs to its limit.
+    bare = save_pretrained(_without_usage(model), tmp_path / "bare")
     assert _generate(_from_pretrained(bare), prompt, 10) == free
+
+
+def _without_usage(model):
+    """`model` with the token ids and generation config cleared from its config."""
+    cfg = dataclasses.replace(
+        model.cfg, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        generation_config=None,
+    )  # fmt: skip
+    out = copy.copy(model)
+    object.__setattr__(out, "cfg", cfg)
+    return out
 
 
 def test_a_model_from_scratch_says_it_has_no_ids(tmp_path):

@@ -38,9 +38,11 @@ without the `model.` / `transformer.` prefix is read with it. Unlike
 (`transformers` would draw a random head).
 
 What a checkpoint needs to be used besides its weights, its token ids and
-`generation_config.json`, `save_pretrained` carries from the folder the model
-came from (`source=`), or takes as given (`token_ids=`,
-`generation_config=`); a model built from scratch says it has none.
+`generation_config.json`, `load_pretrained` keeps in the model's config
+(`DecoderConfig.bos_token_id`, ..., `generation_config`) and
+`save_pretrained` writes back; `source=` (another folder), `token_ids=` and
+`generation_config=` replace them, and a model built from scratch says it
+has none.
 
 Errors name the file, key or field: a bad argument is a `ConfigError`; a
 folder that is not a readable checkpoint of its own config (no
@@ -384,6 +386,7 @@ def load_pretrained(
     sharding_of = _resolve_sharding(sharding)
     raw = read_config(folder)
     fam, cfg = _config(raw, folder / CONFIG_NAME)
+    cfg = _with_usage(owner, cfg, raw, folder)
     with open_catalog(folder) as catalog:
         cfg, stored_of = _match(cfg, fam, catalog, folder)
         return _assemble(cfg, fam, catalog, stored_of, target_dtype, sharding_of)
@@ -705,13 +708,45 @@ def _json_object(owner: str, file: Path, name: str) -> dict[str, Any]:
     return raw
 
 
+def _with_usage(
+    owner: str, cfg: DecoderConfig, raw: Mapping[str, Any], folder: Path
+) -> DecoderConfig:
+    """`cfg` with the folder's token ids (`config.json`) and its
+    `generation_config.json`, kept in the config for `save_pretrained`."""
+    vocab = cfg.vocab_size
+    ids = {
+        k: _token_id(owner, f"{folder / CONFIG_NAME}: {k}", k, raw[k], vocab)
+        for k in TOKEN_IDS
+        if k in raw
+    }
+    if isinstance(ids.get("eos_token_id"), list):
+        ids["eos_token_id"] = tuple(ids["eos_token_id"])
+    file = folder / GENERATION_CONFIG_NAME
+    if file.is_file():
+        ids["generation_config"] = json.dumps(
+            _json_object(owner, file, "generation config"), sort_keys=True
+        )
+    return dataclasses.replace(cfg, **ids) if ids else cfg
+
+
 def _usage(
-    owner: str, vocab: int, source: Any, token_ids: Any, generation_config: Any
+    owner: str,
+    vocab: int,
+    source: Any,
+    token_ids: Any,
+    generation_config: Any,
+    cfg: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The token ids of `config.json` and the generation config that
     `save_pretrained` writes (see its docstring for the rule)."""
     ids: dict[str, Any] = dict.fromkeys(TOKEN_IDS)  # built from scratch: none
     generation = None
+    if source is None and cfg is not None:  # what the model's config keeps
+        kept = {k: getattr(cfg, k, None) for k in TOKEN_IDS}
+        text = getattr(cfg, "generation_config", None)
+        if text is not None or any(v is not None for v in kept.values()):
+            ids = {k: list(v) if isinstance(v, tuple) else v for k, v in kept.items()}
+            generation = None if text is None else json.loads(text)
     if source is not None:
         folder = _folder(owner, source, "source")
         file = folder / CONFIG_NAME
@@ -797,13 +832,15 @@ def save_pretrained(
     bit (each parameter in its dtype). A tied head is stored once, as the
     embedding (no `lm_head.weight`), as `transformers` stores it.
 
-    Token ids and generation config. A `DecoderLM` holds no token ids, so
-    they come from the folder the model was loaded from, `source=` (its
-    `config.json`'s `bos_token_id`, `eos_token_id`, `pad_token_id` and its
-    `generation_config.json`, written as they are: `generate` in
-    `transformers` then stops where the original did), and from `token_ids=`
-    / `generation_config=`, which replace them. Without any, the model is
-    taken as built from scratch and says it has none: the three ids are
+    Token ids and generation config. They come from the model's config
+    (`model.cfg.bos_token_id`, `eos_token_id`, `pad_token_id` and
+    `generation_config`, which `load_pretrained` fills from the folder: a
+    model loaded, fine-tuned and saved keeps them, and `generate` in
+    `transformers` stops where the original did), or, when given, from a
+    folder `source=` (its `config.json`'s ids and its
+    `generation_config.json`, written as they are) instead, and from
+    `token_ids=` / `generation_config=`, which replace them. Without any,
+    the model is taken as built from scratch and says it has none: the three ids are
     written as `null` (not the class defaults `transformers` would fill in,
     e.g. GPT-2's 50256, which may not even be in the vocabulary), and
     `generate` runs to its length limit. With no generation config given or
@@ -867,7 +904,7 @@ def save_pretrained(
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
     fam = resolve_family(owner, model.cfg, family, check=True)
     ids, generation = _usage(
-        owner, model.cfg.vocab_size, source, token_ids, generation_config
+        owner, model.cfg.vocab_size, source, token_ids, generation_config, model.cfg
     )
     rules = dict(_all_rules(model.cfg, fam))
     arrays: dict[str, Callable[[], np.ndarray]] = {}

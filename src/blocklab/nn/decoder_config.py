@@ -16,6 +16,7 @@ models of each family without `torch`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,6 +90,13 @@ class DecoderConfig(ComparedByKey):
             `attn_scale` is given; `blocklab.optimizer` applies the rates).
         base_width: the width $d_0$ at which μP equals standard (required by
             `"mup"`; every width must scale to an integer at $d_0$).
+        bos_token_id, eos_token_id, pad_token_id: the checkpoint's special
+            token ids (`eos_token_id` may be a tuple: several end tokens), in
+            `[0, vocab_size)`; `None`: none known. Metadata: they change
+            nothing the model computes. `load_pretrained` fills them from
+            `config.json`, and `save_pretrained` writes them back.
+        generation_config: the checkpoint's `generation_config.json`, as
+            JSON text (an object), or `None`; kept and written back as is.
     """
 
     vocab_size: int
@@ -103,6 +111,10 @@ class DecoderConfig(ComparedByKey):
     final_softcap: float | None = None
     parametrization: str = "standard"
     base_width: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    generation_config: str | None = None
 
     def __init__(
         self,
@@ -183,6 +195,7 @@ class DecoderConfig(ComparedByKey):
                 check_float(_OWNER, name, value, min=0.0, min_open=True, optional=True),
             )
         put("tie_embeddings", check_bool(_OWNER, "tie_embeddings", self.tie_embeddings))
+        self._check_metadata(put)
         rope = self.positions == "rope"
         changes: dict[str, Any] = {}
         if not rope:
@@ -249,6 +262,42 @@ class DecoderConfig(ComparedByKey):
         if changes:
             put("block", dataclasses.replace(block, **changes))
 
+    def _check_metadata(self, put) -> None:
+        """The token ids and the generation config (metadata)."""
+        vocab = self.vocab_size
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None:
+                put(name, check_int(_OWNER, name, value, min=0, max=vocab - 1))
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            if not eos:
+                raise ConfigError(
+                    f"{_OWNER}: eos_token_id must be an id, a non-empty list of "
+                    "ids, or None, got []."
+                )
+            eos = tuple(
+                check_int(_OWNER, "eos_token_id[i]", e, min=0, max=vocab - 1)
+                for e in eos
+            )
+            put("eos_token_id", eos if len(eos) > 1 else eos[0])
+        elif eos is not None:
+            put(
+                "eos_token_id",
+                check_int(_OWNER, "eos_token_id", eos, min=0, max=vocab - 1),
+            )
+        text = self.generation_config
+        if text is not None:
+            try:
+                ok = isinstance(text, str) and isinstance(json.loads(text), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    f"{_OWNER}: generation_config must be the JSON text of an "
+                    f"object (json.dumps of generation_config.json), got {text!r:.80}."
+                )
+
     def _key(self) -> tuple:
         # Every field, and the block's per-layer data by value: two decoders
         # differ when their windows or RoPE bases do (the block alone compares
@@ -310,8 +359,9 @@ class DecoderConfig(ComparedByKey):
             if f.name != "block"
         }
         out["block"] = self.block.to_dict()
-        if out["global_layers"] is not None:
-            out["global_layers"] = list(out["global_layers"])
+        for name in ("global_layers", "eos_token_id"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
         return out
 
     # Presets (small defaults; no torch needed) -----------------------------
