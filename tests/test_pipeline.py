@@ -412,6 +412,36 @@ def test_plain_batches_train_with_the_default_loss(corpus):
     assert res.losses[0] == pytest.approx(float(bl.lm_loss(model, X, Y)), rel=1e-5)
 
 
+def test_a_sweep_trains_every_member_on_the_pipeline(corpus, plain_python):
+    """`train_sweep` takes the pipeline (a host iterable): every member trains
+    step s on batch s, so each member's losses equal its own `train_model`
+    run on the pipeline (same model seed, same learning rate). A host
+    callable fn(key) is still refused: there is no one key to give it."""
+    pipe = TokenPipeline(corpus[0], seq_len=8, batch_size=4, segment_ids=False)
+    cfg = bl.DecoderConfig(
+        vocab_size=257, num_hiddens=16, num_heads=2, num_blks=1, max_len=8
+    )
+    rates = [1e-2, 3e-3]
+    res = bl.train_sweep(
+        lambda k: bl.DecoderLM(cfg, key=k), pipe, 3, model_keys=[0, 0],
+        data_keys=[0, 1], learning_rates=rates,
+        steps_per_call=2, progress=False,
+    )  # fmt: skip
+    for i, lr in enumerate(rates):
+        alone = bl.train_model(
+            bl.DecoderLM(cfg, key=jax.random.key(0)), pipe, optax.adam(lr), 3,
+            key=jax.random.key(1), steps_per_call=2, progress=False,
+        )  # fmt: skip
+        np.testing.assert_allclose(res.losses[i], alone.losses, rtol=1e-4)
+    assert not np.allclose(res.losses[0], res.losses[1])
+    with pytest.raises(ConfigError, match="host callable"):
+        bl.train_sweep(
+            lambda k: bl.DecoderLM(cfg, key=k),
+            bl.host_source(lambda key: pipe.batch_at(0)), 2,
+            model_keys=[0], data_keys=[0], learning_rates=[1e-2], progress=False,
+        )  # fmt: skip
+
+
 # ---- refusals ----------------------------------------------------------------
 
 

@@ -392,7 +392,11 @@ def train_sweep(
             `eqx.filter_vmap`-ed over the model keys, so every member has one
             structure.
         data: a token dataset (`TimeMachine`, `TokenDataset`) or any batch
-            source (`source(key)` / `source.batch(key)`), shared by all members.
+            source (`source(key)` / `source.batch(key)`), shared by all members;
+            or an iterable of batches drawn on the host (a
+            `blocklab.data.TokenPipeline`, a list, a loader): every member
+            then trains step $s$ on the $s$-th batch (its data key only
+            drives dropout). A host callable `fn(key)` is refused.
         num_steps: optimizer steps per member (>= 1).
         model_keys, data_keys: `(K,)` PRNG keys, or K int seeds (non-negative,
             repeats allowed: members may share a seed and differ in
@@ -469,13 +473,13 @@ def train_sweep(
     step = make_train_step(
         tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
     )
-    if isinstance(step.source, HostSource):
+    host = step.source if isinstance(step.source, HostSource) else None
+    if host is not None and host._fn is not None:
         raise ConfigError(
-            f"{owner}: data is a host source (an iterator or host callable); the "
-            "members of a sweep draw their batches from their own data keys inside "
-            "one compiled program, so the source must be a pure function of the "
-            "key (source(key), source.batch(key)) or a token dataset. Train host "
-            "sources with train_model."
+            f"{owner}: data is a host callable fn(key); the members have K data "
+            "keys, so it has no one key to get. Give an iterable of batches (e.g. "
+            "a blocklab.data.TokenPipeline): every member trains step s on its "
+            "s-th batch."
         )
     shape_state = eqx.filter_eval_shape(
         lambda k: init_state(make_model(k), tx), jax.random.key(0)
@@ -519,7 +523,18 @@ def train_sweep(
     def advance(states, done, n):
         fixed = (step, dk, jnp.asarray(done, jnp.int32))
         with jax.set_mesh(mesh):  # runtime checks raise on every device
-            states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
+            if host is None:
+                states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
+            else:
+                batches = host.take(range(n), owner=owner)
+                if not batches:
+                    return states, np.zeros((K, 0), np.float32), None
+                stacked = jax.tree_util.tree_map(
+                    lambda *b: np.stack([np.asarray(x) for x in b]), *batches
+                )
+                states, out = _run_host_chunk(
+                    fixed, states, stacked, (state_shard, sharding)
+                )
         loss, aux = out if has_aux else (out, None)
         aux = jax.tree_util.tree_map(lambda a: to_host(a)[:K], aux)
         return states, to_host(loss)[:K], aux
@@ -621,6 +636,18 @@ def _run_chunk(fixed, states, n, sharding):
     step, data_keys, start = fixed
     keys = jax.vmap(lambda k: step_keys(wrap_key(k), start, n))(data_keys)
     states, losses = eqx.filter_vmap(step.scan)(states, keys)
+    state_shard, member_shard = sharding
+    return eqx.filter_shard(states, state_shard), eqx.filter_shard(losses, member_shard)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _run_host_chunk(fixed, states, batches, sharding):
+    """`_run_chunk` on a host source's batches, the same for every member."""
+    step, data_keys, start = fixed
+    n = jax.tree_util.tree_leaves(batches)[0].shape[0]
+    keys = jax.vmap(lambda k: step_keys(wrap_key(k), start, n))(data_keys)
+    scan = eqx.filter_vmap(step.scan, in_axes=(0, 0, None))
+    states, losses = scan(states, keys, batches)
     state_shard, member_shard = sharding
     return eqx.filter_shard(states, state_shard), eqx.filter_shard(losses, member_shard)
 
