@@ -120,7 +120,13 @@ def linear(
 
 
 def dense(layer: Any, x: Float[Array, "*batch n"]) -> Float[Array, "*batch m"]:
-    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$ (`linear`)."""
+    """Apply an `eqx.nn.Linear` to every row of `x`: $x W^\\top + b$ (`linear`).
+
+    An adapted layer (`blocklab.nn.lora.LoRALinear`, recognized by its
+    `add_delta` method) adds its low-rank term to its frozen base's product.
+    """
+    if hasattr(layer, "add_delta"):
+        return layer.add_delta(x, dense(layer.frozen_base(), x))
     return linear(x, layer.weight, layer.bias)
 
 
@@ -131,7 +137,10 @@ def dense_weight_first(
     left: the same products. For the few rows of a decoding step, XLA:CPU
     fuses the attention's last sum into the product written `x @ W.T` and then
     reads $W$ transposed, one strided column per output, which is several
-    times slower (`benchmarks/generate.py`)."""
+    times slower (`benchmarks/generate.py`). An adapted layer adds its
+    low-rank term, as in `dense`."""
+    if hasattr(layer, "add_delta"):
+        return layer.add_delta(x, dense_weight_first(layer.frozen_base(), x))
     dtype = jnp.result_type(x.dtype, layer.weight.dtype)
     rows = x.reshape(-1, x.shape[-1])
     y = (layer.weight.astype(dtype) @ rows.T).T.reshape(*x.shape[:-1], -1)

@@ -1,0 +1,347 @@
+r"""Low-rank adapters (LoRA; Hu et al., 2021, arXiv:2106.09685).
+
+An adapted projection computes
+
+$$y = x W^\top + b + s\,(x A^\top) B^\top,\qquad A \in \mathbb{R}^{r\times n},\;
+B \in \mathbb{R}^{m\times r},$$
+
+with $s = \alpha / r$, or $s = \alpha / \sqrt r$ with rsLoRA (Kalajdzievski,
+2023, arXiv:2312.03732). $B$ starts at zero, so the adapted model equals the
+base at step 0. The product is two thin matrix products; $BA$ is never formed.
+
+`lora(model, ...)` swaps each targeted `eqx.nn.Linear` for a `LoRALinear`
+with `eqx.tree_at`. In a `Stack` the Linear's leaves carry the layer axis, so
+the adapters do too (`A`: `(L, r, n)`, `B`: `(L, m, r)`) and are sliced by the
+same `lax.scan`. `blocklab.nn.functional.dense` dispatches on the adapter.
+
+Training only the adapters: `lora_filter(model)` marks the `A`/`B` leaves
+(`eqx.partition(model, lora_filter(model))` splits them off), and
+`lora_optimizer(optimizer)` wraps an optax transformation so that it
+keeps state for, and updates, those leaves only (the rest get zero updates).
+The base weight of an adapted layer is also behind `jax.lax.stop_gradient`,
+so the backward pass never forms its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float
+
+from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .functional import linear
+
+__all__ = [
+    "LORA_TARGETS",
+    "LoRALinear",
+    "lora",
+    "lora_filter",
+    "lora_optimizer",
+    "merge_lora",
+    "unmerge_lora",
+    "lora_layers",
+]
+
+#: Target names -> the path tail (module attribute names) of the Linear they
+#: adapt in a `TransformerBlock`.
+LORA_TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("attention", "W_q"),
+    "k": ("attention", "W_k"),
+    "v": ("attention", "W_v"),
+    "o": ("attention", "W_o"),
+    "gate": ("ffn", "W_g"),
+    "up": ("ffn", "W_1"),
+    "down": ("ffn", "W_2"),
+}
+
+#: Targets the issue names that this version does not adapt, with the reason.
+_NOT_YET = {
+    "experts": "the MoE experts' stacked projections are applied by their own "
+    "routine (blocklab.nn.moe), not by dense",
+    "embed": "the embedding is a table lookup, not a Linear",
+    "head": "the output head is applied as a tied/untied weight, not a Linear",
+}
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
+    """$s = \\alpha / r$, or $\\alpha / \\sqrt r$ with rsLoRA (PEFT's scaling)."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+class LoRALinear(eqx.Module):
+    r"""An `eqx.nn.Linear` with a low-rank adapter:
+    $y = x W^\top + b + s\,(x A^\top) B^\top$ (Hu et al., 2021).
+
+    The base weight is frozen (`stop_gradient`); `A` and `B` are float32
+    whatever the base's dtype, and the adapter's term is computed in float32
+    then cast to the base product's dtype. Leading axes of `A`, `B` (a
+    stack's layer axis) match those of the base weight.
+    """
+
+    base: eqx.nn.Linear
+    A: Float[Array, "*layers r n"]
+    B: Float[Array, "*layers m r"]
+    scale: float = eqx.field(static=True)
+    rank: int = eqx.field(static=True)
+    alpha: float = eqx.field(static=True)
+    use_rslora: bool = eqx.field(static=True)
+
+    def delta(self, x: Float[Array, "*batch n"]) -> Float[Array, "*batch m"]:
+        """The adapter's term $s\\,(x A^\\top) B^\\top$ in float32."""
+        xa = linear(x.astype(jnp.float32), self.A.astype(jnp.float32))
+        return linear(xa, self.B.astype(jnp.float32)) * self.scale
+
+    def frozen_base(self) -> eqx.nn.Linear:
+        """The base Linear behind `stop_gradient` (what `dense` applies)."""
+        return jax.lax.stop_gradient(self.base)
+
+    def add_delta(
+        self, x: Float[Array, "*batch n"], y: Float[Array, "*batch m"]
+    ) -> Float[Array, "*batch m"]:
+        """`y` (the base's product on `x`) plus the adapter's term, in `y`'s dtype."""
+        return (y + self.delta(x).astype(y.dtype)).astype(y.dtype)
+
+    def merged(self) -> eqx.nn.Linear:
+        """The plain Linear with $W + s BA$ (computed in float32, cast to W's dtype)."""
+        W = self.base.weight
+        delta = jnp.matmul(self.B.astype(jnp.float32), self.A.astype(jnp.float32))
+        new = (W.astype(jnp.float32) + self.scale * delta).astype(W.dtype)
+        return eqx.tree_at(lambda m: m.weight, self.base, new)
+
+
+def _is_linear(x: Any) -> bool:
+    return isinstance(x, (eqx.nn.Linear, LoRALinear))
+
+
+def _name(k: Any) -> Any:
+    for attr in ("name", "idx", "key"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    raise TypeError(f"unexpected pytree key {k!r}")
+
+
+def _getter(path: Sequence[Any]) -> Callable[[Any], Any]:
+    def get(tree):
+        for k in path:
+            tree = getattr(tree, k.name) if hasattr(k, "name") else tree[_name(k)]
+        return tree
+
+    return get
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(_name(k)) for k in path)
+
+
+def lora_layers(model: Any) -> dict[str, LoRALinear]:
+    """The adapted layers of `model` by dotted path (`stack.blocks.attention.W_q`)."""
+    nodes = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, LoRALinear)
+    )[0]
+    return {_path_str(p): n for p, n in nodes if isinstance(n, LoRALinear)}
+
+
+def _target_paths(model: Any, owner: str, targets: Sequence[str]) -> dict[str, list]:
+    """Each target name -> the pytree paths of the Linears it names."""
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
+    found: dict[str, list] = {t: [] for t in targets}
+    for path, node in nodes:
+        if not _is_linear(node):
+            continue
+        tail = tuple(str(_name(k)) for k in path[-2:])
+        for t in targets:
+            if tail == LORA_TARGETS[t]:
+                if isinstance(node, LoRALinear):
+                    raise ConfigError(
+                        f"{owner}: {_path_str(path)} already has an adapter "
+                        "(adding adapters twice); merge_lora or unmerge_lora first."
+                    )
+                found[t].append(path)
+    for t, paths in found.items():
+        if not paths:
+            raise ConfigError(
+                f"{owner}: target {t!r} names no layer of this "
+                f"{type(model).__name__} (no {'.'.join(LORA_TARGETS[t])} Linear)."
+            )
+    return found
+
+
+def _check_targets(owner: str, targets: Any) -> list[str]:
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, Sequence) or not targets:
+        raise ConfigError(
+            f"{owner}: targets must be a non-empty list of names from "
+            f"{sorted(LORA_TARGETS)}, got {targets!r}."
+        )
+    out = []
+    for t in targets:
+        if t in _NOT_YET:
+            raise ConfigError(
+                f"{owner}: target {t!r} is not supported yet: {_NOT_YET[t]}."
+            )
+        if t not in LORA_TARGETS:
+            raise ConfigError(
+                f"{owner}: target {t!r} is not a projection name; targets must "
+                f"come from {sorted(LORA_TARGETS)}."
+            )
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def _add(
+    model: Any,
+    owner: str,
+    specs: Mapping[str, tuple[int, float]],
+    use_rslora: bool,
+    key: Any,
+) -> Any:
+    """Adapters on every target of `specs` (target -> (rank, alpha)); A drawn
+    like PEFT's (Kaiming-uniform, bound $1/\\sqrt n$), B = 0."""
+    found = _target_paths(model, owner, list(specs))
+    paths = [(t, p) for t in specs for p in found[t]]
+    keys = jax.random.split(key, len(paths))
+    for (t, path), k in zip(paths, keys, strict=True):
+        rank, alpha = specs[t]
+        get = _getter(path)
+        base = get(model)
+        *lead, m, n = base.weight.shape
+        if rank > min(m, n):
+            raise ConfigError(
+                f"{owner}: rank must lie in [1, min(out, in)] = [1, {min(m, n)}] "
+                f"for target {t!r} ({_path_str(path)}, weight {m}x{n}), got {rank}."
+            )
+        bound = 1.0 / math.sqrt(n)
+        A = jax.random.uniform(k, (*lead, rank, n), jnp.float32, -bound, bound)
+        B = jnp.zeros((*lead, m, rank), jnp.float32)
+        node = LoRALinear(
+            base=base,
+            A=A,
+            B=B,
+            scale=lora_scale(rank, alpha, use_rslora),
+            rank=rank,
+            alpha=alpha,
+            use_rslora=use_rslora,
+        )
+        model = eqx.tree_at(get, model, node, is_leaf=_is_linear)
+    return model
+
+
+def lora(
+    model: Any,
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str],
+    dropout: float = 0.0,
+    use_rslora: bool = False,
+    key: Any,
+) -> Any:
+    r"""Add low-rank adapters to the projections `targets` of `model`.
+
+    Args:
+        model: a `DecoderLM`, `Stack` or `TransformerBlock` (any module whose
+            blocks hold `attention.W_{q,k,v,o}` / `ffn.W_{g,1,2}` Linears).
+        rank: $r \ge 1$, at most `min(out, in)` of every adapted weight.
+        alpha: the scaling numerator (finite): $s = \alpha / r$, or
+            $\alpha / \sqrt r$ with `use_rslora`.
+        targets: names from `LORA_TARGETS`: `"q"`, `"k"`, `"v"`, `"o"`
+            (attention), `"gate"`, `"up"`, `"down"` (the MLP).
+        dropout: must be 0.0 in this version (the blocks do not pass a key to
+            their projections; a non-zero rate is refused rather than ignored).
+        use_rslora: rank-stabilized scaling.
+        key: draws $A$ (Kaiming-uniform like PEFT, bound $1/\sqrt{n}$); $B = 0$.
+
+    Returns:
+        `model` with each targeted Linear replaced by a `LoRALinear`; in a
+        stack, the adapters carry its layer axis. The result's outputs equal
+        `model`'s exactly (B = 0).
+
+    Raises:
+        ConfigError: a target that is unknown, unsupported or names no layer;
+            a rank outside `[1, min(out, in)]`; a non-finite alpha; a layer
+            that already has an adapter; a non-zero dropout.
+    """
+    owner = "lora"
+    key = check_key(owner, "key", key)
+    rank = check_int(owner, "rank", rank, min=1)
+    alpha = check_float(owner, "alpha", alpha)
+    use_rslora = check_bool(owner, "use_rslora", use_rslora)
+    dropout = check_float(owner, "dropout", dropout, min=0.0, max=1.0, max_open=True)
+    if dropout != 0.0:
+        raise ConfigError(
+            f"lora: dropout={dropout} is not supported yet (the projections get "
+            "no key); use dropout=0.0."
+        )
+    targets = _check_targets(owner, targets)
+    return _add(model, owner, {t: (rank, alpha) for t in targets}, use_rslora, key)
+
+
+def lora_filter(model: Any) -> Any:
+    """A pytree of bools like `model`: True on the adapters' `A` and `B`
+    leaves, False elsewhere (for `eqx.partition` / `optax` masks)."""
+
+    def mark(node):
+        if isinstance(node, LoRALinear):
+            marked = eqx.tree_at(
+                lambda m: (m.A, m.B), node, (True, True), is_leaf=lambda x: x is None
+            )
+            return jax.tree.map(lambda x: x is True, marked)
+        return False
+
+    return jax.tree.map(mark, model, is_leaf=lambda x: isinstance(x, LoRALinear))
+
+
+def lora_optimizer(
+    optimizer: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+    """`optimizer` on the adapter leaves only: its state holds them alone, and
+    every other leaf gets a zero update (`optax.set_to_zero`, no state). The
+    leaves are found in the parameters `init` and `update` receive (any tree
+    holding `LoRALinear`s, e.g. `eqx.filter(model, eqx.is_inexact_array)`)."""
+
+    def labels(params):
+        return jax.tree.map(lambda f: "adapter" if f else "frozen", lora_filter(params))
+
+    return optax.multi_transform(
+        {"adapter": optimizer, "frozen": optax.set_to_zero()}, labels
+    )
+
+
+def merge_lora(model: Any) -> Any:
+    """A plain model: each `LoRALinear` replaced by the Linear with weight
+    $W + s BA$ (float32 sums, cast to W's dtype). Its outputs equal the
+    adapted model's to float32 rounding."""
+    return jax.tree.map(
+        lambda n: n.merged() if isinstance(n, LoRALinear) else n,
+        model,
+        is_leaf=lambda x: isinstance(x, LoRALinear),
+    )
+
+
+def unmerge_lora(model: Any) -> tuple[Any, Any]:
+    """`(base, adapters)` of an adapted model.
+
+    `base` is the model the adapters were added to, bit for bit (each
+    `LoRALinear` replaced by its `base`); `adapters` is
+    `eqx.partition(model, lora_filter(model))[0]` (the `A`/`B` leaves, None
+    elsewhere). A merged model cannot give its base back exactly
+    ($W + sBA - sBA$ rounds), so this takes the adapted model, which JAX's
+    immutability keeps alongside `merge_lora`'s result.
+    """
+    if not lora_layers(model):
+        raise ConfigError("unmerge_lora: the model has no adapters (LoRALinear).")
+    adapters = eqx.partition(model, lora_filter(model))[0]
+    base = jax.tree.map(
+        lambda n: n.base if isinstance(n, LoRALinear) else n,
+        model,
+        is_leaf=lambda x: isinstance(x, LoRALinear),
+    )
+    return base, adapters
