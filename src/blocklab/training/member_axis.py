@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Integer, Key, PRNGKeyArray, UInt32
 
 from .._validate import ConfigError, check_int
+from .placement import auto_mesh
 
 __all__ = [
     "AXIS",
@@ -219,14 +220,17 @@ def sharded_map(
         keys: `(K,)` PRNG keys or a sequence of int seeds (seed s is
             `jax.random.key(s)`).
         *args: arrays with leading axis K (e.g. per-member hyperparameters).
-        mesh: a 1-D mesh with axis `"members"`.
+        mesh: a 1-D mesh with axis `"members"` (`Auto` or `Explicit`: the
+            program runs on its `Auto` view, `placement.auto_mesh`).
         chunk: members per compiled call (>= 1); `None`: all K at once.
 
     Returns:
         `fn`'s pytree with a leading axis K on every leaf (gathered onto the
         default device; the padding dropped).
     """
-    mesh = member_mesh() if mesh is None else mesh
+    # fn is written for propagation, as every blocklab program: on an
+    # Explicit axis its values' layouts would be part of their types.
+    mesh = auto_mesh(member_mesh() if mesh is None else mesh)
     check_int("sharded_map", "chunk", chunk, min=1, optional=True)
     data = key_data(keys)
     K = data.shape[0]

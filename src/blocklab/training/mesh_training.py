@@ -14,6 +14,12 @@ of the arrays differs, and GSPMD inserts the collectives:
 - the state is constrained to that layout after every step of a fused
   chunk, so the compiled loop keeps it (and donates it in place).
 
+The mesh's axes may be `Auto`, `Explicit` (`jax.make_mesh`'s default) or
+a mix: the step is a program written for propagation, so it runs on
+`auto_mesh(mesh)` (the same devices with every axis `Auto`; see
+`blocklab.training.placement`), and the state it returns is laid out there;
+`placement.on_mesh` puts it back on the caller's mesh without copying.
+
 The arithmetic is that of one device up to the order of the reductions
 (a split batch or a split contraction sums in another order), so the losses
 agree to float rounding, not bit for bit.
@@ -34,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .._validate import ConfigError
 from .placement import (
     ActivationConstraint,
+    auto_mesh,
     check_mesh,
     param_shardings,
     place,
@@ -177,7 +184,9 @@ def check_batch(owner: str, step: TrainStep, mesh: Mesh) -> None:
 
 
 def shard_step(step: TrainStep, mesh: Mesh, rules: Any) -> TrainStep:
-    """`step` with its batches split over the mesh axes of the logical `batch`."""
+    """`step` with its batches split over the mesh axes of the logical `batch`
+    (on `auto_mesh(mesh)`, where the step runs)."""
+    mesh = auto_mesh(mesh)
     sharding = _batch_sharding(mesh, resolve_rules(rules, mesh))
     return TrainStep(
         ShardedSource(step.source, sharding), step.loss_fn, step.optimizer,
@@ -193,8 +202,10 @@ def sharded_state(
     The model is placed by `rules` (with the block-boundary constraint) and
     the optimizer state is built by one compiled `optimizer.init` whose
     outputs land directly on their shardings (never whole on one device).
+    Both are on `auto_mesh(mesh)`, where the training step runs.
     """
     check_mesh(mesh)
+    mesh = auto_mesh(mesh)
     resolved = resolve_rules(rules, mesh)
     # The constraint is static metadata of the model: install it first, so
     # the shardings' tree is the state's.
@@ -214,11 +225,16 @@ def sharded_state(
 
 
 def reshard_state(state: TrainState, mesh: Mesh, rules: Any, optimizer: Any) -> tuple:
-    """A given `TrainState` (e.g. to resume) moved onto `mesh` by `rules`."""
+    """A given `TrainState` (e.g. to resume) moved onto `mesh` by `rules` (on
+    `auto_mesh(mesh)`, where the training step runs; a state already laid out
+    so on `mesh`, e.g. by `restore_sharded`, moves no data)."""
     check_mesh(mesh)
+    mesh = auto_mesh(mesh)
     resolved = resolve_rules(rules, mesh)
-    model = with_constraints(state.model, ActivationConstraint.of(resolved, mesh))
-    state = TrainState(model, state.opt_state, state.step, state.finite)
+    # On every Stack of the state: the optimizer's copies of the model's
+    # structure (Adam's m and v) carry the constraint too, and must match the
+    # model's (a state restored onto another mesh or other rules has theirs).
+    state = with_constraints(state, ActivationConstraint.of(resolved, mesh))
     shardings = state_shardings(state, optimizer, mesh, rules)
     return place_state(state, shardings), shardings
 

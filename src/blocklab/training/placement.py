@@ -41,6 +41,20 @@ hidden state $(B, T, d)$ between blocks; the presets put `batch` on the
 data-parallel axes (`data`, `expert`, whichever the mesh has) and leave
 the others replicated. `shard` installs that constraint on every `Stack`
 (`Stack.with_constraint`), so GSPMD does not guess the layout between blocks.
+
+**Axis types.** A mesh's axes are `Auto` (GSPMD propagates the layout of
+every intermediate value) or `Explicit` (the layout is part of each array's
+type, JAX's explicit sharding; `jax.make_mesh` makes them by default), or a
+mix. Every function here takes either. The arrays are laid out on the
+mesh as given, so their type carries the layout on `Explicit` axes. The
+modules of blocklab are written for propagation: a forward under explicit
+sharding would have to say the output layout of every ambiguous gather and
+contraction. So the programs of blocklab (training, sweeps) compute on
+`auto_mesh(mesh)`, the same devices and names with every axis `Auto`, as
+`jax.sharding.auto_axes` does for one region of a program, and move the
+arrays between the two without copying (`on_mesh`). A forward of your own
+on a mesh with `Explicit` axes runs the model inside
+`jax.sharding.auto_axes` (see `shard`).
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._validate import ConfigError
 from ..nn.attention import MultiHeadAttention
@@ -71,9 +85,11 @@ __all__ = [
     "PRESETS",
     "ActivationConstraint",
     "abstract_shard",
+    "auto_mesh",
     "check_mesh",
     "logical_axes",
     "mesh_of",
+    "on_mesh",
     "param_shardings",
     "parse_mesh",
     "place",
@@ -354,15 +370,73 @@ def _mesh_spec(
     return PartitionSpec(*out)
 
 
-def check_mesh(mesh: Any) -> None:
-    """Refuse a `Mesh` that does not span every device (`jax.device_count()`)."""
-    if isinstance(mesh, Mesh) and mesh.devices.size != jax.device_count():
+def check_mesh(mesh: Any, owner: str = "shard") -> None:
+    """Refuse anything but a `jax.sharding.Mesh` over every device
+    (`jax.device_count()`) whose axes are `Auto` or `Explicit`, naming `owner`."""
+    if not isinstance(mesh, Mesh):
         raise ConfigError(
-            f"shard: {_mesh_desc(mesh)} has {mesh.devices.size} devices but "
+            f"{owner}: mesh must be a jax.sharding.Mesh, got {mesh!r} "
+            f"({type(mesh).__name__}); build one with jax.make_mesh((8,), "
+            "('data',)) or blocklab.training.mesh_of('data=8')."
+        )
+    manual = [
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t not in (AxisType.Auto, AxisType.Explicit)
+    ]  # fmt: skip
+    if manual:
+        raise ConfigError(
+            f"{owner}: mesh axis {manual[0]!r} of {_mesh_desc(mesh)} has axis type "
+            f"{dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[manual[0]]}; "
+            "the axes must be AxisType.Auto or AxisType.Explicit (a Manual axis "
+            "exists inside jax.shard_map only)."
+        )
+    if mesh.devices.size != jax.device_count():
+        raise ConfigError(
+            f"{owner}: {_mesh_desc(mesh)} has {mesh.devices.size} devices but "
             f"jax.device_count() is {jax.device_count()}; a mesh must span every "
             "device (set XLA_FLAGS=--xla_force_host_platform_device_count or "
             "build the mesh over jax.devices())."
         )
+
+
+def auto_mesh(mesh: Any) -> Any:
+    """`mesh` with its `Explicit` axes made `Auto`: the same devices, in the same
+    order, and the same names (a `Mesh` or an `AbstractMesh`; `mesh` itself
+    when none is `Explicit`).
+
+    The mesh blocklab's programs compute on (see the module docstring): an
+    array laid out on `mesh` is laid out on `auto_mesh(mesh)` by the same
+    buffers, and `jax.device_put` between the two moves no data.
+    """
+    types = tuple(mesh.axis_types)
+    if AxisType.Explicit not in types:
+        return mesh
+    return mesh.update(
+        axis_types=tuple(AxisType.Auto if t == AxisType.Explicit else t for t in types)
+    )
+
+
+def on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """Every array of `tree` laid out on another view of `mesh` (the same devices
+    and axis names, other axis types, e.g. `auto_mesh(mesh)`) put on `mesh`
+    itself with the same `PartitionSpec`; no data moves. Other leaves are
+    returned as they are.
+    """
+
+    def one(x):
+        s = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        if (
+            not isinstance(s, NamedSharding)
+            or s.mesh == mesh
+            or not isinstance(s.mesh, Mesh)
+            or s.mesh.axis_names != mesh.axis_names
+            or s.mesh.devices.shape != mesh.devices.shape
+            or not (s.mesh.devices == mesh.devices).all()
+        ):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, s.spec, memory_kind=s.memory_kind))
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def param_shardings(
@@ -395,6 +469,12 @@ class ActivationConstraint:
     The last three dimensions get the mesh axes of `batch`, `seq`,
     `act_embed`; leading ones (none, or a vmapped member axis) are left to
     GSPMD. A single sequence `(T, d)` gets those of `seq`, `act_embed`.
+    It guides propagation, so it names `Auto` axes: under a context mesh of
+    the same axes (`jax.set_mesh`, as training sets; inside
+    `jax.sharding.auto_axes`, the region's `Auto` view of it) the spec is
+    resolved against that mesh, otherwise it is placed on `auto_mesh(mesh)`.
+    A hidden state whose type carries `Explicit` axes (a forward outside
+    `auto_axes` on a mesh with such axes) is refused with a `ConfigError`.
     """
 
     mesh: Any
@@ -420,7 +500,32 @@ class ActivationConstraint:
             dims = [ax(self.batch), *dims]
         lead = [PartitionSpec.UNCONSTRAINED] * (h.ndim - len(dims))
         spec = PartitionSpec(*lead, *dims)
-        return jax.lax.with_sharding_constraint(h, NamedSharding(self.mesh, spec))
+        typed = jax.typeof(h).sharding.mesh
+        explicit = [
+            n for n, t in zip(typed.axis_names, typed.axis_types, strict=True)
+            if t == AxisType.Explicit
+        ]  # fmt: skip
+        if explicit:
+            raise ConfigError(
+                f"shard: the hidden state's layout is typed by the Explicit mesh "
+                f"axes {explicit} (JAX's explicit sharding), but blocklab's modules "
+                "propagate layouts; run the forward inside jax.sharding.auto_axes "
+                "(see blocklab.shard); train_model and train_sweep compute on the "
+                "mesh with those axes Auto themselves."
+            )
+        # A constraint for propagation, so on Auto axes: under a context mesh
+        # of these axes (jax.set_mesh; inside jax.sharding.auto_axes, its Auto
+        # view) the spec is resolved against it, as a program that holds a
+        # callback (an id check) needs one mesh throughout; otherwise on the
+        # mesh's Auto view.
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and (context.axis_names, context.axis_sizes) == (
+            tuple(self.mesh.axis_names),
+            tuple(self.mesh.axis_sizes),
+        ):
+            return jax.lax.with_sharding_constraint(h, spec)
+        sharding = NamedSharding(auto_mesh(self.mesh), spec)
+        return jax.lax.with_sharding_constraint(h, sharding)
 
 
 def with_constraints(model: Any, constraint: Any) -> Any:
@@ -467,19 +572,34 @@ def shard(
     of the model constrains its hidden state at block boundaries to the
     `batch`/`seq`/`act_embed` rules (`constrain_activations=False`: not).
 
+    On a mesh with `Explicit` axes (`jax.make_mesh`'s default) the arrays
+    are laid out on that mesh, so their type carries the layout. The modules
+    propagate layouts (GSPMD), so a forward of your own runs them inside
+    `jax.sharding.auto_axes`, which makes those axes `Auto` for its region:
+
+        with jax.set_mesh(mesh):
+            forward = jax.sharding.auto_axes(
+                lambda m, ids: jax.vmap(m)(ids), out_sharding=PartitionSpec()
+            )
+            logits = jax.jit(forward)(shard(model, mesh, "fsdp"), ids)
+
+    (`train_model` and `train_sweep` compute on the mesh's `Auto` view by
+    themselves.)
+
     Args:
         model: a blocklab model (see `logical_axes`).
-        mesh: a `jax.sharding.Mesh` over every device.
+        mesh: a `jax.sharding.Mesh` over every device; its axes `Auto`,
+            `Explicit` or a mix.
         rules: a preset (`"fsdp"`, `"tp"`, `"ep"`, `"dp"`, joined by `+`)
             or a mapping logical name -> mesh axis / tuple / `None`.
         prefix: logical names of extra leading dimensions (`("members",)`).
         constrain_activations: install the block-boundary constraint.
 
     Raises:
-        ConfigError: a rule naming a mesh axis that does not exist; a
-            dimension not divisible by its mesh axis; a mesh whose device
-            count differs from `jax.device_count()` (each naming the leaf or
-            axis and the mesh).
+        ConfigError: `mesh` is not a `Mesh`, or has a `Manual` axis; a rule
+            naming a mesh axis that does not exist; a dimension not divisible
+            by its mesh axis; a mesh whose device count differs from
+            `jax.device_count()` (each naming the leaf or axis and the mesh).
     """
     check_mesh(mesh)
     shardings = param_shardings(model, mesh, rules, prefix=prefix)
