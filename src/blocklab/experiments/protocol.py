@@ -203,6 +203,7 @@ STUDIES: tuple[Study, ...] = (
     ),
     Study("mup", "μP: coordinate check and learning-rate transfer"),
     Study("proxies", "small-scale proxies: LR sensitivity per intervention"),
+    Study("induction", "induction heads: find, ablate, patch, lenses"),
 )
 
 #: The studies' names, in the order of `blocklab report`.

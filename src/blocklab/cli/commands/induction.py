@@ -1,0 +1,54 @@
+"""`blocklab induction`: train a small model until induction heads form, find
+them by their prefix-matching score, ablate them, patch them from a clean run
+into a corrupted one, and read the logit and Jacobian lenses; every seed in
+one vmapped program.
+
+The study and its protocols live in `blocklab.experiments.induction`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..._validate import check_int
+from ...experiments import induction as study
+from ...experiments._seeds import check_seeds
+from . import add_out_dir, add_protocol, print_with_figures
+
+NAME = "induction"
+HELP = "induction heads: train, find (prefix matching), ablate, patch, lenses"
+OUTPUT_DIRS = ("out",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_protocol(
+        parser, study.PROTOCOLS,
+        help="cpu: a few minutes on 2 cores; quick: the report's size; full: an "
+        "accelerator",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, metavar="SEED",
+        help="the seeds (default: the protocol's), trained as one vmapped sweep",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=None, metavar="N",
+        help="training steps (default: the protocol's)",
+    )  # fmt: skip
+    add_out_dir(parser, "induction")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.seeds is not None:
+        check_seeds("blocklab induction", "--seeds", args.seeds)
+    check_int("blocklab induction", "--steps", args.steps, min=1, optional=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    protocol = study.PROTOCOLS[args.protocol]
+    if args.seeds is not None:
+        protocol = protocol.replace(seeds=tuple(args.seeds))
+    if args.steps is not None:
+        protocol = protocol.replace(steps=args.steps)
+    result = study.run_induction(protocol, progress=not args.no_progress)
+    return print_with_figures(args, result, result.table)
