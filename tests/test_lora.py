@@ -50,17 +50,17 @@ def _random_B(model, key):
     return model
 
 
-def _np_merged(model):
+def _np_merged(model, use_rslora=False):
     """The base model with each adapted weight replaced by W + s B A computed
-    in NumPy (float64, then float32): an independent merge."""
+    in NumPy (float64, then float32), s = alpha / r or alpha / sqrt(r): an
+    independent merge."""
     base, _ = unmerge_lora(model)
     for path, node in lora_layers(model).items():
         W = np.asarray(node.base.weight, np.float64)
         A = np.asarray(node.A, np.float64)
         B = np.asarray(node.B, np.float64)
-        new = (W + node.scale * np.einsum("...mr,...rn->...mn", B, A)).astype(
-            np.float32
-        )
+        s = node.alpha / (np.sqrt(node.rank) if use_rslora else node.rank)
+        new = (W + s * np.einsum("...mr,...rn->...mn", B, A)).astype(np.float32)
 
         def get(m, path=path):
             for name in path.split("."):
@@ -102,7 +102,9 @@ def test_adapted_layer_equals_numpy(use_rslora, weight_first):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("use_rslora", [False, True])
+@pytest.mark.parametrize(
+    "use_rslora", [pytest.param(False, marks=pytest.mark.slow), True]
+)
 def test_adapted_model_equals_numpy_merge(use_rslora):
     """The whole scanned model with random adapters on every projection has
     the logits of the base with W + s B A merged in NumPy."""
@@ -117,7 +119,7 @@ def test_adapted_model_equals_numpy_merge(use_rslora):
         ),  # fmt: skip
         jax.random.key(2),
     )
-    want = _np_merged(model)(IDS)
+    want = _np_merged(model, use_rslora)(IDS)
     np.testing.assert_allclose(model(IDS), want, rtol=1e-4, atol=1e-4)
     assert float(jnp.max(jnp.abs(model(IDS) - _model()(IDS)))) > 1e-2
 
@@ -166,6 +168,7 @@ def test_merge_equals_adapted_and_unmerge_returns_base():
     assert len(jax.tree.leaves(adapters)) == 14  # A and B of 7 projections
 
 
+@pytest.mark.slow
 def test_bf16_base_keeps_float32_adapters():
     base = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, _model()
@@ -181,6 +184,7 @@ def _batches(key):
     return ids[:, :-1], ids[:, 1:]
 
 
+@pytest.mark.slow
 def test_only_adapters_train():
     base = _model()
     model = lora(base, rank=4, alpha=8.0, targets=ALL, key=jax.random.key(1))
@@ -227,6 +231,7 @@ def test_optimizer_state_is_adapters_only():
     assert small / full <= 0.02, small / full
 
 
+@pytest.mark.slow
 def test_generate_with_adapters_equals_merged():
     model = _random_B(
         lora(
