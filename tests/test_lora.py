@@ -296,3 +296,65 @@ def test_refusals():
     with pytest.raises(ConfigError, match="no adapters"):
         unmerge_lora(m)
     assert isinstance(once.stack.blocks.attention.W_q, LoRALinear)
+
+
+@pytest.mark.slow
+def test_train_model_trains_only_adapters():
+    """`train_model` with `lora_optimizer`: the base is the same bit for bit,
+    the adapters moved, and the result merges like any adapted model."""
+    from blocklab.training.run import train_model
+
+    base = _model()
+    model = lora(base, rank=4, alpha=8.0, targets=["q", "v", "down"],
+                 key=jax.random.key(1))  # fmt: skip
+    opt = lora_optimizer(optax.adam(1e-2))
+    result = train_model(model, _batches, opt, 4, key=jax.random.key(3),
+                         steps_per_call=2, progress=False)  # fmt: skip
+    trained = result.model
+    got_base, _ = unmerge_lora(trained)
+    leaves = jax.tree.leaves(eqx.filter(got_base, eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(base, eqx.is_array))
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, want, strict=True))
+    assert float(jnp.max(jnp.abs(trained.stack.blocks.attention.W_v.B))) > 0.0
+    np.testing.assert_allclose(
+        merge_lora(trained)(IDS), trained(IDS), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_train_sweep_over_adapters_equals_single_runs():
+    """`train_sweep` over adapters (2 learning rates x 2 seeds), with
+    `lora_optimizer` inside `inject_hyperparams`: each member equals its own
+    `train_model` run, and every member's base stays the original."""
+    from blocklab.training.run import train_model
+    from blocklab.training.sweep import train_sweep
+
+    base = _model()
+
+    def make(k):
+        return lora(base, rank=4, alpha=8.0, targets=["q", "v"], key=k)
+
+    opt = optax.inject_hyperparams(
+        lambda learning_rate: lora_optimizer(optax.adam(learning_rate)),
+        hyperparam_dtype=jnp.float32,
+    )(learning_rate=1.0)
+    rates = [1e-2, 3e-2, 1e-2, 3e-2]
+    result = train_sweep(make, _batches, 3, model_keys=[0, 0, 1, 1],
+                         data_keys=[0, 0, 1, 1], learning_rates=rates,
+                         optimizer=opt, progress=False, validate=False)  # fmt: skip
+    for k in (1, 2):
+        one = train_model(make(jax.random.key(k // 2)), _batches,
+                          lora_optimizer(optax.adam(rates[k])), 3,
+                          key=jax.random.key(k // 2), progress=False)  # fmt: skip
+        member = jax.tree.map(
+            lambda a, k=k: a[k], eqx.filter(result.state.model, eqx.is_array)
+        )
+        for a, b in zip(jax.tree.leaves(member),
+                        jax.tree.leaves(eqx.filter(one.model, eqx.is_array)),
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        got_base, _ = unmerge_lora(one.model)
+        for a, b in zip(jax.tree.leaves(eqx.filter(got_base, eqx.is_array)),
+                        jax.tree.leaves(eqx.filter(base, eqx.is_array)),
+                        strict=True):  # fmt: skip
+            np.testing.assert_array_equal(a, b)
