@@ -233,3 +233,71 @@ def test_refuses_other_architecture_and_twice(qv_folder, tmp_path):
         load_adapter(wide, folder)
     with pytest.raises(ConfigError, match="no adapters"):
         save_adapter(base, tmp_path / "x")
+
+
+def _family_model(name):
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "name, targets, peft_targets",
+    [
+        ("gpt2", ["o", "up", "down"], ["c_fc"]),  # Conv1D: fan_in_fan_out
+        pytest.param(
+            "qwen2",
+            ["q", "k", "v", "o", "gate", "up", "down"],
+            ["q_proj", "v_proj"],
+            marks=pytest.mark.slow,
+        ),  # biased q/k/v
+    ],
+)
+def test_other_families_both_ways(tmp_path, name, targets, peft_targets):
+    hf = _family_model(name)
+    adapted = _random_B(
+        lora(
+            from_huggingface(hf),
+            rank=4,
+            alpha=8.0,
+            targets=targets,
+            key=jax.random.key(1),
+        ),  # fmt: skip
+        jax.random.key(4),
+    )
+    save_adapter(adapted, tmp_path / "mine")
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "mine").eval()
+    np.testing.assert_allclose(
+        _hf_logits(pm), adapted(jnp.asarray(IDS)), rtol=1e-4, atol=1e-4
+    )
+    hf = _family_model(name)
+    base = from_huggingface(hf)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=peft_targets,
+        init_lora_weights=False,
+        fan_in_fan_out=name == "gpt2",
+    )
+    pm = peft.get_peft_model(hf, config).eval()
+    pm.save_pretrained(tmp_path / "theirs")
+    np.testing.assert_allclose(
+        load_adapter(base, tmp_path / "theirs")(jnp.asarray(IDS)),
+        _hf_logits(pm),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    if name == "gpt2":  # the fused c_attn has no per-projection adapter
+        q = lora(base, rank=2, alpha=2.0, targets=["q"], key=jax.random.key(0))
+        with pytest.raises(ConfigError, match="no PEFT module in the gpt2 family"):
+            save_adapter(q, tmp_path / "q")
