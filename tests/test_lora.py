@@ -358,3 +358,23 @@ def test_train_sweep_over_adapters_equals_single_runs():
                         jax.tree.leaves(eqx.filter(base, eqx.is_array)),
                         strict=True):  # fmt: skip
             np.testing.assert_array_equal(a, b)
+
+
+def test_block_and_stack_take_adapters():
+    """A lone `TransformerBlock` gets unstacked adapters `(r, n)`; a `Stack`
+    gets stacked ones; both equal the NumPy merge."""
+    from blocklab.nn.block import TransformerBlock
+    from blocklab.nn.stack import Stack
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(6, 32)), jnp.float32)
+    block = TransformerBlock(32, 4, key=jax.random.key(0))
+    stack = Stack(lambda k: TransformerBlock(32, 4, key=k), 2, key=jax.random.key(0))
+    for model, shape in ((block, (4, 32)), (stack, (2, 4, 32))):
+        adapted = lora(model, rank=4, alpha=2.0, targets=["o", "up"],
+                       key=jax.random.key(1))  # fmt: skip
+        assert lora_layers(adapted)[next(iter(lora_layers(adapted)))].A.shape == shape
+        np.testing.assert_array_equal(adapted(x), model(x))
+        adapted = _random_B(adapted, jax.random.key(2))
+        np.testing.assert_allclose(
+            adapted(x), _np_merged(adapted)(x), rtol=1e-4, atol=1e-4
+        )
