@@ -378,3 +378,29 @@ def test_block_and_stack_take_adapters():
         np.testing.assert_allclose(
             adapted(x), _np_merged(adapted)(x), rtol=1e-4, atol=1e-4
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_bf16_base_trains_float32_adapters(precision):
+    """A bf16 base with float32 adapters trains under `train_model`: the
+    adapters stay float32 and move, the bf16 base is the same bit for bit."""
+    from blocklab.training.run import train_model
+
+    base = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, _model()
+    )
+    model = lora(base, rank=4, alpha=8.0, targets=["q", "down"],
+                 key=jax.random.key(1))  # fmt: skip
+    result = train_model(model, _batches, lora_optimizer(optax.adam(1e-2)), 3,
+                         key=jax.random.key(2), precision=precision,
+                         progress=False)  # fmt: skip
+    trained = result.model
+    assert trained.stack.blocks.attention.W_q.A.dtype == jnp.float32
+    assert trained.stack.blocks.attention.W_q.base.weight.dtype == jnp.bfloat16
+    assert float(jnp.max(jnp.abs(trained.stack.blocks.ffn.W_2.B))) > 0.0
+    got_base, _ = unmerge_lora(trained)
+    for a, b in zip(jax.tree.leaves(eqx.filter(got_base, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(base, eqx.is_array)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
