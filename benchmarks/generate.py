@@ -23,12 +23,24 @@
    prompts, 64 new tokens) with the blocks scanned and unrolled
    (`unroll_layers`): compile seconds and run time, Llama-style models of
    d = 256 built in blocklab.
+4. Text, streamed (`blocklab generate`, issue 35): the same model with a
+   byte-level BPE tokenizer of its 512 ids (trained here on the Time Machine
+   text with `tokenizers`), batch 1, greedy, `--new` tokens after a
+   `--prompt`-token text: `blocklab.stream_text` iterated to the end (one
+   compiled prefill, then one compiled step per token, each piece
+   detokenized as it comes) against `transformers`' `generate` on the
+   prompt's ids, timed round-robin (median of `--reps`; both warm), the
+   same tokens checked. Then the command itself, `blocklab generate PATH
+   --json` in a child process on the model saved with `save_pretrained`
+   and the tokenizer: the decoding rate it reports (after the first token:
+   compiling and prefill left out). Target: >= 2x `transformers`.
+   `--stream` runs this part alone.
 
 On a GPU the sizes stay (they are a decoding workload) and PyTorch, a CPU
 build here, is left out: blocklab's figures are printed alone. Prints
 human-readable lines and one JSON line. Usage: `python benchmarks/generate.py
 [--reps 5] [--new 128] [--prompt 16] [--threads N] [--quick]
-[--depths 4 16 48]`; with
+[--depths 4 16 48] [--stream]`; with
 `--threads 1` both libraries run on one thread (XLA's intra-op pool too).
 """
 
@@ -172,6 +184,106 @@ def _decode_unrolled(model, tokens, cache):
     return jax.lax.scan(step, state, tokens)
 
 
+def bpe_tokenizer(folder: str) -> None:
+    """A byte-level BPE tokenizer of exactly VOCAB ids (the last one
+    `<|endoftext|>`, named nowhere: no stop id), trained on the Time Machine
+    text, written to `folder` as `tokenizer.json` and
+    `tokenizer_config.json`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from blocklab.data.datasets import corpus_path
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus_path().read_text(encoding="utf-8")
+    tok.train_from_iterator(text.split("\n\n"), trainer)
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({}, f)  # no named special token: no stop id
+
+
+def stream_tokens_per_second(ours, hf, prompt, new, reps) -> dict:
+    """Batch 1, greedy: `stream_text` to the end against `transformers`'
+    `generate` (same prompt ids, same new tokens), then the command."""
+    import subprocess
+    import tempfile
+
+    from blocklab.data.datasets import corpus_path
+    from blocklab.interop.text import stream_text
+
+    with tempfile.TemporaryDirectory() as root:
+        folder = os.path.join(root, "ckpt")
+        # no end token anywhere: every run writes `new` tokens
+        none = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        blocklab.save_pretrained(ours, folder, token_ids=none)
+        bpe_tokenizer(folder)
+        tok = blocklab.load_tokenizer(folder)
+        words = corpus_path().read_text(encoding="utf-8").split()
+        text = " ".join(words[200:260])
+        text = tok.decode(tok.encode(text)[:prompt])  # about `prompt` ids
+        ids = tok.encode(text)
+
+        def ours_stream():  # never stops early: stop_ids=() as transformers'
+            stream = stream_text(ours, tok, text, new, stop_ids=())
+            pieces = list(stream)
+            return stream, pieces
+
+        stream, pieces = ours_stream()  # compiles
+        assert "".join(pieces) == stream.texts[0]
+        fns = {"blocklab_stream": ours_stream}
+        res = {"prompt_tokens": len(ids), "new": new}
+        if hf is not None:
+            import torch
+
+            tids = torch.as_tensor([ids])
+
+            def hf_generate():
+                with torch.no_grad():
+                    return hf.generate(
+                        tids, attention_mask=torch.ones_like(tids),
+                        max_new_tokens=new, do_sample=False, eos_token_id=None,
+                        pad_token_id=0,
+                    ).numpy()  # fmt: skip
+
+            ref = hf_generate()[0, len(ids) :].tolist()
+            res["same_tokens"] = ref == stream.new_ids[0]
+            fns["transformers"] = hf_generate
+        med = time_round_robin(fns, reps)
+        res.update({f"{k}_tok_s": new / v for k, v in med.items()})
+        if hf is not None:
+            res["speedup"] = med["transformers"] / med["blocklab_stream"]
+        # the child inherits XLA_FLAGS (one thread with --threads 1)
+        env = {**os.environ, "JAX_PLATFORMS": jax.devices()[0].platform}
+        cmd = [
+            sys.executable, "-m", "blocklab.cli", "generate", folder, "--prompt",
+            text, "--max-new-tokens", str(new), "--json",
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - t0
+        cli = json.loads(out.stdout)
+        res["command"] = {
+            "tok_s": cli["tokens_per_second"],
+            "new_tokens": cli["new_tokens"][0],
+            "stop_reason": cli["stop_reasons"][0],
+            "first_token_s": cli["first_token_seconds"],
+            "process_s": wall,
+        }
+        if hf is not None:
+            speedup = cli["tokens_per_second"] / res["transformers_tok_s"]
+            res["command"]["speedup"] = speedup
+    return res
+
+
 def depth_costs(depths, batch=8, prompt=16, new=64, reps=3) -> dict:
     """`generate` with the blocks scanned and unrolled (`unroll_layers`), on
     Llama-style models of each depth (d = 256, random weights): the seconds
@@ -279,6 +391,11 @@ def main():
     )
     parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 reps")
     parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="only the streamed text (stream_text and blocklab generate) at batch 1",
+    )
+    parser.add_argument(
         "--depths",
         type=int,
         nargs="*",
@@ -299,6 +416,26 @@ def main():
     else:
         hf, ours = None, llama_decoder(max_len)
     reps = 3 if args.quick else args.reps
+    r = stream_tokens_per_second(ours, hf, args.prompt, args.new, reps)
+    result["stream_batch1"] = r
+    line = f"streamed text, batch 1: blocklab {r['blocklab_stream_tok_s']:.0f} tok/s"
+    if "speedup" in r:
+        line += (
+            f", transformers generate {r['transformers_tok_s']:.0f} tok/s, ratio "
+            f"{r['speedup']:.2f}x (same tokens: {r['same_tokens']})"
+        )
+    c = r["command"]
+    line += (
+        f"; blocklab generate (the command) reports {c['tok_s']:.0f} tok/s after "
+        f"its first token ({c['new_tokens']} tokens, first after "
+        f"{c['first_token_s']:.2f} s, {c['process_s']:.1f} s in all)"
+    )
+    if "speedup" in c:
+        line += f", {c['speedup']:.2f}x transformers"
+    print(line, flush=True)
+    if args.stream:
+        print(json.dumps(result))
+        return
     for batch in (1,) if args.quick else (1, 8):
         r = tokens_per_second(ours, hf, batch, args.prompt, args.new, reps)
         result[f"batch{batch}"] = r

@@ -12,11 +12,25 @@ The context is the last `max_len` tokens. While a text fits the model's
 beyond, every further token re-encodes the last `max_len` tokens (one
 compiled `lax.scan`): with learned positions the context's positions shift
 at every token, so no cache can be kept.
+
+`stream_text` is the same generation as an iterator of text pieces, as the
+tokens arrive (what `blocklab generate` prints): the prompt is prefilled
+into a cache, each step is one compiled call of the cached decoding step
+(`blocklab.nn.cache`), and an `IncrementalDecoder`
+(`blocklab.interop.streaming`) turns each new token into the text that no
+later token can change. It stops at the tokenizer's stop ids, and at the
+model's `max_len` (it does not re-encode past it). Within `max_len` and
+without stop ids, its tokens are those of `generate_text` (greedy: those of
+`blocklab.generate`; sampled: the same draws), and
+`tokenizer.decode(prompt ids) + "".join(pieces)` is `generate_text`'s text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -24,12 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._validate import ConfigError, check_int
+from .._validate import ConfigError, check_bool, check_int
 from ..nn import CharLM, DecoderLM
+from ..nn import cache as _cache
 from ..nn.cache import model_limits
-from ..nn.generation import check_sampling, generate, sample_logits
+from ..nn.generation import UNROLL_MAX_LAYERS, check_sampling, generate, sample_logits
+from .streaming import IncrementalDecoder
 
-__all__ = ["generate_text"]
+__all__ = ["generate_text", "stream_text", "TextStream"]
 
 _OWNER = "generate_text"
 
@@ -44,6 +60,7 @@ def generate_text(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    chat: bool = False,
 ) -> str | list[str]:
     r"""Continue each prompt by `max_new_tokens` tokens and decode the text.
 
@@ -56,6 +73,10 @@ def generate_text(
     top_k, top_p)`. A list of prompts is one batch (ragged prompts,
     right-padded): greedy, it gives the text of one call per prompt; sampled,
     draws from the same distributions, but not the same draws.
+
+    It is `stream_text` as one function (the text of `blocklab generate`):
+    while the context fits `max_len`, `tokenizer.decode(prompt ids)` followed
+    by the pieces `stream_text(..., stop_ids=())` yields is this text.
 
     Args:
         model: a `DecoderLM` (any family) or a `CharLM`.
@@ -71,6 +92,10 @@ def generate_text(
         temperature: $\tau > 0$ when sampling (ignored by greedy decoding).
         top_k: keep the $k$ most likely tokens, $1 \le k \le$ vocabulary.
         top_p: nucleus sampling, $0 < p \le 1$.
+        chat: render each prompt as one user message through the
+            tokenizer's chat template (`apply_chat_template(...,
+            add_generation_prompt=True)`) and encode that text without the
+            post-processor (the template writes BOS itself).
 
     Returns:
         The decoded prompt and continuation: a `str` for a `str` prompt, a
@@ -82,31 +107,16 @@ def generate_text(
             tokenizer without `encode`/`decode`, `prompts` that is not a
             non-empty `str` or a non-empty list of them, a prompt that
             encodes to no ids or to ids outside the model's vocabulary, and
-            the sampling arguments as `generate` refuses them.
+            the sampling arguments as `generate` refuses them; with `chat`,
+            a tokenizer without a chat template.
     """
-    if not isinstance(model, (DecoderLM, CharLM)):
-        raise ConfigError(
-            f"{_OWNER}: model must be a DecoderLM or a CharLM, got "
-            f"{type(model).__name__}."
-        )
-    vocab, max_len = model_limits(model)
-    if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
-        raise ConfigError(
-            f"{_OWNER}: tokenizer must have encode(str) -> list[int] and "
-            f"decode(ids) -> str methods, got {type(tokenizer).__name__}; for "
-            "a character-level CharLM pass blocklab.data.VOCAB."
-        )
-    single = isinstance(prompts, str)
-    texts = [prompts] if single else _prompt_list(prompts)
-    new = check_int(_OWNER, "max_new_tokens", max_new_tokens, min=0)
-    key, temperature, top_k, top_p = check_sampling(
-        _OWNER, key, temperature, top_k, top_p, vocab
-    )
+    a = _Checked(
+        _OWNER, model, tokenizer, prompts, max_new_tokens, key, temperature,
+        top_k, top_p, chat,
+    )  # fmt: skip
+    single, ids, new, max_len = a.single, a.ids, a.new, a.max_len
+    key, temperature, top_k, top_p = a.key, a.temperature, a.top_k, a.top_p
     sampling = key is not None
-    names = ["prompts"] if single else [f"prompts[{b}]" for b in range(len(texts))]
-    ids = [
-        _encode(tokenizer, t, name, vocab) for t, name in zip(texts, names, strict=True)
-    ]
     contexts = [p[-max_len:] for p in ids]
     lengths = np.array([len(c) for c in contexts], np.int32)
     width = int(lengths.max())
@@ -142,39 +152,305 @@ def generate_text(
     return texts[0] if single else texts
 
 
-def _prompt_list(prompts: Any) -> list[str]:
+def stream_text(
+    model: eqx.Module,
+    tokenizer: Any,
+    prompts: str | Sequence[str],
+    max_new_tokens: int,
+    *,
+    key: Any = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Sequence[int] | None = None,
+    chat: bool = False,
+) -> TextStream:
+    r"""Continue prompts token by token, yielding the text as it is generated.
+
+    The prompts are encoded as `generate_text` encodes them (the context: the
+    last `max_len` ids), prefilled into a cache in one compiled call, and each
+    further token is one compiled call of the cached decoding step, which
+    runs while the previous token goes to the host (so the host's work, the
+    detokenization included, overlaps the next step). Tokens are chosen as
+    `generate` chooses them: greedy without `key`, else drawn from
+    `filter_logits(z, temperature, top_k, top_p)` with the key of step $i$
+    `fold_in(split(key)[0], i)` (`generate_text`'s key for `generate`): the
+    greedy tokens of one prompt are `blocklab.generate`'s, and a sampled
+    batch draws `generate_text`'s tokens.
+
+    A text ends at the first of: a token of `stop_ids` (counted in
+    `TextStream.new_ids`, not written in the text), `max_new_tokens` tokens,
+    or the model's `max_len` (prompt and new tokens together; `generate_text`
+    continues past it by re-encoding, this does not). Each new token's text
+    comes from an `IncrementalDecoder`: a character that spans several tokens
+    comes out whole, once its last token arrives, and the pieces of a prompt
+    join to `tokenizer.decode(prompt ids + new ids)` minus the prompt's text
+    (without the stop token).
+
+    Args:
+        model: a `DecoderLM` (any family) or a `CharLM`.
+        tokenizer: `encode(str) -> list[int]` and `decode(ids) -> str`, as for
+            `generate_text` (`blocklab.load_tokenizer(path)`).
+        prompts: one prompt (a non-empty `str`: the stream yields `str`
+            pieces) or a non-empty list of them (one batch, decoded together:
+            the stream yields `(index, piece)` pairs, in step order).
+        max_new_tokens: tokens to add to each prompt at most, >= 0.
+        key: `None` for greedy decoding, else a PRNG key to sample.
+        temperature: $\tau > 0$ when sampling (ignored by greedy decoding).
+        top_k: keep the $k$ most likely tokens, $1 \le k \le$ vocabulary.
+        top_p: nucleus sampling, $0 < p \le 1$.
+        stop_ids: ids that end a text; `None` takes `tokenizer.stop_ids`
+            (EOS and the end-of-turn ids of `generation_config.json`; none
+            for a tokenizer without that attribute); `()` never stops early.
+        chat: render each prompt as one user message through the tokenizer's
+            chat template, with `add_generation_prompt=True` (as
+            `generate_text`).
+
+    Returns:
+        A `TextStream`: iterate over it for the pieces; its attributes hold
+        the texts, ids, stop reasons and timings so far.
+
+    Raises:
+        ConfigError: as `generate_text` (checked here, before any work), and
+            `stop_ids` that are not ids in the model's vocabulary.
+    """
+    owner = "stream_text"
+    a = _Checked(
+        owner, model, tokenizer, prompts, max_new_tokens, key, temperature,
+        top_k, top_p, chat,
+    )  # fmt: skip
+    if stop_ids is None:
+        stop_ids = tuple(getattr(tokenizer, "stop_ids", None) or ())
+        name = "tokenizer.stop_ids"
+    else:
+        name = "stop_ids"
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(
+        stop_ids, (Sequence, np.ndarray)
+    ):
+        raise ConfigError(
+            f"{owner}: stop_ids must be a list of token ids (or None for the "
+            f"tokenizer's), got {type(stop_ids).__name__}."
+        )
+    stops = frozenset(
+        check_int(owner, f"{name}[{i}]", s, min=0, max=a.vocab - 1)
+        for i, s in enumerate(stop_ids)
+    )
+    return TextStream(model, tokenizer, a, stops)
+
+
+class TextStream:
+    """The iterator `stream_text` returns: the text pieces as the tokens come.
+
+    Iterating yields `str` pieces for one prompt, `(index, piece)` pairs for
+    a list. No device work starts before the first `next`. The attributes
+    grow as it runs (each list has one entry per prompt, in order):
+
+    Attributes:
+        prompt_ids: the ids of each prompt (the context is their last
+            `max_len`).
+        new_ids: the new ids of each prompt so far (a stop token included).
+        texts: the text of each prompt's new ids so far (the pieces joined;
+            complete once the prompt's stop reason is set).
+        stop_reasons: `None` while a prompt runs, then why it ended:
+            `"stop_id"`, `"max_new_tokens"` or `"max_len"` (its context
+            filled the model's `max_len`).
+        first_token_seconds: from the first `next` to the first token on the
+            host: compiling (the first call for these shapes) and prefill.
+        seconds: from the first `next` to the last token so far.
+    """
+
+    def __init__(self, model, tokenizer, checked: _Checked, stops: frozenset[int]):
+        a = checked
+        self._single = a.single
+        self.prompt_ids = [p.tolist() for p in a.ids]
+        self.new_ids: list[list[int]] = [[] for _ in a.ids]
+        self.texts = ["" for _ in a.ids]
+        self.stop_reasons: list[str | None] = [None for _ in a.ids]
+        self.first_token_seconds: float | None = None
+        self.seconds = 0.0
+        self._model, self._stops, self._max_new = model, stops, a.new
+        contexts = [p[-a.max_len :] for p in a.ids]
+        lengths = np.array([len(c) for c in contexts], np.int32)
+        width = int(lengths.max())
+        # tokens each prompt may add: its context and they fit max_len
+        self._limits = [min(a.new, a.max_len - int(n)) for n in lengths]
+        self._decoders = [IncrementalDecoder(tokenizer, c) for c in contexts]
+        batch = np.zeros((len(contexts), width), np.int32)
+        for b, c in enumerate(contexts):
+            batch[b, : len(c)] = c
+        self._batch, self._lengths = batch, lengths
+        # as generate sizes its cache (T + new), at most max_len
+        self._cache_len = min(a.max_len, width + a.new)
+        self._key = None if a.key is None else jax.random.split(a.key)[0]
+        self._options = (
+            None if a.key is None else jnp.float32(a.temperature),
+            None if a.key is None else a.top_k,
+            None if a.key is None or a.top_p is None else jnp.float32(a.top_p),
+        )
+        self._unroll = model.stack.num_blks <= UNROLL_MAX_LAYERS
+        self._queue: deque = deque()
+        self._step = 0  # the index of the next token to read
+        self._pending = None  # the device token of step `_step`
+        self._carry = None  # the cache (and step count) after `_pending`
+        self._params = self._decode = None
+        self._t0: float | None = None
+        for b, limit in enumerate(self._limits):
+            if limit <= 0:
+                self._end(b, "max_len" if a.new > 0 else "max_new_tokens")
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """The decoding rate: the new tokens after each prompt's first (stop
+        tokens included), over the seconds after the first token (compiling
+        and prefill left out); `None` before a second token."""
+        later = sum(max(len(n) - 1, 0) for n in self.new_ids)
+        span = self.seconds - (self.first_token_seconds or 0.0)
+        return later / span if later > 0 and span > 0 else None
+
+    def __iter__(self) -> Iterator[str] | Iterator[tuple[int, str]]:
+        return self
+
+    def __next__(self) -> str | tuple[int, str]:
+        while not self._queue:
+            if all(r is not None for r in self.stop_reasons):
+                self._pending = self._carry = self._params = None  # free the cache
+                raise StopIteration
+            self._advance()
+        b, piece = self._queue.popleft()
+        return piece if self._single else (b, piece)
+
+    def _advance(self) -> None:
+        """Read the next token of every running prompt (dispatching the step
+        after it first, so that the device runs while the host reads)."""
+        model, (temperature, top_k, top_p) = self._model, self._options
+        if self._pending is None:
+            self._t0 = time.perf_counter()
+            self._pending, self._carry, blocks = _start(
+                model, jnp.asarray(self._batch), jnp.asarray(self._lengths),
+                self._cache_len, self._unroll, self._key, temperature, top_k, top_p,
+            )  # fmt: skip
+            params, static = eqx.partition((model, blocks), eqx.is_array)
+            self._params, treedef = jax.tree_util.tree_flatten(params)
+            self._decode = _decoder(treedef, static, top_k)
+        token = self._pending
+        reasons = self.stop_reasons
+        running = [n for n, r in zip(self._limits, reasons, strict=True) if r is None]
+        if self._step + 1 < max(running):  # the next step runs meanwhile
+            self._pending, self._carry = self._decode(
+                self._params, self._carry, token, self._key, temperature, top_p
+            )
+        tokens = np.asarray(token)
+        self.seconds = time.perf_counter() - self._t0
+        if self.first_token_seconds is None:
+            self.first_token_seconds = self.seconds
+        for b, t in enumerate(tokens.tolist()):
+            if self.stop_reasons[b] is not None:
+                continue
+            self.new_ids[b].append(t)
+            if t in self._stops:
+                self._end(b, "stop_id")
+                continue
+            self._emit(b, self._decoders[b].push(t))
+            if len(self.new_ids[b]) == self._limits[b]:
+                full = self._limits[b] < self._max_new
+                self._end(b, "max_len" if full else "max_new_tokens")
+        self._step += 1
+
+    def _emit(self, b: int, piece: str) -> None:
+        if piece:
+            self.texts[b] += piece
+            self._queue.append((b, piece))
+
+    def _end(self, b: int, reason: str) -> None:
+        self._emit(b, self._decoders[b].flush())
+        self.stop_reasons[b] = reason
+
+
+class _Checked:
+    """The arguments of `generate_text` and `stream_text`, checked (by name,
+    `owner` first in each message), and the prompts' ids."""
+
+    def __init__(
+        self, owner, model, tokenizer, prompts, max_new_tokens, key, temperature,
+        top_k, top_p, chat,
+    ):  # fmt: skip
+        if not isinstance(model, (DecoderLM, CharLM)):
+            raise ConfigError(
+                f"{owner}: model must be a DecoderLM or a CharLM, got "
+                f"{type(model).__name__}."
+            )
+        self.vocab, self.max_len = model_limits(model)
+        methods = ("encode", "decode")
+        if not all(callable(getattr(tokenizer, m, None)) for m in methods):
+            raise ConfigError(
+                f"{owner}: tokenizer must have encode(str) -> list[int] and "
+                f"decode(ids) -> str methods, got {type(tokenizer).__name__}; for "
+                "a character-level CharLM pass blocklab.data.VOCAB."
+            )
+        self.single = isinstance(prompts, str)
+        self.texts = [prompts] if self.single else _prompt_list(owner, prompts)
+        self.new = check_int(owner, "max_new_tokens", max_new_tokens, min=0)
+        self.key, self.temperature, self.top_k, self.top_p = check_sampling(
+            owner, key, temperature, top_k, top_p, self.vocab
+        )
+        chat = check_bool(owner, "chat", chat)
+        if chat and not callable(getattr(tokenizer, "apply_chat_template", None)):
+            raise ConfigError(
+                f"{owner}: chat=True needs a tokenizer with a chat template "
+                f"(apply_chat_template), got {type(tokenizer).__name__}; load the "
+                "checkpoint folder's with blocklab.load_tokenizer."
+            )
+        n = len(self.texts)
+        names = ["prompts"] if self.single else [f"prompts[{b}]" for b in range(n)]
+        self.ids = [
+            _encode(owner, tokenizer, t, name, self.vocab, chat)
+            for t, name in zip(self.texts, names, strict=True)
+        ]
+
+
+def _prompt_list(owner: str, prompts: Any) -> list[str]:
     """`prompts` as a list of str, refused by name otherwise."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ConfigError(
-            f"{_OWNER}: prompts must be a non-empty str or a non-empty list of "
+            f"{owner}: prompts must be a non-empty str or a non-empty list of "
             f"str, got {prompts!r:.60} of type {type(prompts).__name__}."
         )
     for b, text in enumerate(prompts):
         if not isinstance(text, str):
             raise ConfigError(
-                f"{_OWNER}: prompts[{b}] must be a str, got {text!r:.60} of type "
+                f"{owner}: prompts[{b}] must be a str, got {text!r:.60} of type "
                 f"{type(text).__name__}."
             )
     return list(prompts)
 
 
-def _encode(tokenizer: Any, text: str, name: str, vocab: int) -> np.ndarray:
-    """`tokenizer.encode(text)`: non-empty int32 ids in `[0, vocab)`, else refused."""
+def _encode(
+    owner: str, tokenizer: Any, text: str, name: str, vocab: int, chat: bool
+) -> np.ndarray:
+    """The ids of `text` (rendered as a user message by the chat template
+    first, with `chat`): non-empty int32 ids in `[0, vocab)`, else refused."""
     if not text:
-        raise ConfigError(f"{_OWNER}: {name} is empty; give at least one character.")
-    ids = np.asarray(tokenizer.encode(text))
+        raise ConfigError(f"{owner}: {name} is empty; give at least one character.")
+    call = f"tokenizer.encode({name})"
+    if chat:
+        message = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(message, add_generation_prompt=True)
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False))
+        call = f"the chat template's text of {name}"
+    else:
+        ids = np.asarray(tokenizer.encode(text))
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(
-            f"{_OWNER}: tokenizer.encode({name}) must give a non-empty list of "
-            f"int token ids, got dtype {ids.dtype}, shape {ids.shape}."
+            f"{owner}: {call} must give a non-empty list of int token ids, got "
+            f"dtype {ids.dtype}, shape {ids.shape}."
         )
     outside = (ids < 0) | (ids >= vocab)
     if outside.any():
         i = int(np.argmax(outside))
         raise ConfigError(
-            f"{_OWNER}: tokenizer.encode({name}) gave token id {int(ids[i])} at "
-            f"index {i}, outside the model's vocabulary [0, vocab_size={vocab}); "
-            "use the tokenizer the model was trained with."
+            f"{owner}: {call} gave token id {int(ids[i])} at index {i}, outside "
+            f"the model's vocabulary [0, vocab_size={vocab}); use the tokenizer "
+            "the model was trained with."
         )
     return ids.astype(np.int32)
 
@@ -205,3 +481,49 @@ def _slide(model, buf, filled, key, num_new, temperature, top_k, top_p):
     keys = jnp.arange(num_new) if key is None else jax.random.split(key, num_new)
     _, new = jax.lax.scan(step, (buf, filled), keys)
     return new.T
+
+
+def _choose(z, key, i, temperature, top_k, top_p):
+    """`generate`'s choice of token `i` from its logits `z` (B, vocab)."""
+    if key is None:
+        return sample_logits(z, None)
+    k = jax.random.fold_in(key, i)
+    return sample_logits(z, k, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@eqx.filter_jit
+def _start(model, ids, lengths, width, unroll, key, temperature, top_k, top_p):
+    """Prefill `ids` (B, T) into a cache of `width` positions and choose the
+    first token. Returns it, the decoding state (with the step count 1) and
+    the blocks: when `unroll`, as `generate`'s loop runs them, the blocks
+    sliced out of the stack once (for every step) and per-layer caches;
+    else `None` and the stacked cache."""
+    cache = _cache.init_cache(model, (ids.shape[0],), width, owner="stream_text")
+    logits, cache = _cache.extend(model, ids, cache, lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    token = _choose(last, key, 0, temperature, top_k, top_p)
+    blocks, state = _cache.unstack(model, cache) if unroll else (None, cache)
+    return token, (state, jnp.int32(1)), blocks
+
+
+@functools.lru_cache(maxsize=16)
+def _decoder(treedef, static, top_k):
+    """The compiled decoding step of a model structure (`treedef` of the
+    arrays of `(model, blocks)`, `static` the rest) and `top_k`: a plain
+    `jax.jit` of the arrays as a flat list (`eqx.filter_jit` compares the
+    model's static structure at every call: 2 ms a token, more than the step
+    itself on a CPU). It feeds each sequence's last token and chooses the
+    next; the cache (`carry`) is donated, so XLA updates it in place."""
+
+    def step(params, carry, token, key, temperature, top_p):
+        arrays = jax.tree_util.tree_unflatten(treedef, params)
+        model, blocks = eqx.combine(arrays, static)
+        state, i = carry
+        if blocks is None:
+            logits, state = _cache.extend(model, token[:, None], state)
+        else:
+            logits, state = _cache.decode_blocks(model, blocks, token[:, None], state)
+        token = _choose(logits[:, 0], key, i, temperature, top_k, top_p)
+        return token, (state, i + 1)
+
+    return jax.jit(step, donate_argnums=1)
