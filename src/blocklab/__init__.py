@@ -31,8 +31,10 @@ from .interop import (
     load_tokenizer,
     save_pretrained,
     state_dict,
+    stream_text,
     to_huggingface_state_dict,
 )
+from .interop.peft import load_adapter, save_adapter
 from .interp import capture, intervene
 from .nn import (
     BlockConfig,
@@ -52,6 +54,7 @@ from .nn import (
     with_attention_impl,
 )
 from .nn.functional import layer_norm, rms_norm, rope
+from .nn.lora import lora, merge_lora
 from .training import (
     SweepResult,
     TrainResult,
@@ -125,6 +128,7 @@ __all__ = [
     # interop (blocklab.interop)
     "from_huggingface",
     "generate_text",
+    "stream_text",
     "load_huggingface_state_dict",
     "load_pretrained",
     "load_state_dict",
@@ -132,6 +136,11 @@ __all__ = [
     "save_pretrained",
     "state_dict",
     "to_huggingface_state_dict",
+    # adapters (blocklab.nn.lora, blocklab.interop.peft)
+    "lora",
+    "merge_lora",
+    "save_adapter",
+    "load_adapter",
     # looking inside (blocklab.interp)
     "capture",
     "intervene",

@@ -30,12 +30,14 @@ from .pretrained import (
     read_config,
     save_pretrained,
 )
-from .text import generate_text
+from .streaming import IncrementalDecoder
+from .text import TextStream, generate_text, stream_text
 from .tokenizer import load_tokenizer
 
 __all__ = [
     "FAMILIES",
     "HFFamily",
+    "IncrementalDecoder",
     "Rule",
     "StoredAs",
     "from_huggingface",
@@ -50,5 +52,7 @@ __all__ = [
     "register_family",
     "save_pretrained",
     "state_dict",
+    "stream_text",
+    "TextStream",
     "to_huggingface_state_dict",
 ]

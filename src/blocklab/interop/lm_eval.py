@@ -767,7 +767,8 @@ def _device(value: Any) -> Any:
 
 if __name__ == "__main__":
     # Run as `python -m blocklab.interop.lm_eval`: register the class of the
-    # imported module, not of this `__main__` copy.
-    from blocklab.interop.lm_eval import main as _main
+    # imported module, not of this `__main__` copy (imported by name at run
+    # time: an import statement of this module in itself reads as a cycle).
+    import importlib
 
-    _main()
+    importlib.import_module(__spec__.name).main()
