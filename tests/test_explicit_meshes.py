@@ -282,12 +282,6 @@ HANDED_BACK = COMMON + textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the sweep.py and run.py changes proposed for issue 37, section 1 "
-    "(train_sweep computes on auto_mesh(mesh); both hand the state back with "
-    "on_mesh); remove this mark with them",
-)
 def test_train_sweep_on_explicit_meshes_and_states_handed_back_on_the_mesh_given():
     res = script_json(HANDED_BACK, devices=8, timeout=1200)
     for mk in ("explicit", "mixed"):

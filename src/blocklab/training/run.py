@@ -36,7 +36,7 @@ from jaxtyping import Array, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
-from . import mesh_training
+from . import mesh_training, placement
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .sources import HostSource
@@ -290,11 +290,14 @@ def train_model(
     aux = (
         None if run.aux is None else jax.tree_util.tree_map(lambda a: a[:kept], run.aux)
     )
+    # On a mesh the state was laid out on its Auto view (where the step
+    # runs); hand it back on the mesh given (no copy).
+    final = run.state if mesh is None else placement.on_mesh(run.state, mesh)
     return TrainResult(
-        run.state.model,
+        final.model,
         run.losses[:kept],
         float(run.val_loss),
-        run.state,
+        final,
         stopped,
         aux,
     )

@@ -80,6 +80,7 @@ from .member_axis import (
     wrap_key,
 )
 from .mesh_training import shard_step, state_shardings
+from .placement import auto_mesh, on_mesh
 from .run import TrainResult
 from .sources import HostSource
 from .step import (
@@ -499,7 +500,11 @@ def train_sweep(
             "of the optimizer's function)."
         )
     has_aux = step.check(shape_state, owner=owner)
-    mesh = member_mesh() if mesh is None else mesh
+    user_mesh = member_mesh() if mesh is None else mesh
+    # The sweep is a program written for propagation: on a mesh with Explicit
+    # axes it computes on the mesh's Auto view (placement.auto_mesh), and the
+    # final states go back onto the mesh given (no copy).
+    mesh = auto_mesh(user_mesh)
     sharding = member_sharding(mesh)
     state_shard = _state_sharding(owner, mesh, rules, shape_state, tx, K)
     if state_shard is None:
@@ -569,7 +574,7 @@ def train_sweep(
         np.asarray(probe_steps),
         probes,
         values.get("learning_rate", np.full(K, np.nan, np.float32)),
-        _final_states(run.state, K),
+        on_mesh(_final_states(run.state, K), user_mesh),
         values,
         model_seeds,
         data_seeds,
