@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.interp.capture import capture
 from blocklab.nn.decoder import DecoderLM
@@ -404,3 +405,26 @@ def test_bf16_base_trains_float32_adapters(precision):
                     jax.tree.leaves(eqx.filter(base, eqx.is_array)),
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, b)
+
+
+def test_adapters_take_the_logical_axes_of_the_weight_they_adapt():
+    """Sharding follows the base: A (r, in) is split as the weight's input
+    axis, B (out, r) as its output axis, the rank replicated (asserted on
+    `logical_axes`, which `shard` turns into the arrays' shardings)."""
+    from jax.sharding import PartitionSpec as P
+
+    from blocklab.training.placement import logical_axes
+
+    cfg = bl.DecoderConfig(64, 32, 4, 2, num_kv_heads=2, positions="rope")
+    base = bl.DecoderLM(cfg, key=jax.random.key(0))
+    model = bl.lora(base, rank=4, alpha=8.0, targets=("q", "o", "up", "down"),
+                    key=jax.random.key(1))  # fmt: skip
+    axes = logical_axes(model)
+    plain = logical_axes(base)
+    for name, proj in (("W_q", "attention"), ("W_o", "attention"),
+                       ("W_1", "ffn"), ("W_2", "ffn")):  # fmt: skip
+        lin = getattr(getattr(axes.stack.blocks, proj), name)
+        weight = getattr(getattr(plain.stack.blocks, proj), name).weight
+        layer, out, inp = tuple(weight)
+        assert lin.base.weight == weight
+        assert lin.A == P(layer, None, inp) and lin.B == P(layer, out, None), name

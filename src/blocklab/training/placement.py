@@ -155,6 +155,11 @@ class _Walk:
     def linear(self, lin: Any, path: str, lead: tuple, out: str, inp: str) -> None:
         if lin is None:
             return
+        if hasattr(lin, "add_delta"):  # a LoRA adapter: the axes of its weight
+            self.linear(lin.base, f"{path}.base", lead, out, inp)
+            self.leaf(lin.A, f"{path}.A", lead, (None, inp))  # rank replicated
+            self.leaf(lin.B, f"{path}.B", lead, (out, None))
+            return
         self.leaf(lin.weight, f"{path}.weight", lead, (out, inp))
         self.leaf(getattr(lin, "bias", None), f"{path}.bias", lead, (out,))
 
