@@ -30,8 +30,8 @@ from ...experiments.protocol import STUDY_NAMES
 #: The sections of `blocklab report` (study names), in the order it presents them.
 REPORT_SECTIONS = STUDY_NAMES
 
-#: Subcommand modules (`blocklab NAME`): one per study, then `launch` and `plan`.
-COMMANDS = (*REPORT_SECTIONS, "launch", "plan")
+#: Subcommand modules (`blocklab NAME`): one per study, then the tools.
+COMMANDS = (*REPORT_SECTIONS, "launch", "plan", "generate")
 
 
 def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
