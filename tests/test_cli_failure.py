@@ -20,6 +20,9 @@ def _subparsers():
 
 
 SUBPARSERS = _subparsers()
+
+#: The positional arguments a command does not parse without.
+REQUIRED = {"eval": ["a-checkpoint-folder"]}
 NAMES = sorted(SUBPARSERS)
 
 
@@ -97,7 +100,10 @@ def test_a_bad_output_path_is_refused_before_any_work(name, no_work, tmp_path, c
     blocker.write_text("not a folder")
     for option in sorted({"--png", "--out"} & _options(name)):
         bad = blocker / "x.png" if option == "--png" else blocker
-        assert cli.main([name, option, str(bad), "--json"]) == 2, option
+        if option == "--out" and "out" in getattr(_module(name), "OUTPUT_FILES", ()):
+            bad = blocker / "x.json"  # a file --out: one under a file
+        argv = [name, *REQUIRED.get(name, []), option, str(bad), "--json"]
+        assert cli.main(argv) == 2, option
         err = strict_object(capsys.readouterr().out)
         assert option in err["error"] and err["type"] == "ConfigError"
     assert blocker.read_text() == "not a folder"

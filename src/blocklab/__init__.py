@@ -23,6 +23,7 @@ from .diagnostics import (
     signal_sweep,
 )
 from .interop import (
+    evaluate_text,
     from_huggingface,
     generate_text,
     load_huggingface_state_dict,
@@ -129,6 +130,7 @@ __all__ = [
     "from_huggingface",
     "generate_text",
     "stream_text",
+    "evaluate_text",
     "load_huggingface_state_dict",
     "load_pretrained",
     "load_state_dict",

@@ -12,6 +12,7 @@ reads and writes checkpoint folders (config.json + safetensors, through
 transformers are imported lazily, only when a torch model is passed.
 """
 
+from .evaluate import EvalResult, TextScore, evaluate_text
 from .hf_common import StoredAs
 from .huggingface import (
     FAMILIES,
@@ -35,6 +36,9 @@ from .text import TextStream, generate_text, stream_text
 from .tokenizer import load_tokenizer
 
 __all__ = [
+    "EvalResult",
+    "TextScore",
+    "evaluate_text",
     "FAMILIES",
     "HFFamily",
     "IncrementalDecoder",

@@ -31,7 +31,7 @@ from ...experiments.protocol import STUDY_NAMES
 REPORT_SECTIONS = STUDY_NAMES
 
 #: Subcommand modules (`blocklab NAME`): one per study, then the tools.
-COMMANDS = (*REPORT_SECTIONS, "launch", "plan", "generate")
+COMMANDS = (*REPORT_SECTIONS, "launch", "plan", "generate", "eval")
 
 
 def add_num_seeds(parser, *, help: str) -> None:  # noqa: A002
