@@ -179,6 +179,7 @@ def test_targets_give_the_lm_loss_of_those_targets():
     np.testing.assert_allclose(diag["loss"], lm_loss(model, ids, Y), rtol=1e-5)
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_sweep_probe_records_the_diagnostics_of_every_member():
     data = bl.TimeMachine(seq_len=8, num_train=200, num_val=8)
     ids = _ids()  # a fixed batch (ids < V; the corpus' 28 characters too)

@@ -118,6 +118,7 @@ SHARD = COMMON + textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_shard_on_every_axis_type_lays_out_and_computes_as_one_device():
     res = script_json(SHARD, devices=8, timeout=600)
     presets = ("dp", "fsdp", "tp", "fsdp+tp", "ep", "fsdp+ep")

@@ -445,6 +445,7 @@ def _accuracy(output_path: Path) -> float:
     return json.loads(result.read_text())["results"]["tinymc"]["acc,none"]
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_main_is_the_harness_command_line(folder, tasks, task_manager, tmp_path):
     """`main(argv)`: lm-eval's command line with `--model blocklab` known; its
     accuracy is simple_evaluate's."""

@@ -361,6 +361,7 @@ def test_train_sweep_over_adapters_equals_single_runs():
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_block_and_stack_take_adapters():
     """A lone `TransformerBlock` gets unstacked adapters `(r, n)`; a `Stack`
     gets stacked ones; both equal the NumPy merge."""

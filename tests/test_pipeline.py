@@ -367,6 +367,7 @@ def test_segment_ids_agree_with_pack_documents(corpus, seq_len):
         np.testing.assert_array_equal(S, segments[w])
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_train_model_trains_on_the_batches_and_resumes(corpus):
     tf = corpus[0]
     pipe = TokenPipeline(tf, seq_len=8, batch_size=4, seed=0)
@@ -412,6 +413,7 @@ def test_plain_batches_train_with_the_default_loss(corpus):
     assert res.losses[0] == pytest.approx(float(bl.lm_loss(model, X, Y)), rel=1e-5)
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_a_sweep_trains_every_member_on_the_pipeline(corpus, plain_python):
     """`train_sweep` takes the pipeline (a host iterable): every member trains
     step s on batch s, so each member's losses equal its own `train_model`

@@ -90,6 +90,7 @@ def test_a_transformers_config_is_refused_as_load_pretrained_refuses_it(tmp_path
         config_of("llama-9000")
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_a_mixture_of_experts_saved_by_init_args_plans_and_compiles(tmp_path):
     """`DecoderLM.init_args()` of a MoE model names its class; the plan
     builds that class, also in the compiled step."""
