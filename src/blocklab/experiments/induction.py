@@ -15,10 +15,12 @@ $T - 2P$ uniform noise tokens, $(n_1, \ldots, n_{T-2P}, r_1, \ldots, r_P,
 r_1, \ldots, r_P)$. Training draws $P$ per sequence from
 $[P_{\min}, S]$: with a single length the copies always sit $P$ apart, and
 a head can predict the repeat by position alone (attend $P - 1$ tokens
-back), which is not induction; a spread of distances leaves only the
-content-based circuit. The analysis uses $P = S$, $x = (r, r)$: the first
-copy is unpredictable (loss about $\log V$), the second, after its first
-token, is predictable from the context only.
+back), which is not induction (the `quick` protocol shows it); a spread of
+distances leaves only the content-based circuit (the `cpu` protocol). The
+analysis uses $P = S$, $x = (r, r)$: the first copy is unpredictable (loss
+about $\log V$), the second, after its first token, is predictable from the
+context only. The model is a `DecoderLM` with unit-variance embeddings
+(`make_model`).
 
 **Prefix-matching score** (`prefix_matching_scores`). For a head's pattern
 $A$ (query $i$, key $j$) on sequences whose last $P$ tokens repeat the $P$
@@ -39,15 +41,18 @@ second copy after its first token), the *first-copy loss* over
 $i = 0, \ldots, S-2$.
 
 **Ablation.** The induction heads' mixed values (`attn.hook_z`, each head's
-output before $W_O$) are zeroed (`blocklab.interp.ablate_heads`), and the
-in-context loss is compared with zeroing as many heads drawn uniformly from
-the others (`random_heads`, `num_random` draws averaged).
+output before $W_O$) are zeroed with `blocklab.interp.intervene` (`heads_edit`:
+`blocklab.interp.ablate_heads` for a mask of heads that differs by layer and
+by seed), and the in-context loss is compared with zeroing as many heads
+drawn uniformly from the others (`random_heads`, `num_random` draws
+averaged).
 
 **Patching.** The corrupted input $x' = (r', r)$ changes every token of the
 first copy ($r'_i = (r_i + u_i) \bmod V$ with $u_i$ uniform in $[1, V-1]$,
 `corrupt_first_copy`), so the second copy is no longer predictable. The
-induction heads' `hook_z` of the clean run is patched into the corrupted run
-(`blocklab.interp.patch` on those heads), and the *recovery* of the
+induction heads' `hook_z` of the clean run (`blocklab.interp.capture`) is
+patched into the corrupted run (`heads_edit` with `source`: the same as
+`blocklab.interp.patch` on those heads), and the *recovery* of the
 in-context loss is
 $$R = \frac{\ell(x') - \ell(x' \mid z_\text{heads} \leftarrow z^\text{clean})}
 {\ell(x') - \ell(x)}:$$
@@ -105,6 +110,7 @@ __all__ = [
     "corrupt_first_copy",
     "heads_edit",
     "lens_kl",
+    "make_model",
     "prefix_matching_scores",
     "previous_token_scores",
     "random_heads",
@@ -386,6 +392,8 @@ class InductionProtocol:
         min_repeat: the shortest repeat $P_{\\min}$ of the training data.
         num_hiddens, num_heads, num_blks, positions, bias: the `DecoderLM`
             (GELU MLP, pre-norm RMSNorm, untied head).
+        embed_std: the standard deviation of the token (and learned position)
+            embeddings at initialization (see `make_model`).
         batch_size, learning_rate, warmup_steps: Adam with a linear warm-up
             to `learning_rate`, then constant.
         eval_sequences: sequences $(r, r)$ per analysis.
@@ -408,6 +416,7 @@ class InductionProtocol:
     num_blks: int = 2
     positions: str = "rope"
     bias: bool = True
+    embed_std: float = 1.0
     batch_size: int = 128
     learning_rate: float = 1e-2
     warmup_steps: int = 100
@@ -443,6 +452,7 @@ class InductionProtocol:
         check_choice(owner, "positions", self.positions, ("rope", "learned"))
         object.__setattr__(self, "bias", check_bool(owner, "bias", self.bias))
         check_float(owner, "learning_rate", self.learning_rate, min=0.0, min_open=True)
+        check_float(owner, "embed_std", self.embed_std, min=0.0, min_open=True)
         check_float(owner, "threshold", self.threshold, min=0.0, max=1.0)
 
     def replace(self, **changes: Any) -> InductionProtocol:
@@ -458,23 +468,23 @@ class InductionProtocol:
         )  # fmt: skip
 
 
-#: The report's (`blocklab report`, also `--quick`) and `--protocol quick`: one
-#: repeat length ($P = S$), so the heads may match by position (the
-#: generalisation row says whether they do); about 20 s on 2 CPU cores.
+#: The report's (`blocklab report`, also `--quick`) and `--protocol quick`:
+#: one repeat length ($P = S$), where the heads that form find the earlier
+#: copy by its distance (their score on repeats of `shorter` is 0); about
+#: 20 s on 2 CPU cores.
 QUICK = InductionProtocol(
     "quick", 100, seeds=(0, 1), min_repeat=8, batch_size=32, warmup_steps=20,
     eval_sequences=32, num_random=4, lens_sequences=4, steps_per_call=50,
 )  # fmt: skip
-#: `blocklab induction` (the default): repeats of 2 .. 8 tokens, three seeds,
-#: a few minutes on 2 CPU cores.
-CPU = InductionProtocol("cpu", 4000, seeds=(0, 1, 2), batch_size=64,
+#: `blocklab induction` (the default): repeats of 2 to 8 tokens, three seeds;
+#: a previous-token head in layer 0 and induction heads in layer 1 form
+#: between steps 1000 and 1500; a few minutes on 2 CPU cores.
+CPU = InductionProtocol("cpu", 2000, seeds=(0, 1, 2), batch_size=64,
                         steps_per_call=250)  # fmt: skip
-#: On an accelerator: more seeds, longer sequences, a wider model.
-FULL = InductionProtocol(
-    "full", 6000, seeds=tuple(range(8)), vocab_size=64, segment_len=16,
-    min_repeat=2, num_hiddens=128, shorter=9, batch_size=256,
-    steps_per_call=500,
-)  # fmt: skip
+#: On an accelerator: the `cpu` recipe with eight seeds, a larger batch and
+#: more steps and evaluation sequences.
+FULL = CPU.replace(name="full", steps=3000, seeds=tuple(range(8)), batch_size=128,
+                   eval_sequences=256, steps_per_call=500)  # fmt: skip
 PROTOCOLS = {p.name: p for p in (QUICK, CPU, FULL)}
 
 
@@ -491,8 +501,32 @@ def _optimizer(warmup_steps: int) -> optax.GradientTransformationExtraArgs:
     )
 
 
-def _make_model(cfg: DecoderConfig, key: PRNGKeyArray) -> DecoderLM:
-    return DecoderLM(cfg, key=key)
+def make_model(protocol: InductionProtocol, key: PRNGKeyArray) -> DecoderLM:
+    r"""The study's `DecoderLM` (`protocol.config`) with its token embedding
+    (and learned position table) drawn from $N(0, \sigma^2)$, $\sigma$ =
+    `protocol.embed_std`.
+
+    The library's default $\sigma = 0.02$ is far below what Adam at a rate
+    of $10^{-2}$ moves in a few steps: the embeddings are then rewritten by
+    the first updates, the heads of layer 0 collapse onto one pattern, and
+    on this task the induction circuit had not formed after 4000 steps of
+    batch 64 (`CPU` otherwise, 3 seeds). At $\sigma = 1$ it forms between
+    steps 1000 and 1500 in each of them.
+    """
+    k_model, k_tok, k_pos = jax.random.split(key, 3)
+    model = DecoderLM(protocol.config, key=k_model)
+
+    def draw(k, w):
+        return protocol.embed_std * jax.random.normal(k, w.shape, w.dtype)
+
+    model = eqx.tree_at(
+        lambda m: m.token_emb.weight, model, draw(k_tok, model.token_emb.weight)
+    )
+    if model.pos_emb is not None:
+        model = eqx.tree_at(
+            lambda m: m.pos_emb.weight, model, draw(k_pos, model.pos_emb.weight)
+        )
+    return model
 
 
 # Result --------------------------------------------------------------------
@@ -783,7 +817,7 @@ class InductionResult:
         ax.axhline(math.log(self.protocol.vocab_size), ls="--", c="gray", lw=1)
         ax.annotate("log V", (0.01, math.log(self.protocol.vocab_size)),
                     xycoords=("axes fraction", "data"), fontsize=8)  # fmt: skip
-        ax.set(xlabel="position of the predicted token (second copy from S)",
+        ax.set(xlabel=f"position of the predicted token (second copy from {S})",
                ylabel="loss", title="loss per position on (r, r)")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -815,19 +849,22 @@ class InductionResult:
         return _save(fig, path)
 
     def _plot_lenses(self, path: Path) -> Path:
-        from .plotting import line_plot
+        from .plotting import _save, plt
 
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
         layers = np.arange(self.lens["logit"].shape[1])
-        ys = {f"{n} lens": np.mean(self.lens[n], 0) for n in LENSES}
-        bands = {
-            f"{n} lens": (np.min(self.lens[n], 0), np.max(self.lens[n], 0))
-            for n in LENSES
-        }
-        return line_plot(
-            path, layers, ys, bands=bands, xlabel="layer l (after block l)",
-            ylabel="KL(p_final || p_l), nats",
-            title="lenses of the trained model on (r, r)",
-        )  # fmt: skip
+        for name in LENSES:
+            kl = self.lens[name]
+            (line,) = ax.plot(layers, np.mean(kl, 0), marker="o", label=f"{name} lens")
+            ax.fill_between(layers, np.min(kl, 0), np.max(kl, 0), alpha=0.2,
+                            color=line.get_color())  # fmt: skip
+        ax.set(xticks=layers, xlabel="layer l (the stream after block l)",
+               ylabel="KL(p_final || p_l), nats",
+               title="lenses of the trained models on (r, r)")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.suptitle(f"seeds {list(self.seeds)}: mean, band min-max", fontsize=9)
+        return _save(fig, path)
 
 
 # The study -----------------------------------------------------------------
@@ -865,7 +902,7 @@ def run_induction(
 
     t0 = time.perf_counter()
     sweep = train_sweep(
-        functools.partial(_make_model, p.config),
+        functools.partial(make_model, p),
         RepeatedSegments(V, S, p.batch_size, p.min_repeat),
         p.steps,
         model_keys=seeds,
@@ -896,12 +933,8 @@ def run_induction(
         t0 = time.perf_counter()
         try:
             ids = repeated_segments(jax.random.key(2**31 - 2), p.lens_sequences, S, V)
-            lens = {
-                n: np.asarray(v)
-                for n, v in _lens_members(
-                    sweep.state.model, ids, tuple(range(S, 2 * S))
-                ).items()
-            }
+            kl = _lens_members(sweep.state.model, ids, tuple(range(S, 2 * S)))
+            lens = {n: np.asarray(kl[n]) for n in LENSES}
         except ImportError as err:
             note = f"the lenses need blocklab.interp.lenses, which is missing ({err})."
         seconds["lens"] = time.perf_counter() - t0
@@ -970,15 +1003,20 @@ def report_section(out_dir: Path, *, quick: bool, full: bool, progress: bool) ->
         "cores) with the logit and Jacobian lenses.\n\n"
     )  # fmt: skip
     m = p.config
+    lengths = (
+        f"{p.segment_len}"
+        if p.min_repeat == p.segment_len
+        else f"{p.min_repeat} to {p.segment_len}"
+    )
     lens = f"Lenses: {res.lens_note}\n\n" if full and res.lens is None else ""
     return (
         "## Induction heads: find, ablate, patch, lenses\n\n"
         f"{note}A {m.num_blks}-layer DecoderLM (d = {m.num_hiddens}, "
         f"{m.num_heads} heads, {p.positions} positions) trained {p.steps} steps on "
-        f"repeats of {p.min_repeat} to {p.segment_len} random tokens (V = "
-        f"{p.vocab_size}) after noise, seeds {list(p.seeds)} as one vmapped "
-        f"sweep. Heads with a prefix-matching score above {p.threshold:g} on "
-        f"(r, r), S = {p.segment_len}: found in {found} of {K} seeds, matching "
-        f"by content in {content} of {K}. Mean ± sd over the seeds.\n\n"
+        f"repeats of {lengths} random tokens (V = {p.vocab_size}) after noise, "
+        f"seeds {list(p.seeds)} as one vmapped sweep. Heads with a prefix-matching "
+        f"score above {p.threshold:g} on (r, r), S = {p.segment_len} (the table's "
+        f"induction heads): found in {found} of {K} seeds, matching by content in "
+        f"{content} of {K}. Mean ± sd over the seeds.\n\n"
         f"{lens}{res.table()}\n\n" + figure_links(paths) + "\n"
     )
