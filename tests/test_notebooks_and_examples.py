@@ -27,6 +27,7 @@ SLOW = {
     "02_charlm.ipynb",
     "03_signal_propagation.ipynb",
     "04_identities.ipynb",
+    "07_induction.ipynb",
     "05_lr_sensitivity.ipynb",
     "06_mup_and_proxies.ipynb",
 }
