@@ -247,17 +247,17 @@ def model_diagnostics(
         A dict of arrays over the L blocks:
 
         - `"attn_entropy"`: `(L, H)` mean attention entropy of each head
-          (nats; masked keys excluded);
+            (nats; masked keys excluded);
         - `"attn_entropy_uniform"`: `(L,)` the mean over queries of
-          $\log$ (number of visible keys), the entropy of uniform attention
-          (every entry of `attn_entropy[l]` is at most `attn_entropy_uniform[l]`);
+            $\log$ (number of visible keys), the entropy of uniform attention
+            (every entry of `attn_entropy[l]` is at most `attn_entropy_uniform[l]`);
         - `"token_spread"`, `"stream_rms"`: `(L,)` of the stream after each
-          block, over the whole batch;
+            block, over the whole batch;
         - `"loss"`: `()` the loss;
         - `"grad_norm"`: `(L,)` the norm of the loss's gradient with respect
-          to all of block l's floating-point parameters;
+            to all of block l's floating-point parameters;
         - `"grad_norms"`: `{leaf: (L,)}` the same per parameter, keyed by its
-          path in the block (`"attention.W_q.weight"`, `"ffn.W_1.weight"`, ...).
+            path in the block (`"attention.W_q.weight"`, `"ffn.W_1.weight"`, ...).
 
     Raises:
         ConfigError: a model without a scanned `Stack`, `targets` with a

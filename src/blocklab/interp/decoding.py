@@ -210,16 +210,16 @@ def capture_generate(
 
         - `tokens`: int32 `(*batch, T + S)`, the prompt then the new tokens;
         - `prefill_values`: the values on the prompt, keyed and shaped as
-          `capture`'s on it: `(*batch, T, ...)`, a stacked site
-          `(L, *batch, T, ...)`;
+            `capture`'s on it: `(*batch, T, ...)`, a stacked site
+            `(L, *batch, T, ...)`;
         - `step_values`: per step the values of its one row, stacked over the
-          steps on a new leading axis of size $S$, the token axis dropped:
-          `(S, *batch, ...)`, a stacked site `(S, L, *batch, ...)` (the layer
-          axis after the step axis; `blocks.{l}.<site>` keys, when only some
-          layers are selected, `(S, *batch, ...)`). For example
-          `blocks.*.hook_resid_post` is `(S, L, *batch, d)`, `attn.hook_z`
-          `(S, L, *batch, H, p)`, `unembed.hook_out` (the logits each
-          token was chosen from) `(S, *batch, vocab)`.
+            steps on a new leading axis of size $S$, the token axis dropped:
+            `(S, *batch, ...)`, a stacked site `(S, L, *batch, ...)` (the layer
+            axis after the step axis; `blocks.{l}.<site>` keys, when only some
+            layers are selected, `(S, *batch, ...)`). For example
+            `blocks.*.hook_resid_post` is `(S, L, *batch, d)`, `attn.hook_z`
+            `(S, L, *batch, H, p)`, `unembed.hook_out` (the logits each
+            token was chosen from) `(S, *batch, vocab)`.
 
     Raises:
         ConfigError: naming the argument: a model of another type, a prompt
