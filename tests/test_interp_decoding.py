@@ -78,7 +78,7 @@ SAMPLE = dict(key=jax.random.key(3), temperature=0.7, top_k=8, top_p=0.9)
     "name,batch,sample",
     [
         ("rope-gqa-window3", False, True),
-        ("learned", True, False),
+        pytest.param("learned", True, False, marks=pytest.mark.slow),
         ("charlm", False, False),
     ],
 )

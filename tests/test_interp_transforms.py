@@ -350,6 +350,7 @@ def test_a_scanned_stack_stays_one_scan(what):
     assert hlo.count("stablehlo.while") == 1
 
 
+@pytest.mark.slow  # kept out of the default run for CI time
 def test_vmap_over_a_sweeps_members_equals_each_member():
     """Members of a sweep are one pytree with a leading member axis (models
     built by `eqx.filter_vmap` over seeds): `capture` and an edit under

@@ -359,10 +359,12 @@ def test_host_source_refusals():
     bad = _batches(2) + [(np.zeros((5, 3), np.float32), np.zeros(5, np.float32))]
     with pytest.raises(ConfigError, match="batch 2 has structure"):
         _train(iter(bad), 3)
-    with pytest.raises(ConfigError, match="host source"):
+    # train_sweep takes a host iterable (every member trains on batch s at
+    # step s), but not a host callable: K members have no one key to give it.
+    with pytest.raises(ConfigError, match="host callable"):
         train_sweep(
             lambda k: Linear(jnp.zeros(3)),
-            iter(_batches(3)),
+            host_source(lambda key: _batches(1)[0]),
             2,
             model_keys=[0, 1],
             data_keys=[0, 1],
