@@ -37,7 +37,7 @@ from ..nn import cache as _cache
 from ..nn.charlm import CharLM
 from ..nn.decoder import DecoderLM
 from ..nn.generation import check_sampling, sample_logits
-from ..nn.hooks import STACKED, Edit, Hooks
+from ..nn.hooks import Edit, Hooks
 from .sites import Selection, _cache_key, edit_table, select, site_shapes, unpack
 
 __all__ = ["capture_generate", "decode_site_shapes"]
@@ -288,21 +288,7 @@ def capture_generate(
         jnp.float32(top_p) if sampling and top_p is not None else None,
         S, top_k if sampling else None, frozenset(selection), table, axes, one,
     )  # fmt: skip
-    return tokens, unpack(prefill, selection), _unpack_steps(steps, selection)
-
-
-def _unpack_steps(values: Mapping[str, Any], selection: Selection) -> dict:
-    """`unpack` for values with a leading step axis (the layer axis second)."""
-    out = {}
-    for site, layers in selection.items():
-        value = values[site]
-        if layers is None:
-            out[site] = value
-        else:
-            rest = site[len(STACKED) :]
-            for layer in layers:
-                out[f"blocks.{layer}.{rest}"] = value[:, layer]
-    return out
+    return tokens, unpack(prefill, selection), unpack(steps, selection, layer_axis=1)
 
 
 @eqx.filter_jit

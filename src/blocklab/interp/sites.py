@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._validate import ConfigError
 from ..nn.hooks import STACKED, Edit, Hooks
@@ -175,10 +176,15 @@ def select(
 
 
 def unpack(
-    values: Mapping[str, Any], selection: Selection, *, model: Any = None
+    values: Mapping[str, Any],
+    selection: Selection,
+    *,
+    model: Any = None,
+    layer_axis: int = 0,
 ) -> dict[str, Any]:
     """The recorded values under the names the module docstring gives; a
-    selected site the call never reached is refused by name."""
+    selected site the call never reached is refused by name. `layer_axis`:
+    where a stacked site's layer axis is (1 behind a leading step axis)."""
     missing = sorted(set(selection) - set(values))
     if missing:
         raise ConfigError(
@@ -193,7 +199,7 @@ def unpack(
         else:
             rest = site[len(STACKED) :]
             for layer in layers:
-                out[f"blocks.{layer}.{rest}"] = value[layer]
+                out[f"blocks.{layer}.{rest}"] = jnp.take(value, layer, axis=layer_axis)
     return out
 
 
