@@ -26,17 +26,30 @@ EPILOG = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--act", nargs="+", choices=ACTS, default=["gelu", "swiglu"])
+    parser.add_argument(
+        "--act", nargs="+", choices=ACTS, default=["gelu", "swiglu"],
+        help="the FFN activations to compare (default: gelu swiglu)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps (>= 1)")
     parser.add_argument(
         "--seeds", nargs="+", type=int, default=[0],
         help="distinct non-negative int seeds (default: 0)",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW rate (> 0)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--num-hiddens", type=int, default=128)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-blks", type=int, default=2)
+    parser.add_argument(
+        "--batch-size", type=int, default=64,
+        help="sequences per step (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-hiddens", type=int, default=128,
+        help="model width, a multiple of --num-heads (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-heads", type=int, default=4, help="attention heads (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-blks", type=int, default=2, help="transformer blocks (default: %(default)s)"
+    )
     parser.add_argument(
         "--seq-len", type=int, default=128,
         help="sequence length (characters per training sequence; --steps counts "
@@ -46,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--png", default="train_losses.png",
         help="where to write the loss curves (default: %(default)s)",
     )  # fmt: skip
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
 
 
 def _options(args: argparse.Namespace) -> dict:

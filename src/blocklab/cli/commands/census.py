@@ -15,8 +15,14 @@ HELP = "parameter census of transformer blocks (attention, FFN, norms, total)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-hiddens", type=int, default=256)
-    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument(
+        "--num-hiddens", type=int, default=256, metavar="D",
+        help="model width d, a multiple of --num-heads (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-heads", type=int, default=8, metavar="H",
+        help="attention heads (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--act",
         nargs="+",
@@ -24,9 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="census of the default block with each of these acts",
     )
-    parser.add_argument("--norm", choices=sorted(NORMS), default="rms")
-    parser.add_argument("--placement", choices=PLACEMENTS, default="pre")
-    parser.add_argument("--bias", action="store_true")
+    parser.add_argument(
+        "--norm", choices=sorted(NORMS), default="rms",
+        help="the normalizer of the --act blocks (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--placement", choices=PLACEMENTS, default="pre",
+        help="where the --act blocks put their norms (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bias", action="store_true",
+        help="biases in the --act blocks' linear layers (default: none)",
+    )  # fmt: skip
 
 
 def _call(args: argparse.Namespace) -> study.CensusResult:

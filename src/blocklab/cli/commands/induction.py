@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training steps (default: the protocol's)",
     )  # fmt: skip
     add_out_dir(parser, "induction")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="a non-negative int seed")
     add_out_dir(parser, "lr_sensitivity")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
 
 
 def protocol_of(args: argparse.Namespace) -> study.LRProtocol:

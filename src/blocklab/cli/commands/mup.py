@@ -22,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "an accelerator; report/quick: the coordinate check only",
     )  # fmt: skip
     add_out_dir(parser, "mup")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

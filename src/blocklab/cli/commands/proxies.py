@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(study.VARIANTS), help="interventions to run (default: all)",
     )  # fmt: skip
     add_out_dir(parser, "proxies")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

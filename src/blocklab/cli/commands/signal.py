@@ -30,14 +30,18 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS)
-    )
+        "--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS),
+        help="the norm placements to measure (default: all)",
+    )  # fmt: skip
     parser.add_argument("--qk-norm", action="store_true", help="QK-norm in every block")
     add_num_seeds(parser, help="seeds 0..N-1, vmapped (default 3)")
     parser.add_argument("--blocks", type=int, default=32, help="depth N")
     parser.add_argument("--alpha", type=float, default=1.0, help="scale all weights")
     parser.add_argument("--no-ffn", action="store_true", help="zero FFN sublayers")
-    parser.add_argument("--num-hiddens", type=int, default=256)
+    parser.add_argument(
+        "--num-hiddens", type=int, default=256,
+        help="model width, a multiple of the 4 heads (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--arch", choices=study.ARCHS, default=None,
         help="measure this architecture's stack (a DecoderConfig preset) instead",
