@@ -1,0 +1,88 @@
+"""Encoder families against `transformers` (BERT, ModernBERT, ViT), and ViT's
+patch embedding against PyTorch's convolution.
+
+Models are built from configs with random weights (nothing downloads) and
+compared logit for logit in float32, at ≤ 1e-5 times the logits' scale.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blocklab._validate import ConfigError
+from blocklab.nn.patch_embed import PatchEmbed, ViTEmbedding, patchify
+
+# Patch embedding ---------------------------------------------------------------
+
+
+def test_patchify_order_by_loop():
+    """Patch n = (row r, column c) holds x[:, pr:pr+p, pc:pc+p] flattened
+    (channel, row, column), patches row-major: a NumPy loop."""
+    x = np.random.default_rng(0).normal(size=(2, 3, 6, 9)).astype(np.float32)
+    p = 3
+    got = np.asarray(patchify(jnp.asarray(x), p))
+    assert got.shape == (2, 6, 27)
+    for b in range(2):
+        n = 0
+        for r in range(2):
+            for c in range(3):
+                want = x[b, :, p * r : p * r + p, p * c : p * c + p].reshape(-1)
+                np.testing.assert_array_equal(got[b, n], want)
+                n += 1
+
+
+@pytest.mark.parametrize("C,p,d,H,W", [(3, 4, 8, 8, 12), (1, 2, 5, 6, 6)])
+def test_patch_embed_equals_conv2d(C, p, d, H, W):
+    torch = pytest.importorskip("torch")
+    emb = PatchEmbed(C, p, d, key=jax.random.key(0))
+    rng = np.random.default_rng(1)
+    bias = rng.normal(size=d).astype(np.float32)
+    emb = eqx.tree_at(lambda e: e.bias, emb, jnp.asarray(bias))
+    x = rng.normal(size=(2, C, H, W)).astype(np.float32)
+    conv = torch.nn.functional.conv2d(
+        torch.from_numpy(x),
+        torch.from_numpy(np.asarray(emb.weight)),
+        torch.from_numpy(bias),
+        stride=p,
+    )  # (B, d, H/p, W/p)
+    want = conv.flatten(2).transpose(1, 2).numpy()
+    got = np.asarray(emb(jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # one image at a time gives the rows of the batch
+    np.testing.assert_allclose(
+        np.asarray(emb(jnp.asarray(x[1]))), got[1], rtol=0, atol=1e-6
+    )
+
+
+def test_vit_embedding_cls_and_positions():
+    """h0 = [cls; patches] + P, by hand from PatchEmbed."""
+    emb = ViTEmbedding(8, 4, 3, 6, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (3, 8, 8))
+    h = np.asarray(emb(x))
+    assert h.shape == (5, 6) and emb.num_patches == 4
+    pos = np.asarray(emb.pos_emb)
+    np.testing.assert_allclose(h[0], np.asarray(emb.cls_token) + pos[0], atol=1e-6)
+    np.testing.assert_allclose(h[1:], np.asarray(emb.patch(x)) + pos[1:], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape,name",
+    [((3, 8, 12), "8x8"), ((2, 8, 8), "8x8")],
+)
+def test_vit_embedding_refuses_bad_images(shape, name):
+    emb = ViTEmbedding(8, 4, 3, 6, key=jax.random.key(2))
+    with pytest.raises(ConfigError, match=name):
+        emb(jnp.zeros(shape))
+
+
+def test_patch_embed_refuses_bad_sizes():
+    with pytest.raises(ConfigError, match="multiples of patch_size"):
+        patchify(jnp.zeros((3, 7, 8)), 4)
+    with pytest.raises(ConfigError, match="channels"):
+        PatchEmbed(3, 4, 8, key=jax.random.key(0))(jnp.zeros((1, 8, 8)))
+    with pytest.raises(ConfigError, match="image_size"):
+        ViTEmbedding(10, 4, 3, 8, key=jax.random.key(0))
