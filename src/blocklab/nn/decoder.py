@@ -77,7 +77,7 @@ def _build(cfg: DecoderConfig, key):
         return TransformerBlock(block, ffn_factory=ffn_factory, key=k)
 
     stack = set_layer_data(
-        Stack(make_block, cfg.num_blks, unroll=1, key=stack_key), cfg
+        Stack(make_block, cfg.num_blks, remat=cfg.remat, unroll=1, key=stack_key), cfg
     )
     pos = embedding(cfg.max_len, pos_key) if cfg.positions == "learned" else None
     head = (

@@ -23,6 +23,7 @@ from typing import Any
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from . import parametrization
 from .config import BlockConfig, ComparedByKey, check_option_names, ffn_width
+from .remat import check_remat
 
 __all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
 
@@ -97,6 +98,11 @@ class DecoderConfig(ComparedByKey):
             `config.json`, and `save_pretrained` writes them back.
         generation_config: the checkpoint's `generation_config.json`, as
             JSON text (an object), or `None`; kept and written back as is.
+        remat: what the stack keeps for the backward pass
+            (`blocklab.nn.remat`): `False`/`"none"`, `True`/`"full"`,
+            `"dots"`, `"names:SITE,..."`, `"offload:SITE,..."`, `"nested"`
+            or a `jax.checkpoint_policies` callable (not written by
+            `to_dict`). Changes memory and time, never the numbers.
     """
 
     vocab_size: int
@@ -115,6 +121,7 @@ class DecoderConfig(ComparedByKey):
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     generation_config: str | None = None
+    remat: Any = False
 
     def __init__(
         self,
@@ -196,6 +203,7 @@ class DecoderConfig(ComparedByKey):
             )
         put("tie_embeddings", check_bool(_OWNER, "tie_embeddings", self.tie_embeddings))
         self._check_metadata(put)
+        put("remat", check_remat(_OWNER, self.remat))
         rope = self.positions == "rope"
         changes: dict[str, Any] = {}
         if not rope:
@@ -362,6 +370,8 @@ class DecoderConfig(ComparedByKey):
         for name in ("global_layers", "eos_token_id"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
+        if callable(out["remat"]):
+            del out["remat"]  # a function is not JSON: the default comes back
         return out
 
     # Presets (small defaults; no torch needed) -----------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_key
+from .._validate import ConfigError, check_key
 from .cache import write_cache
 from .hooks import Hooks
+from .remat import NamedSites, check_remat, nested_groups, parse_remat
 
 __all__ = ["Stack"]
 
@@ -38,7 +40,7 @@ class Stack(eqx.Module):
 
     blocks: Any
     num_blks: int = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: bool | str | Callable[..., Any] = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
     #: `constrain(h)` applied to the hidden state at every block boundary
     #: (before each block and after the last), e.g. a sharding constraint
@@ -50,7 +52,7 @@ class Stack(eqx.Module):
         make_block: Callable[[PRNGKeyArray], Any],
         num_blks: int,
         *,
-        remat: bool = False,
+        remat: bool | str | Callable[..., Any] = False,
         unroll: int | bool = 1,
         key: PRNGKeyArray,
     ):
@@ -58,9 +60,13 @@ class Stack(eqx.Module):
         make_block: `make_block(key)` returns one block, called as
             `block(x, valid_lens, key=...)`.
         num_blks: depth N >= 1.
-        remat: rematerialize each block in the backward pass
-            (`jax.checkpoint`): activation memory O(1) blocks instead of O(N),
-            for about one extra forward pass of compute.
+        remat: what the backward pass keeps (`blocklab.nn.remat`): `False`
+            or `"none"` keeps every activation; `True` or `"full"`
+            rematerializes each block (`jax.checkpoint`): activation memory
+            O(1) blocks instead of O(N), for about one extra forward pass;
+            `"dots"`, `"names:SITE,..."`, `"offload:SITE,..."`,
+            `"nested"` or a `jax.checkpoint_policies` callable keep what
+            the policy says.
         unroll: blocks applied per scan iteration, a positive int, or `True`
             for all N (no loop) and `False` for 1.
         key: PRNG key; block k is built from the k-th of `num_blks` subkeys.
@@ -75,7 +81,7 @@ class Stack(eqx.Module):
                 f"Stack: num_blks must be a positive int, got {num_blks!r}."
             )
         num_blks = int(num_blks)
-        remat = check_bool("Stack", "remat", remat)
+        remat = check_remat("Stack", remat)
         if not isinstance(unroll, (bool, np.bool_, int, np.integer)) or (
             not isinstance(unroll, (bool, np.bool_)) and unroll < 1
         ):
@@ -141,12 +147,13 @@ class Stack(eqx.Module):
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
         hooks: Hooks | None = None,
+        **inputs: Any,
     ) -> tuple[Float[Array, "*batch T d"], Any]:
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, segment_ids, key, hooks: as for
-                `__call__`.
+            x, valid_lens, positions, segment_ids, key, hooks, inputs: as
+                for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing. Not with
@@ -160,27 +167,39 @@ class Stack(eqx.Module):
         extra = {} if positions is None else {"positions": positions}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
+        extra.update({k: v for k, v in inputs.items() if v is not None})
         if hooks is not None and collect is not None:
             raise ConfigError("Stack.scan: pass collect or hooks, not both.")
         layers = None if hooks is None else jnp.arange(self.num_blks, dtype=jnp.int32)
 
         constrain = self.constrain
+        policy = parse_remat("Stack", self.remat)
+        # A policy that reads checkpoint names gets them from the sites.
+        named, seen = policy.tags and collect is None, set()
 
         def step(h, xs):
             blk_params, k, i = xs
             blk = eqx.combine(blk_params, static)
             if constrain is not None:
                 h = constrain(h)
-            if hooks is not None:
-                mine = hooks.stacked(i)
-                return blk(h, valid_lens, key=k, hooks=mine, **extra), mine.values
+            if hooks is not None or named:
+                mine = None if hooks is None else hooks.stacked(i)
+                mine = NamedSites(mine, seen) if named else mine
+                out = blk(h, valid_lens, key=k, hooks=mine, **extra)
+                return out, (None if hooks is None else mine.values)
             if collect is None:
                 return blk(h, valid_lens, key=k, **extra), None
             return collect(blk, h, k)
 
-        if self.remat:
-            step = jax.checkpoint(step)
-        h, stats = jax.lax.scan(step, x, (dynamic, keys, layers), unroll=self.unroll)
+        h, stats = _remat_scan(
+            policy, step, x, (dynamic, keys, layers), self.num_blks, self.unroll
+        )
+        missing = [n for n in policy.full_names if named and n not in seen]
+        if missing:
+            raise ConfigError(
+                f"Stack: remat={self.remat!r} names {missing}, which the blocks "
+                f"do not carry on this path; they carry {sorted(seen)}."
+            )
         if hooks is not None:
             hooks.values.update(stats)
             stats = None
@@ -195,11 +214,15 @@ class Stack(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
+        **inputs: Any,
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
 
         `valid_lens` is passed to every block, and `positions` (RoPE) and
-        `segment_ids` (packed sequences) too when given; `key` (dropout) is
+        `segment_ids` (packed sequences) too when given, and so are the
+        other block inputs given as keywords (`inputs`, e.g. `key_mask`,
+        `score_bias`, an encoder's `context`: the same for every block,
+        not scanned over); `key` (dropout) is
         split into one subkey per block. `hooks` (`blocklab.nn.hooks`) sees
         the blocks' sites as `blocks.*.<site>` (`TransformerBlock.__call__`),
         with the block index as the edits' `layer`; what it records comes
@@ -207,7 +230,7 @@ class Stack(eqx.Module):
         """
         return self.scan(
             x, valid_lens, positions=positions, segment_ids=segment_ids, key=key,
-            hooks=hooks,
+            hooks=hooks, **inputs,
         )[0]  # fmt: skip
 
     def step(
@@ -217,6 +240,8 @@ class Stack(eqx.Module):
         start: Int[ArrayLike, "*#batch"],
         *,
         hooks: Hooks | None = None,
+        cross_kv: Any = None,
+        **inputs: Any,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the N blocks to new tokens against their key/value caches.
 
@@ -232,14 +257,22 @@ class Stack(eqx.Module):
             caches: the stacked per-block caches.
             start: int, or one per sequence (shape `x.shape[:-2]`).
             hooks: as for `__call__` (the sites of `TransformerBlock.step`).
+            cross_kv: cross-attention blocks' cached encoder keys and values,
+                stacked over the blocks like `caches` (scanned with them).
+            inputs: other keywords of `TransformerBlock.step`, the same for
+                every block (`context_lens`, `score_bias`, ...).
 
         Returns:
             `(h_N, new_caches)`, the caches stacked as they came in.
         """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         steps = jnp.arange(self.num_blks, dtype=jnp.int32)
+        given = {k: v for k, v in inputs.items() if v is not None}
 
-        def run(blk, h, cache, i, **kw):
+        def run(blk, h, cache, i, ckv=None, **kw):
+            kw.update(given)
+            if ckv is not None:
+                kw["cross_kv"] = ckv
             if hooks is None:
                 return blk.step(h, cache, start, **kw), None
             mine = hooks.stacked(i)
@@ -249,30 +282,63 @@ class Stack(eqx.Module):
             # Decoding: the caches are read in the layer loop and written once
             # after it (`defer_write`); written inside it, XLA copies them.
             def read_only(h, xs):
-                blk_params, i = xs
+                blk_params, i, ckv = xs
                 cache = jax.tree.map(
                     lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False),
                     caches,
                 )
                 blk = eqx.combine(blk_params, static)
-                (h, rows), seen = run(blk, h, cache, i, defer_write=True)
+                (h, rows), seen = run(blk, h, cache, i, ckv, defer_write=True)
                 return h, (rows, seen)
 
             h, (rows, seen) = jax.lax.scan(
-                read_only, x, (dynamic, steps), unroll=self.unroll
+                read_only, x, (dynamic, steps, cross_kv), unroll=self.unroll
             )
             new = write_cache(caches, rows, start, stacked=True)
         else:
 
             def body(h, xs):
-                blk_params, cache, i = xs
-                (h, cache), seen = run(eqx.combine(blk_params, static), h, cache, i)
+                blk_params, cache, i, ckv = xs
+                blk = eqx.combine(blk_params, static)
+                (h, cache), seen = run(blk, h, cache, i, ckv)
                 return h, (cache, seen)
 
             layers = None if hooks is None else steps
             h, (new, seen) = jax.lax.scan(
-                body, x, (dynamic, caches, layers), unroll=self.unroll
+                body, x, (dynamic, caches, layers, cross_kv), unroll=self.unroll
             )
         if hooks is not None:
             hooks.values.update(seen)
         return h, new
+
+
+def _remat_scan(policy, step, x, xs, num_blks, unroll):
+    """`lax.scan(step, x, xs)` with the blocks rematerialized as `policy` says
+    (`blocklab.nn.remat`). Inside a scan `prevent_cse` is not needed (the
+    loop already keeps XLA from merging the recomputation into the forward)."""
+    if not policy.checkpoints:
+        return jax.lax.scan(step, x, xs, unroll=unroll)
+    if policy.kind != "nested":
+        body = jax.checkpoint(step, prevent_cse=False, policy=policy.jax_policy())
+        return jax.lax.scan(body, x, xs, unroll=unroll)
+    # Square-root remat: an outer scan over groups of g blocks keeps only the
+    # group inputs; each group, recomputed, keeps its block inputs.
+    g, G, r = nested_groups(num_blks)
+    inner = jax.checkpoint(step, prevent_cse=False)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def group(h, xs_g):
+        return jax.lax.scan(inner, h, xs_g, unroll=unroll)
+
+    def head(a):
+        a = a if r == 0 else a[: G * g]
+        return a.reshape(G, g, *a.shape[1:])
+
+    h, stats = jax.lax.scan(group, x, jax.tree_util.tree_map(head, xs))
+    stats = jax.tree_util.tree_map(lambda a: a.reshape(G * g, *a.shape[2:]), stats)
+    if r:
+        h, more = group(h, jax.tree_util.tree_map(lambda a: a[G * g :], xs))
+        stats = jax.tree_util.tree_map(
+            lambda a, b: jnp.concatenate([a, b]), stats, more
+        )
+    return h, stats

@@ -174,12 +174,20 @@ def check_batch(owner: str, step: TrainStep, mesh: Mesh) -> None:
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     n = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
     shapes = jax.eval_shape(lambda k: draw_batch(source.source, k), jax.random.key(0))
+    k = step.microbatches
     for leaf in jax.tree_util.tree_leaves(shapes):
         if leaf.ndim >= 1 and leaf.shape[0] % n:
             raise ConfigError(
                 f"{owner}: the batch's leading axis ({leaf.shape[0]} rows) is not "
                 f"divisible by mesh axis {axes!r} of size {n} on mesh "
                 f"{dict(mesh.shape)}; pick a batch_size that is a multiple of {n}."
+            )
+        if leaf.ndim >= 1 and leaf.shape[0] % (n * k):
+            raise ConfigError(
+                f"{owner}: microbatches={k} splits the batch's {leaf.shape[0]} "
+                f"rows into microbatches of {leaf.shape[0] / k:g} rows, not "
+                f"divisible by mesh axis {axes!r} of size {n}; pick a batch_size "
+                f"that is a multiple of {n * k}."
             )
 
 
@@ -190,7 +198,7 @@ def shard_step(step: TrainStep, mesh: Mesh, rules: Any) -> TrainStep:
     sharding = _batch_sharding(mesh, resolve_rules(rules, mesh))
     return TrainStep(
         ShardedSource(step.source, sharding), step.loss_fn, step.optimizer,
-        step.precision,
+        step.precision, step.microbatches,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from jaxtyping import Array, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_int, check_key
 from ..data.datasets import TimeMachine, TokenDataset
+from ..nn.remat import with_remat
 from . import mesh_training, placement
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
@@ -157,6 +158,8 @@ def train_model(
     owner: str = "train_model",
     mesh: Any = None,
     rules: Any = None,
+    microbatches: int = 1,
+    remat: Any = None,
 ) -> TrainResult:
     """Train `model` for `num_steps` steps of `loss_fn` on batches of `source`.
 
@@ -182,6 +185,14 @@ def train_model(
         rules: how (with `mesh`): a preset of
             `blocklab.training.placement` (`"fsdp"` by default, `"tp"`,
             `"ep"`, `"fsdp+tp"`, ...) or a mapping logical axis -> mesh axis.
+        microbatches: accumulate the gradients of this many microbatches per
+            step, in the one compiled step (`make_train_step`): the same
+            update as the whole batch; it must divide the batch.
+        remat: the rematerialization policy of the model's stacks for this
+            run (`blocklab.nn.remat`: `"none"`, `"full"`, `"dots"`,
+            `"names:..."`, `"offload:..."`, `"nested"`, a bool or a
+            `jax.checkpoint_policies` callable); `None` keeps the model's
+            own. The returned model carries it.
 
     Returns:
         A `TrainResult` (validation loss: that of a token dataset's
@@ -193,8 +204,17 @@ def train_model(
     steps_per_call = check_int(owner, "steps_per_call", steps_per_call, min=1)
     key = check_key(owner, "key", key)
     step = make_train_step(
-        optimizer, source, loss_fn=loss_fn, batch_size=batch_size, precision=precision
-    )
+        optimizer, source, loss_fn=loss_fn, batch_size=batch_size,
+        precision=precision, microbatches=microbatches,
+    )  # fmt: skip
+    if remat is not None:
+        if state is None:
+            model = with_remat(model, remat)
+        else:
+            state = TrainState(
+                with_remat(state.model, remat), state.opt_state, state.step,
+                state.finite,
+            )  # fmt: skip
     fresh = state is None
     on_mesh = None  # the state's shardings when training on a mesh
     if mesh is None and rules is not None:

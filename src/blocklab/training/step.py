@@ -81,7 +81,9 @@ __all__ = [
     "draw_batch",
     "init_state",
     "is_token_data",
+    "accumulate",
     "make_train_step",
+    "split_microbatches",
     "step_keys",
     "validation_loss",
 ]
@@ -171,6 +173,80 @@ def _to_compute(tree: Any, precision: str) -> Any:
     )
 
 
+def split_microbatches(batch: Any, k: int, *, owner: str = "TrainStep") -> Any:
+    r"""`batch` as `k` microbatches: every leaf `(B, ...)` becomes `(k, B/k, ...)`.
+
+    Microbatch $j$ holds rows $j, j + k, j + 2k, \ldots$ (strided, so that a
+    batch split over devices along its rows stays split the same way in every
+    microbatch). A scalar leaf is repeated in each.
+
+    Raises:
+        ConfigError: `k` does not divide a leaf's leading axis.
+    """
+
+    def split(a):
+        if np.ndim(a) == 0:
+            return jnp.broadcast_to(a, (k,))
+        rows = a.shape[0]
+        if rows % k:
+            raise ConfigError(
+                f"{owner}: microbatches={k} does not divide the batch's leading "
+                f"axis ({rows} rows, leaf {a.dtype}{list(a.shape)}); pick a "
+                f"divisor of {rows}."
+            )
+        return jnp.swapaxes(a.reshape(rows // k, k, *a.shape[1:]), 0, 1)
+
+    return jax.tree_util.tree_map(split, batch)
+
+
+def accumulate(
+    loss_of: Any, params: Any, batch: Any, key: PRNGKeyArray, k: int
+) -> tuple[Any, Any, Any]:
+    r"""Loss and gradient of a batch as the mean over `k` microbatches.
+
+    $$L = \frac1k \sum_{j=1}^{k} L_j, \qquad
+    \nabla L = \frac1k \sum_{j=1}^{k} \nabla L_j,$$
+    with $L_j$ the loss of microbatch $j$ (`split_microbatches`), computed
+    one microbatch at a time in a `lax.scan` (one compiled step; the
+    activations of one microbatch alive at a time). For a loss that is a mean
+    over equally weighted rows (the next-token loss on full windows) this is
+    the full batch's loss and gradient. Microbatch $j$'s loss gets the key
+    `fold_in(key, j)`.
+
+    Args:
+        loss_of: `loss_of(params, batch, key) -> (loss, aux)`.
+        params, batch, key: as `loss_of` takes them.
+        k: the number of microbatches (divides every leaf's leading axis).
+
+    Returns:
+        `(loss, aux, grads)`: aux's floating leaves are averaged over the
+        microbatches, its other leaves summed.
+    """
+    parts = split_microbatches(batch, k)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def body(acc, xs):
+        part, j = xs
+        (loss, aux), grads = grad_fn(params, part, jax.random.fold_in(key, j))
+        total, gsum = acc
+        gsum = jax.tree_util.tree_map(jnp.add, gsum, grads)
+        return (total + loss, gsum), aux
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    init = (jnp.zeros((), jnp.float32), zeros)
+    (total, gsum), auxs = jax.lax.scan(body, init, (parts, jnp.arange(k)))
+    grads = jax.tree_util.tree_map(lambda g: (g / k).astype(g.dtype), gsum)
+    aux = jax.tree_util.tree_map(
+        lambda a: (
+            jnp.mean(a, axis=0)
+            if jnp.issubdtype(a.dtype, jnp.inexact)
+            else jnp.sum(a, axis=0)
+        ),
+        auxs,
+    )
+    return total / k, aux, grads
+
+
 class TrainState(eqx.Module):
     """Everything a training run carries from one step to the next.
 
@@ -211,12 +287,15 @@ class TrainStep(eqx.Module):
         loss_fn: `loss_fn(model, batch, key) -> loss | (loss, aux)`.
         optimizer: the optax transformation.
         precision: `"float32"` or `"bf16"` (mixed precision).
+        microbatches: `k`, the batch is split into `k` microbatches whose
+            gradients are accumulated in one step (see `accumulate`).
     """
 
     source: Any
     loss_fn: Any
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     precision: str = eqx.field(static=True)
+    microbatches: int = eqx.field(static=True, default=1)
 
     @property
     def data(self) -> Any:
@@ -248,12 +327,19 @@ class TrainStep(eqx.Module):
         # A host source's batch is drawn on the host and passed in.
         batch = draw_batch(self.source, key) if batch is None else batch
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        loss_key = jax.random.fold_in(key, 1)
 
-        def loss_of(p):
-            loss, aux = self._raw_loss(p, static, batch, jax.random.fold_in(key, 1))
+        def loss_of(p, b, k):
+            loss, aux = self._raw_loss(p, static, b, k)
             return jnp.asarray(loss).astype(jnp.float32), aux
 
-        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        if self.microbatches == 1:
+            grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+            (loss, aux), grads = grad_fn(params, batch, loss_key)
+        else:
+            loss, aux, grads = accumulate(
+                loss_of, params, batch, loss_key, self.microbatches
+            )
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         # The updates are finite only if the gradients (and the optimizer's
         # arithmetic) are.
@@ -336,6 +422,10 @@ class TrainStep(eqx.Module):
                 f"of arrays): {type(err).__name__}: {err}"
             ) from err
         shapes = jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", batch)
+        if self.microbatches > 1:
+            jax.eval_shape(
+                lambda b: split_microbatches(b, self.microbatches, owner=owner), batch
+            )
         if self.loss_fn is next_token_loss:
             leaves = batch if isinstance(batch, tuple) else ()
             ok = len(leaves) == 2 and all(
@@ -383,6 +473,7 @@ def make_train_step(
     loss_fn: Any = None,
     batch_size: int | None = None,
     precision: str = "float32",
+    microbatches: int = 1,
 ) -> TrainStep:
     """A pure training step of `loss_fn` on the batches of `source`.
 
@@ -397,6 +488,11 @@ def make_train_step(
             general source decides its own batch, so it is refused there.
         precision: `"float32"`, or `"bf16"` for mixed precision (see the
             module docstring).
+        microbatches: split each batch into this many microbatches and
+            accumulate their gradients in the one compiled step
+            (`accumulate`): the same update as the whole batch, with the
+            activations of one microbatch alive at a time. It must divide
+            the batch's leading axis.
 
     The step's arrays (the corpus) are fields of the returned module, so
     `eqx.filter_jit` passes them as arguments rather than baking them into the
@@ -404,6 +500,7 @@ def make_train_step(
     """
     owner = "make_train_step"
     precision = check_choice(owner, "precision", precision, PRECISIONS)
+    microbatches = check_int(owner, "microbatches", microbatches, min=1)
     if is_token_data(source):
         source = LMBatches(source, 64 if batch_size is None else batch_size)
     elif is_host_source(source):
@@ -435,7 +532,7 @@ def make_train_step(
             f"{owner}: optimizer must be an optax transformation, got "
             f"{type(optimizer).__name__}."
         )
-    return TrainStep(source, loss_fn, optimizer, precision)
+    return TrainStep(source, loss_fn, optimizer, precision, microbatches)
 
 
 def step_keys(
