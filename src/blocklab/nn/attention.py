@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
@@ -90,10 +90,21 @@ class MultiHeadAttention(eqx.Module):
     - Masks: key $k$ is visible from query $q$ iff $k < L_q$ (`valid_lens`)
       and, with a window $w \ge 1$, $q - w < k \le q$ (local, causal sliding
       window attention as Gemma 3's local layers: the last $w$ positions,
-      itself included), and, with `segment_ids` (packed sequences),
-      $\mathrm{seg}_q = \mathrm{seg}_k$. Positions here are indices in the
-      sequence. The mask is a rule (`attention_impls.MaskRule`), evaluated
-      per block by the chunked kernel.
+      itself included; with `window_mode="bidirectional"` instead
+      $|q - k| < w$, the $w - 1$ positions on each side and itself, which is
+      ModernBERT's local layers with $w$ = `local_attention // 2 + 1`), and,
+      with `segment_ids` (packed sequences), $\mathrm{seg}_q =
+      \mathrm{seg}_k$, and, with a boolean `key_mask` $m$, $m_k$. Without
+      `valid_lens` there is no causal mask: every query sees every key
+      (an encoder). Positions here are indices in the sequence. The mask is
+      a rule (`attention_impls.MaskRule`), evaluated per block by the
+      chunked kernel.
+    - Score bias: an additive `score_bias` $b$ `(H, Tq, Tk)` joins the
+      logits after the scale and the soft-cap, $c\tanh(s\,q^\top k/c) + b$
+      (T5's relative position bias; T5 also has `attn_scale=1`).
+    - Cross-attention (`cross`): the queries come from `x`, the keys and
+      values from a second sequence (an encoder's output) with its own
+      lengths or key mask; no RoPE and no window there.
 
     Implementations (`attention_impl`, `attention_impls`): `"reference"`
     (this docstring's maths with the full logits; `trace`, and so every
@@ -148,6 +159,7 @@ class MultiHeadAttention(eqx.Module):
     dropout: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True, default=None)
     attention_impl: str = eqx.field(static=True, default="auto")
+    window_mode: str = eqx.field(static=True, default="causal")
 
     def __init__(
         self,
@@ -181,6 +193,7 @@ class MultiHeadAttention(eqx.Module):
         out_bias = cfg.attn_out_bias
         unit, dropout = cfg.norm == "gemma_rms", cfg.dropout
         softcap, attention_impl = cfg.attn_softcap, cfg.attention_impl
+        self.window_mode = cfg.window_mode
         key = check_key(owner, "key", key)
         self.num_hiddens, self.num_heads, self.num_kv_heads = d, H, KV
         self.head_dim, self.dropout = p, dropout
@@ -201,7 +214,13 @@ class MultiHeadAttention(eqx.Module):
         self.rope_theta = None if rope_theta is None else rope_theta_bits(rope_theta)
         self.window = None if window is None else jnp.asarray(window, jnp.int32)
 
-    def _visible(self, valid_lens, lead, T, segment_ids=None):
+    def _window_right(self):
+        """The window's reach past the query: `None` (causal), or $w - 1$."""
+        if self.window is None or self.window_mode == "causal":
+            return None
+        return self.window - 1
+
+    def _visible(self, valid_lens, lead, T, segment_ids=None, key_mask=None):
         """The `(..., Tq, Tk)` visibility mask, or None when every key is visible."""
         visible = None
         if valid_lens is not None:
@@ -209,14 +228,40 @@ class MultiHeadAttention(eqx.Module):
             visible = jnp.arange(T) < lens[..., None]
         if self.window is not None:
             q, k = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-            w = self.window
-            local = ((k <= q) & (k > q - w)) | (w <= 0)
+            w, r = self.window, self._window_right()
+            right = q if r is None else q + r
+            local = ((k <= right) & (k > q - w)) | (w <= 0)
             visible = local if visible is None else visible & local
         if segment_ids is not None:
             seg = check_segment_ids("MultiHeadAttention", segment_ids, (*lead, T))
             same = seg[..., :, None] == seg[..., None, :]
             visible = same if visible is None else visible & same
+        if key_mask is not None:
+            m = check_key_mask("MultiHeadAttention", "key_mask", key_mask, (*lead, T))
+            m = m[..., None, :]
+            visible = m if visible is None else visible & m
         return visible
+
+    def _bias_like(self, score_bias, logits_shape, grouped):
+        """`score_bias` `(..., H, Tq, Tk)` in the layout of the reference
+        logits (`(..., KV, G, Tq, Tk)` when grouped), float32 or wider."""
+        if score_bias is None:
+            return None
+        b = score_bias
+        if grouped:
+            KV, G = self.num_kv_heads, self.num_heads // self.num_kv_heads
+            b = b.reshape(*b.shape[:-3], KV, G, *b.shape[-2:])
+        return b.astype(jnp.promote_types(b.dtype, jnp.float32))
+
+    def _kernel_bias(self, score_bias, lead, Tq, Tk):
+        """`score_bias` as the kernels take it: `(Bb, KV, G, Tq, Tk)`."""
+        if score_bias is None:
+            return None
+        KV, G = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        b = score_bias
+        if b.ndim > 3:
+            b = jnp.broadcast_to(b, (*lead, *b.shape[-3:]))
+        return b.reshape(-1, KV, G, Tq, Tk)
 
     def _capped(self, logits: Array) -> Array:
         """$c \\tanh(s / c)$ with the soft-cap $c$ (identity without one)."""
@@ -239,14 +284,16 @@ class MultiHeadAttention(eqx.Module):
             dropout_on=dropout_on,
         )  # fmt: skip
 
-    def _kernel(self, impl, q, k, v, rule, k_bad):
+    def _kernel(self, impl, q, k, v, rule, k_bad, bias=None):
         """Run the fused or chunked kernel on flattened `(B, ...)` arrays."""
         if impl == "fused":
-            return impls.fused_attention(q, k, v, rule, scale=self.scale, k_bad=k_bad)
+            return impls.fused_attention(
+                q, k, v, rule, scale=self.scale, k_bad=k_bad, bias=bias
+            )
         return impls.chunked_attention(
             q, k, v, rule, scale=self.scale,
             divide=impls.sqrt_divisor(self.scale, self.head_dim),
-            softcap=self.softcap, k_bad=k_bad,
+            softcap=self.softcap, k_bad=k_bad, bias=bias,
         )  # fmt: skip
 
     def _project(self, x, positions, hooks=None):
@@ -322,7 +369,7 @@ class MultiHeadAttention(eqx.Module):
         project = dense_weight_first if Tq == 1 else dense
         return project(self.W_o, mixed).astype(dtype)
 
-    def _attend_deferred(self, x, q, cache, rows, start, pos, hooks=None):
+    def _attend_deferred(self, x, q, cache, rows, start, pos, hooks=None, bias=None):
         """`step`'s output without writing: the new tokens see the cache
         indices before `start` and each other (causal, windowed), one softmax
         over both. `q` `(*lead, KV, G, Tq, p)`; `rows` the new keys/values."""
@@ -355,6 +402,12 @@ class MultiHeadAttention(eqx.Module):
             axis=-1,
         )
         logits = self._capped(self._scaled(raw))
+        if bias is not None:
+            # the new tokens' own keys sit at cache indices pos
+            b = jnp.broadcast_to(bias, (*lead, *bias.shape[-3:]))
+            idx = jnp.broadcast_to(pos[..., None, None, :], (*b.shape[:-1], Tq))
+            both = jnp.concatenate([b, jnp.take_along_axis(b, idx, axis=-1)], -1)
+            logits = logits + self._bias_like(both, logits.shape, True)
         weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         spec = "...gqk,...kp->...gqp"
         mixed = jnp.einsum(
@@ -406,6 +459,7 @@ class MultiHeadAttention(eqx.Module):
         impl: str | None = None,
         defer_write: bool = False,
         hooks: Hooks | None = None,
+        score_bias: Float[ArrayLike, "*#batch H Tq L"] | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], AttentionCache]:
         r"""Attend from new tokens to a key/value cache, and write theirs into it.
 
@@ -453,6 +507,9 @@ class MultiHeadAttention(eqx.Module):
                 (whose key axis is the cache's here): `hook_q`, `hook_k`,
                 `hook_v`, `hook_rot_q`, `hook_rot_k`, `hook_z`, for the new
                 tokens.
+            score_bias: an additive bias `(H, Tq, max_len)` (or with the
+                batch's axes) on the scores against the cache's indices
+                (T5's relative positions of the positions `start + i`).
 
         Returns:
             `(out, new_cache)`: `out` of the shape and dtype of `x`, and the
@@ -482,6 +539,12 @@ class MultiHeadAttention(eqx.Module):
                 )
         start = check_start(owner, start, lead, Tq, L)
         pos = start[..., None] + jnp.arange(Tq)  # (*lead, Tq) absolute positions
+        score_bias = check_score_bias(owner, score_bias, lead, H, Tq, L)
+        if self.window is not None and self.window_mode != "causal":
+            raise ConfigError(
+                f"{owner}: cached decoding is causal, got a layer with "
+                f"window_mode={self.window_mode!r}."
+            )
         if hooks is not None and hooks.wants_any(_REFERENCE_SITES):
             raise ConfigError(
                 f"{owner}: the sites {_REFERENCE_SITES} are not available while "
@@ -493,7 +556,8 @@ class MultiHeadAttention(eqx.Module):
             q = q[..., None, :, :]
         rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         if check_bool(owner, "defer_write", defer_write):
-            return self._attend_deferred(x, q, cache, rows, start, pos, hooks), rows
+            out = self._attend_deferred(x, q, cache, rows, start, pos, hooks, score_bias)
+            return out, rows
         new = write_cache(cache, rows, start)
         j = jnp.arange(L)
         qpos = pos[..., :, None]  # (*lead, Tq, 1)
@@ -510,6 +574,7 @@ class MultiHeadAttention(eqx.Module):
                 impl, q.reshape(B, KV, G, Tq, p),
                 jnp.swapaxes(new.k, -1, -2).reshape(B, KV, L, p),
                 new.v.reshape(B, KV, L, p), rule, None,
+                self._kernel_bias(score_bias, lead, Tq, L),
             )  # fmt: skip
             mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H, p)
             mixed = at(hooks, "hook_z", mixed).reshape(*lead, Tq, H * p)
@@ -517,6 +582,8 @@ class MultiHeadAttention(eqx.Module):
             return out.astype(x.dtype), new
         raw = jnp.einsum("...gqp,...pk->...gqk", q, new.k, preferred_element_type=stat)
         logits = self._capped(self._scaled(raw))
+        if score_bias is not None:
+            logits = logits + self._bias_like(score_bias, logits.shape, True)
         weights = _softmax_clamped(logits, visible[..., None, None, :, :])
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
         return self._heads_out(mixed, x.dtype, hooks), new
@@ -528,6 +595,8 @@ class MultiHeadAttention(eqx.Module):
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
+        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> AttentionTrace:
@@ -550,7 +619,10 @@ class MultiHeadAttention(eqx.Module):
         *lead, T, _ = x.shape
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // KV
-        visible = self._visible(valid_lens, lead, T, segment_ids)
+        visible = self._visible(valid_lens, lead, T, segment_ids, key_mask)
+        score_bias = check_score_bias(
+            "MultiHeadAttention", score_bias, tuple(lead), H, T, T
+        )
 
         # Non-finite input rows are zeroed before the projections, so that the
         # zero weights of masked keys multiply finite values (0 * NaN would
@@ -570,6 +642,8 @@ class MultiHeadAttention(eqx.Module):
         )
         raw = jnp.einsum(spec_s, q, k, preferred_element_type=stat)
         logits = self._capped(self._scaled(raw))
+        if score_bias is not None:
+            logits = logits + self._bias_like(score_bias, logits.shape, grouped)
         head_axes = (-3, -4) if grouped else (-3,)
         mask = None if visible is None else jnp.expand_dims(visible, head_axes)
         scores = logits
@@ -613,6 +687,8 @@ class MultiHeadAttention(eqx.Module):
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
+        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
         key: PRNGKeyArray | None = None,
         impl: str | None = None,
         hooks: Hooks | None = None,
@@ -638,6 +714,12 @@ class MultiHeadAttention(eqx.Module):
                 $\\mathrm{seg}_q = \\mathrm{seg}_k$ (and the other rules: pass
                 causal `valid_lens` for a language model). RoPE positions are
                 the caller's (`functional.segment_positions`).
+            key_mask: booleans `(T,)` or broadcasting to `x.shape[:-1]`
+                (padding of an encoder's batch): key $k$ is visible only
+                where `key_mask[..., k]` is True.
+            score_bias: an additive bias on the scores, `(H, T, T)` or
+                `(..., H, T, T)` broadcasting to the batch (T5's relative
+                positions), added after the scale and the soft-cap.
             key: enables attention dropout; `None` is deterministic.
             impl: overrides the layer's `attention_impl` for this call.
             hooks: records and edits the sites (`blocklab.nn.hooks`; names
@@ -670,7 +752,7 @@ class MultiHeadAttention(eqx.Module):
         ):
             return self.trace(
                 x, valid_lens, positions=positions, segment_ids=segment_ids,
-                key=key, hooks=hooks,
+                key_mask=key_mask, score_bias=score_bias, key=key, hooks=hooks,
             ).output  # fmt: skip
         *lead, T, _ = x.shape
         lead = tuple(lead)
@@ -686,7 +768,16 @@ class MultiHeadAttention(eqx.Module):
         seg = None
         if segment_ids is not None:
             seg = rows(check_segment_ids(owner, segment_ids, (*lead, T)))
-        rule = MaskRule(rows(jnp.arange(T)), lens, self.window, seg, seg)
+        kval = None
+        if key_mask is not None:
+            kval = rows(check_key_mask(owner, "key_mask", key_mask, (*lead, T)))
+        bias = self._kernel_bias(
+            check_score_bias(owner, score_bias, lead, H, T, T), lead, T, T
+        )
+        rule = MaskRule(
+            rows(jnp.arange(T)), lens, self.window, seg, seg,
+            self._window_right(), kval,
+        )  # fmt: skip
         # the reference path's non-finite guard (see the class docstring)
         row_ok = jnp.all(jnp.isfinite(x), axis=-1)
         x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
@@ -694,13 +785,210 @@ class MultiHeadAttention(eqx.Module):
         B = rule.q_index.shape[0]
         q = q.reshape(B, KV, G, T, p)
         k, v = k.reshape(B, KV, T, p), v.reshape(B, KV, T, p)
-        mixed, sees_bad = self._kernel(impl, q, k, v, rule, ~rows(row_ok))
+        mixed, sees_bad = self._kernel(impl, q, k, v, rule, ~rows(row_ok), bias)
         mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, T, H, p)
         mixed = at(hooks, "hook_z", mixed).reshape(*lead, T, H * p)
         out = dense(self.W_o, mixed.astype(v.dtype))
         bad = sees_bad.reshape(*lead, T) | ~row_ok
         return jnp.where(bad[..., None], jnp.nan, out).astype(x.dtype)
 
+
+    def cross_kv(
+        self,
+        context: Float[Array, "*batch Tk d"],
+        *,
+        hooks: Hooks | None = None,
+    ) -> AttentionCache:
+        """The keys and values of `context` for `cross`, in the cache layout.
+
+        Computed once per encoder output and reused by every decoding step
+        (the cross-attention cache). No RoPE (cross-attention has none); the
+        key norm of `qk_norm` applies. Sites: `hook_k`, `hook_v`
+        `(..., Tk, heads, p)`.
+
+        Returns:
+            An `AttentionCache`: `k` `(..., KV, p, Tk)`, `v` `(..., KV, Tk, p)`.
+        """
+        owner = "MultiHeadAttention.cross"
+        context = self._check_context(owner, context)
+        *lead, Tk, _ = context.shape
+        KV, p = self.num_kv_heads, self.head_dim
+        k, v = dense(self.W_k, context), dense(self.W_v, context)
+        if hooks is not None:
+            k, v = (
+                hooks.sites(
+                    name, a, lambda a: a.reshape(*lead, Tk, KV, p),
+                    lambda a: a.reshape(*lead, Tk, KV * p),
+                )  # fmt: skip
+                for name, a in (("hook_k", k), ("hook_v", v))
+            )
+        if self.qk_norm == "full":
+            k = self.k_norm(k)
+        k = jnp.swapaxes(k.reshape(*lead, Tk, KV, p), -3, -2)
+        v = jnp.swapaxes(v.reshape(*lead, Tk, KV, p), -3, -2)
+        if self.qk_norm == "head":
+            k = self.k_norm(k)
+        return AttentionCache(jnp.swapaxes(k, -1, -2), v)
+
+    def _check_context(self, owner, context):
+        if context is None:
+            raise ConfigError(
+                f"{owner}: cross-attention needs the encoder states, got "
+                "context=None; pass context (..., Tk, num_hiddens) or its kv."
+            )
+        check_float_input(context, owner)
+        if context.ndim < 2 or context.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"{owner}: context (the encoder states) must have shape (Tk, "
+                f"num_hiddens={self.num_hiddens}) (or a batch (..., Tk, "
+                f"num_hiddens)), got context.shape={tuple(context.shape)}."
+            )
+        return context
+
+    def cross(
+        self,
+        x: Float[Array, "*batch Tq d"],
+        context: Float[Array, "*batch Tk d"] | None = None,
+        *,
+        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
+        score_bias: Float[ArrayLike, "*#batch H Tq Tk"] | None = None,
+        kv: AttentionCache | None = None,
+        key: PRNGKeyArray | None = None,
+        impl: str | None = None,
+        hooks: Hooks | None = None,
+    ) -> Float[Array, "*batch Tq d"]:
+        r"""Cross-attention: queries from `x`, keys and values from `context`.
+
+        $$\mathrm{out} = [A_1 V_{g(1)}, \ldots]\, W_o^\top,\quad
+        A_i = \mathrm{softmax}_{\text{mask}}\big(s\, Q_i K_{g(i)}^\top +
+        b_i\big),\quad Q = x W_q^\top,\; K = c\, W_k^\top,\; V = c\,
+        W_v^\top$$
+        for the encoder states $c$ `(Tk, d)`. Key $j$ is visible from every
+        query iff $j < L$ (`context_lens`) and `context_mask[j]`; no causal
+        mask, no window, no RoPE. A query with no visible key attends
+        uniformly. Every `attention_impl` computes it (the reference maths
+        when a site of the scores or the pattern is wanted).
+
+        Args:
+            x: `(Tq, num_hiddens)` queries' stream, or a batch `(..., Tq, d)`.
+            context: `(Tk, num_hiddens)` encoder states (`(..., Tk, d)` with
+                the batch of `x`); not needed with `kv`.
+            context_lens: valid encoder lengths, a scalar or one per sequence
+                (shape `x.shape[:-2]`).
+            context_mask: booleans `(Tk,)` or `(..., Tk)`, True = visible.
+            score_bias: additive `(H, Tq, Tk)` (or with the batch's axes).
+            kv: `cross_kv(context)` computed before (decoding reuses it).
+            key: attention dropout (reference path only).
+            impl: overrides the layer's `attention_impl`.
+            hooks: sites `hook_q` `(..., Tq, H, p)`, `hook_k`, `hook_v`
+                `(..., Tk, KV, p)` (when `kv` is computed here),
+                `hook_attn_scores`, `hook_pattern` `(..., H, Tq, Tk)`,
+                `hook_z` `(..., Tq, H, p)`.
+
+        Returns:
+            The shape and dtype of `x`.
+        """
+        owner = "MultiHeadAttention.cross"
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"{owner} acts on x of shape (Tq, num_hiddens={self.num_hiddens}) "
+                f"(or a batch (..., Tq, num_hiddens)), got x.shape={tuple(x.shape)}."
+            )
+        check_float_input(x, owner)
+        *lead, Tq, _ = x.shape
+        lead = tuple(lead)
+        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // KV
+        if kv is None:
+            context = self._check_context(owner, context)
+            if tuple(context.shape[:-2]) != lead:
+                raise ConfigError(
+                    f"{owner}: context must have the batch shape of x, {lead}, "
+                    f"got context.shape={tuple(context.shape)}."
+                )
+            kv = self.cross_kv(context, hooks=hooks)
+        if not isinstance(kv, AttentionCache) or kv.v.shape[:-2] != (*lead, KV):
+            raise ConfigError(
+                f"{owner}: kv must be the AttentionCache of cross_kv(context) with "
+                f"batch {lead} and num_kv_heads={KV}, got "
+                f"{type(kv).__name__} {getattr(getattr(kv, 'v', None), 'shape', '')}."
+            )
+        Tk = kv.v.shape[-2]
+        visible = None  # (*lead, 1, Tk)
+        if context_lens is not None:
+            lens = _check_int_array(owner, "context_lens", context_lens)
+            try:
+                ok = np.broadcast_shapes(lens.shape, lead) == lead
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    f"{owner}: context_lens must be a scalar or have the batch "
+                    f"shape {lead} (one length per sequence), got shape "
+                    f"{tuple(lens.shape)}."
+                )
+            visible = (jnp.arange(Tk) < jnp.asarray(lens)[..., None])[..., None, :]
+        if context_mask is not None:
+            m = check_key_mask(owner, "context_mask", context_mask, (*lead, Tk))
+            m = m[..., None, :]
+            visible = m if visible is None else visible & m
+        score_bias = check_score_bias(owner, score_bias, lead, H, Tq, Tk)
+        dropout_on = key is not None and self.dropout > 0
+        impl = self._impl(impl, Tk, x.dtype, dropout_on, owner)
+        q = dense(self.W_q, x)
+        if hooks is not None:
+            q = hooks.sites(
+                "hook_q", q, lambda a: a.reshape(*lead, Tq, H, p),
+                lambda a: a.reshape(*lead, Tq, H * p),
+            )  # fmt: skip
+        if self.qk_norm == "full":
+            q = self.q_norm(q)
+        q = jnp.moveaxis(q.reshape(*lead, Tq, KV, G, p), -4, -2)  # (*, KV, G, Tq, p)
+        if self.qk_norm == "head":
+            q = self.q_norm(q)
+        reference = impl == "reference" or (
+            hooks is not None and hooks.wants_any(_REFERENCE_SITES)
+        )
+        if not reference:
+            B = int(np.prod(lead)) if lead else 1
+            vis_rows = (
+                None if visible is None
+                else jnp.broadcast_to(visible[..., 0, :], (*lead, Tk)).reshape(B, Tk)
+            )  # fmt: skip
+            rule = MaskRule(jnp.zeros((B, Tq), jnp.int32), k_valid=vis_rows)
+            mixed, _ = self._kernel(
+                impl, q.reshape(B, KV, G, Tq, p),
+                jnp.swapaxes(kv.k, -1, -2).reshape(B, KV, Tk, p),
+                kv.v.reshape(B, KV, Tk, p), rule, None,
+                self._kernel_bias(score_bias, lead, Tq, Tk),
+            )  # fmt: skip
+            mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, Tq, H, p)
+            mixed = at(hooks, "hook_z", mixed).reshape(*lead, Tq, H * p)
+            return dense(self.W_o, mixed.astype(x.dtype)).astype(x.dtype)
+        stat = jnp.promote_types(q.dtype, jnp.float32)
+        raw = jnp.einsum("...gqp,...pk->...gqk", q, kv.k, preferred_element_type=stat)
+        logits = self._capped(self._scaled(raw))
+        if score_bias is not None:
+            logits = logits + self._bias_like(score_bias, logits.shape, True)
+        mask = None if visible is None else visible[..., None, None, :, :]
+        scores = logits
+        heads = (*lead, H, Tq, Tk)
+        if hooks is not None and hooks.wants("hook_attn_scores"):
+            masked = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
+            site = masked.reshape(heads)
+            edited = hooks("hook_attn_scores", site)
+            if edited is not site:
+                scores = edited.reshape(logits.shape)
+        weights = _softmax_clamped(scores, mask)
+        if hooks is not None:
+            weights = hooks.sites(
+                "hook_pattern", weights, lambda w: w.reshape(heads),
+                lambda w: w.reshape(weights.shape),
+            )  # fmt: skip
+        weights = dropout(weights, self.dropout, key)
+        mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(kv.v.dtype), kv.v)
+        return self._heads_out(mixed, x.dtype, hooks)
 
 def holds_attention(tree: Any) -> bool:
     """Whether the pytree `tree` holds a `MultiHeadAttention` anywhere."""
@@ -829,3 +1117,54 @@ def _positions(positions, shape) -> Array:
             f"{tuple(pos.shape)}."
         )
     return pos
+
+
+def check_key_mask(owner: str, name: str, mask, shape) -> Array:
+    """A boolean key mask checked (bool dtype; shape `(T,)` or broadcasting
+    to `shape` = `(..., T)` with last axis `T`) and broadcast to `shape`."""
+    arr = mask if hasattr(mask, "dtype") else np.asarray(mask)
+    if arr.dtype != np.bool_:
+        raise ConfigError(
+            f"{owner}: {name} must be a boolean array (True = visible key) of "
+            f"shape (T,) = ({shape[-1]},) or {tuple(shape)}, got dtype {arr.dtype}."
+        )
+    try:
+        ok = (
+            arr.ndim >= 1
+            and arr.shape[-1] == shape[-1]
+            and np.broadcast_shapes(arr.shape, tuple(shape)) == tuple(shape)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{owner}: {name} must have shape (T,) = ({shape[-1]},) or a shape "
+            f"broadcasting to {tuple(shape)}, got shape {tuple(arr.shape)}."
+        )
+    return jnp.broadcast_to(jnp.asarray(arr), tuple(shape))
+
+
+def check_score_bias(owner: str, bias, lead, H: int, Tq: int, Tk: int):
+    """`score_bias` checked: floating, shape `(H, Tq, Tk)` or `(..., H, Tq,
+    Tk)` whose leading axes broadcast to the batch `lead`; `None` passes."""
+    if bias is None:
+        return None
+    arr = bias if hasattr(bias, "dtype") else np.asarray(bias)
+    want = (H, Tq, Tk)
+    try:
+        ok = (
+            jnp.issubdtype(arr.dtype, jnp.floating)
+            and arr.ndim >= 3
+            and tuple(arr.shape[-3:]) == want
+            and np.broadcast_shapes(tuple(arr.shape[:-3]), tuple(lead))
+            == tuple(lead)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{owner}: score_bias must be a float array of shape (heads, Tq, Tk) "
+            f"= {want} (or with the batch's leading axes {tuple(lead)}), got "
+            f"shape {tuple(arr.shape)} and dtype {arr.dtype}."
+        )
+    return jnp.asarray(arr)

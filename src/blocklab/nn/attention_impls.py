@@ -2,14 +2,17 @@ r"""The attention kernels behind `MultiHeadAttention(attention_impl=...)`.
 
 All of them compute, for queries $q_i$ and keys/values $k_j, v_j$,
 $$\mathrm{out}_i = \sum_j \mathrm{softmax}_j\big(\tilde s_{ij}\big)\, v_j,\qquad
-\tilde s_{ij} = \begin{cases} c \tanh(s_{ij}/c) & \text{visible}(i, j)\\
+\tilde s_{ij} = \begin{cases} c \tanh(s_{ij}/c) + b_{ij} & \text{visible}(i, j)\\
 -10^6 & \text{otherwise}\end{cases},\qquad s_{ij} = \sigma\, q_i^\top k_j$$
-($c$ the optional soft-cap; without it $\tilde s = s$), with one rule of
+($c$ the optional soft-cap, without it $c \tanh(s/c)$ reads $s$; $b$ the
+optional additive score bias, e.g. T5's relative positions), with one rule of
 visibility (`MaskRule`) instead of a `(Tq, Tk)` matrix:
-$$\text{visible}(i, j) = [j < L_i] \wedge [w \le 0 \vee (n_i - w < j \le n_i)]
-\wedge [\mathrm{seg}^q_i = \mathrm{seg}^k_j]$$
-where $L_i$ are the `valid_lens`, $n_i$ the query's index on the key axis and
-$w$ the window; each factor is left out when its data is `None`. A query with
+$$\text{visible}(i, j) = [j < L_i] \wedge [w \le 0 \vee (n_i - w < j \le n_i + r)]
+\wedge [\mathrm{seg}^q_i = \mathrm{seg}^k_j] \wedge m_j$$
+where $L_i$ are the `valid_lens`, $n_i$ the query's index on the key axis,
+$w$ the window, $r$ its reach to the right ($0$: the causal window;
+$w - 1$: the bidirectional one, $|n_i - j| < w$) and $m_j$ a boolean key
+mask; each factor is left out when its data is `None`. A query with
 no visible key attends uniformly to every key (the reference's `MASK_VALUE`
 semantics), i.e. returns the mean of the values.
 
@@ -107,6 +110,10 @@ class MaskRule(NamedTuple):
         q_seg: `(B, Tq)` int segment of each query; with `k_seg` `(B, Tk)`:
             visible iff equal.
         k_seg: `(B, Tk)`.
+        window_right: int scalar $r$, the window's reach past the query
+            (`None`: 0, the causal window); `window - 1` is the
+            bidirectional window $|n_i - j| < w$.
+        k_valid: `(B, Tk)` bool, a key mask (padding): visible only where True.
     """
 
     q_index: Array
@@ -114,29 +121,44 @@ class MaskRule(NamedTuple):
     window: Array | None = None
     q_seg: Array | None = None
     k_seg: Array | None = None
+    window_right: Array | None = None
+    k_valid: Array | None = None
 
-    def block(self, q_sl, kj, num_keys):
+    def block(self, q_sl, kj, num_keys, k_sl=(None, None)):
         """`(B, bq, bk)` visibility of the queries `q_sl` (a slice of this
-        rule's query arrays: `(q_index, lens, q_seg)`) and keys `kj`; keys at
-        or past `num_keys` (padding) are never visible."""
-        qi, lens, qseg, kseg = q_sl
+        rule's query arrays: `(q_index, lens, q_seg)`) and keys `kj` (with
+        `k_sl = (k_seg, k_valid)` sliced alike); keys at or past `num_keys`
+        (padding) are never visible."""
+        qi, lens, qseg = q_sl
+        kseg, kval = k_sl
         k = kj[None, None, :]
         vis = jnp.broadcast_to(k < num_keys, (qi.shape[0], qi.shape[1], kj.shape[0]))
         if lens is not None:
             vis = vis & (k < lens[..., None])
         if self.window is not None:
             n, w = qi[..., None], self.window
-            vis = vis & (((k <= n) & (k > n - w)) | (w <= 0))
+            right = n if self.window_right is None else n + self.window_right
+            vis = vis & (((k <= right) & (k > n - w)) | (w <= 0))
         if qseg is not None:
             vis = vis & (qseg[..., None] == kseg[:, None, :])
+        if kval is not None:
+            vis = vis & kval[:, None, :]
         return vis
 
     def full(self, num_keys):
         """The whole `(B, Tq, Tk)` boolean mask (for `"fused"`)."""
         return self.block(
-            (self.q_index, self.lens, self.q_seg, self.k_seg),
+            (self.q_index, self.lens, self.q_seg),
             jnp.arange(num_keys),
             num_keys,
+            (self.k_seg, self.k_valid),
+        )
+
+    def key_slices(self, j, bk):
+        """`(k_seg, k_valid)` of key block `j` (length `bk`)."""
+        return tuple(
+            None if a is None else _key_slice(a, j, bk, 1)
+            for a in (self.k_seg, self.k_valid)
         )
 
 
@@ -154,13 +176,16 @@ class _Cfg(NamedTuple):
     has_seg: bool
 
 
-def _logits(cfg: _Cfg, qb, kb, stat):
+def _logits(cfg: _Cfg, qb, kb, stat, bias=None):
     raw = jnp.einsum("bhgqp,bhkp->bhgqk", qb, kb, preferred_element_type=stat)
     z = raw / cfg.divide if cfg.divide is not None else raw * cfg.scale
-    if cfg.softcap is None:
-        return z, None
-    t = jnp.tanh(z / cfg.softcap)
-    return cfg.softcap * t, t
+    t = None
+    if cfg.softcap is not None:
+        t = jnp.tanh(z / cfg.softcap)
+        z = cfg.softcap * t
+    if bias is not None:
+        z = z + bias.astype(stat)
+    return z, t
 
 
 #: Skip the blocks in which no query sees a key (`lax.cond`); `False` computes
@@ -201,8 +226,9 @@ def _rule_slices(rule: MaskRule, nq, bq):
     return qi, lens, qseg
 
 
-def _forward_block(cfg, rule, k, v, qb, qi, lens, qseg, stat):
-    """One query block against every key block: (out, lse), both float `stat`."""
+def _forward_block(cfg, rule, k, v, qb, qi, lens, qseg, bb, stat):
+    """One query block against every key block: (out, lse), both float `stat`.
+    `bb`: the block's score bias `(Bb, KV, G, bq, Tk)` or `None`."""
     B, KV, G, bq, p = qb.shape
     nk = k.shape[2] // cfg.bk
     m0 = jnp.full((B, KV, G, bq), -jnp.inf, stat)
@@ -211,13 +237,15 @@ def _forward_block(cfg, rule, k, v, qb, qi, lens, qseg, stat):
 
     def body(carry, j):
         kj = j * cfg.bk + jnp.arange(cfg.bk)
-        kseg = None if rule.k_seg is None else _key_slice(rule.k_seg, j, cfg.bk, 1)
-        vis = rule.block((qi, lens, qseg, kseg), kj, cfg.num_keys)
+        vis = rule.block(
+            (qi, lens, qseg), kj, cfg.num_keys, rule.key_slices(j, cfg.bk)
+        )
 
         def go(c):
             m, z, acc = c
             ks, vs = _key_slice(k, j, cfg.bk, 2), _key_slice(v, j, cfg.bk, 2)
-            s, _ = _logits(cfg, qb, ks, stat)
+            bias = None if bb is None else _key_slice(bb, j, cfg.bk, 4)
+            s, _ = _logits(cfg, qb, ks, stat, bias)
             s = jnp.where(vis[:, None, None], s, MASK_VALUE)
             s = jnp.where(kj < cfg.num_keys, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -243,17 +271,26 @@ def _mean_v(cfg, v, stat):
     return (total / cfg.num_keys)[:, :, None, None, :]
 
 
+def _bias_blocks(bias, nq, bq):
+    """(Bb, KV, G, Tqp, Tkp) -> (nq, Bb, KV, G, bq, Tkp), or None."""
+    if bias is None:
+        return None
+    Bb, KV, G, _, Tk = bias.shape
+    return jnp.moveaxis(bias.reshape(Bb, KV, G, nq, bq, Tk), 3, 0)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(cfg, q, k, v, rule, has_vis):
-    return _chunked_fwd(cfg, q, k, v, rule, has_vis)[0]
+def _chunked(cfg, q, k, v, rule, has_vis, bias):
+    return _chunked_fwd(cfg, q, k, v, rule, has_vis, bias)[0]
 
 
-def _chunked_fwd(cfg, q, k, v, rule, has_vis):
+def _chunked_fwd(cfg, q, k, v, rule, has_vis, bias):
     stat = jnp.promote_types(q.dtype, jnp.float32)
     B, KV, G, Tqp, p = q.shape
     nq = Tqp // cfg.bq
     qs = jnp.moveaxis(q.reshape(B, KV, G, nq, cfg.bq, p), 3, 0)
     qi, lens, qseg = _rule_slices(rule, nq, cfg.bq)
+    bbs = _bias_blocks(bias, nq, cfg.bq)
 
     # Checkpointed: where a transformation differentiates this primal code
     # instead of using the custom backward (seen under jax.grad of a scanned
@@ -261,19 +298,19 @@ def _chunked_fwd(cfg, q, k, v, rule, has_vis):
     # weights saved for every block, so memory stays O(T * block).
     @jax.checkpoint
     def one(args):
-        qb, qi_b, lens_b, qseg_b = args
-        return _forward_block(cfg, rule, k, v, qb, qi_b, lens_b, qseg_b, stat)
+        qb, qi_b, lens_b, qseg_b, bb = args
+        return _forward_block(cfg, rule, k, v, qb, qi_b, lens_b, qseg_b, bb, stat)
 
-    out, lse = jax.lax.map(one, (qs, qi, lens, qseg))
+    out, lse = jax.lax.map(one, (qs, qi, lens, qseg, bbs))
     out = jnp.moveaxis(out, 0, 3).reshape(B, KV, G, Tqp, p)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, KV, G, Tqp)
     ok = has_vis[:, None, None, :]
     out = jnp.where(ok[..., None], out, _mean_v(cfg, v, stat)).astype(v.dtype)
-    return out, (q, k, v, rule, has_vis, out, lse)
+    return out, (q, k, v, rule, has_vis, bias, out, lse)
 
 
 def _chunked_bwd(cfg, res, dout):
-    q, k, v, rule, has_vis, out, lse = res
+    q, k, v, rule, has_vis, bias, out, lse = res
     stat = jnp.promote_types(q.dtype, jnp.float32)
     B, KV, G, Tqp, p = q.shape
     nq, nk = Tqp // cfg.bq, k.shape[2] // cfg.bk
@@ -287,21 +324,24 @@ def _chunked_bwd(cfg, res, dout):
 
     qs, dos, Ds, lses = blocks(q), blocks(dout), blocks(D), blocks(lse)
     qi, lens, qseg = _rule_slices(rule, nq, cfg.bq)
+    bbs = _bias_blocks(bias, nq, cfg.bq)
     zeros_kv = jnp.zeros(k.shape, stat)
 
     def q_body(carry, xs):
         dk, dv = carry
-        qb, dob, Db, lseb, qi_b, lens_b, qseg_b = xs
+        qb, dob, Db, lseb, qi_b, lens_b, qseg_b, bb = xs
 
         def k_body(c, j):
             kj = j * cfg.bk + jnp.arange(cfg.bk)
-            kseg = None if rule.k_seg is None else _key_slice(rule.k_seg, j, cfg.bk, 1)
-            vis = rule.block((qi_b, lens_b, qseg_b, kseg), kj, cfg.num_keys)
+            vis = rule.block(
+                (qi_b, lens_b, qseg_b), kj, cfg.num_keys, rule.key_slices(j, cfg.bk)
+            )
 
             def go(c):
-                dq_b, dk, dv = c
+                dq_b, dk, dv, db_b = c
                 ks, vs = _key_slice(k, j, cfg.bk, 2), _key_slice(v, j, cfg.bk, 2)
-                s, t = _logits(cfg, qb, ks, stat)
+                bias_j = None if bb is None else _key_slice(bb, j, cfg.bk, 4)
+                s, t = _logits(cfg, qb, ks, stat, bias_j)
                 vis5 = vis[:, None, None]
                 s = jnp.where(vis5, s, MASK_VALUE)
                 s = jnp.where(kj < cfg.num_keys, s, -jnp.inf)
@@ -309,6 +349,13 @@ def _chunked_bwd(cfg, res, dout):
                 dv_j = jnp.einsum("bhgqk,bhgqp->bhkp", P, dob)
                 dP = jnp.einsum("bhgqp,bhkp->bhgqk", dob, vs.astype(stat))
                 dS = jnp.where(vis5, P * (dP - Db[..., None]), 0)
+                if db_b is not None:  # the bias adds to the capped logits
+                    u = dS if db_b.shape[0] == dS.shape[0] else jnp.sum(
+                        dS, axis=0, keepdims=True
+                    )
+                    db_b = jax.lax.dynamic_update_slice_in_dim(
+                        db_b, u.astype(db_b.dtype), j * cfg.bk, axis=4
+                    )
                 if t is not None:
                     dS = dS * (1 - t * t)
                 dz = dS / cfg.divide if cfg.divide is not None else dS * cfg.scale
@@ -320,23 +367,31 @@ def _chunked_bwd(cfg, res, dout):
                         a, _key_slice(a, j, cfg.bk, 2) + u, j * cfg.bk, axis=2
                     )
 
-                return dq_b, add(dk, dk_j), add(dv, dv_j)
+                return dq_b, add(dk, dk_j), add(dv, dv_j), db_b
 
             return _maybe(jnp.any(vis), go, c), None
 
         dq0 = jnp.zeros(qb.shape, stat)
-        (dq_b, dk, dv), _ = jax.lax.scan(k_body, (dq0, dk, dv), jnp.arange(nk))
-        return (dk, dv), dq_b
+        db0 = None if bb is None else jnp.zeros(bb.shape, stat)
+        (dq_b, dk, dv, db_b), _ = jax.lax.scan(
+            k_body, (dq0, dk, dv, db0), jnp.arange(nk)
+        )
+        return (dk, dv), (dq_b, db_b)
 
-    (dk, dv), dq = jax.lax.scan(
-        q_body, (zeros_kv, zeros_kv), (qs, dos, Ds, lses, qi, lens, qseg)
+    (dk, dv), (dq, dbias) = jax.lax.scan(
+        q_body, (zeros_kv, zeros_kv), (qs, dos, Ds, lses, qi, lens, qseg, bbs)
     )
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
+    if dbias is not None:
+        dbias = jnp.moveaxis(dbias, 0, 3).reshape(bias.shape).astype(bias.dtype)
     # rows without a visible key returned mean(v): d v_j = sum of their dout / Tk
     none = jnp.sum(jnp.where(ok[..., None], 0, dout), axis=(2, 3))  # (B, KV, p)
     real = (jnp.arange(k.shape[2]) < cfg.num_keys)[:, None]
     dv = dv + jnp.where(real, none[:, :, None, :] / cfg.num_keys, 0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return (
+        dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None,
+        dbias,
+    )  # fmt: skip
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -347,6 +402,7 @@ def _visible_stats(rule: MaskRule, num_queries, num_keys, k_bad, bk):
     nk = -(-num_keys // bk)
     Tkp = nk * bk
     kseg = None if rule.k_seg is None else _pad(rule.k_seg, 1, Tkp, -1)
+    kval = None if rule.k_valid is None else _pad(rule.k_valid, 1, Tkp, False)
     bad = None if k_bad is None else _pad(k_bad, 1, Tkp, False)
     B = rule.q_index.shape[0]
     init = (jnp.zeros((B, num_queries), bool), jnp.zeros((B, num_queries), bool))
@@ -354,8 +410,10 @@ def _visible_stats(rule: MaskRule, num_queries, num_keys, k_bad, bk):
     def body(carry, j):
         has, sb = carry
         kj = j * bk + jnp.arange(bk)
-        ks = None if kseg is None else _key_slice(kseg, j, bk, 1)
-        vis = rule.block((rule.q_index, rule.lens, rule.q_seg, ks), kj, num_keys)
+        k_sl = tuple(
+            None if a is None else _key_slice(a, j, bk, 1) for a in (kseg, kval)
+        )
+        vis = rule.block((rule.q_index, rule.lens, rule.q_seg), kj, num_keys, k_sl)
         has = has | jnp.any(vis, axis=-1)
         if bad is not None:
             sb = sb | jnp.any(vis & _key_slice(bad, j, bk, 1)[:, None, :], axis=-1)
@@ -375,6 +433,7 @@ def chunked_attention(
     divide: float | None = None,
     softcap: float | None = None,
     k_bad: Array | None = None,
+    bias: Array | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Array, Array]:
@@ -388,6 +447,9 @@ def chunked_attention(
             reference's default $1/\sqrt p$).
         softcap: $c$ of $c \tanh(s/c)$, or `None`.
         k_bad: `(B, Tk)` bool, keys whose input row was non-finite.
+        bias: the additive score bias $b$, `(Bb, KV, G, Tq, Tk)` with `Bb`
+            1 or `B` (query head $i$ at `(i // G, i % G)`), or `None`;
+            differentiable (its gradient is summed over `B` when `Bb` is 1).
         block_q, block_k: block lengths (default `BLOCK_SIZE`, at most the lengths).
 
     Returns:
@@ -413,7 +475,11 @@ def chunked_attention(
         rule.window,
         None if rule.q_seg is None else _pad(rule.q_seg, 1, Tqp, -1),
         None if rule.k_seg is None else _pad(rule.k_seg, 1, Tkp, -2),
+        rule.window_right,
+        None if rule.k_valid is None else _pad(rule.k_valid, 1, Tkp, False),
     )
+    if bias is not None:
+        bias = _pad(_pad(bias, 3, Tqp), 4, Tkp)
     out = _chunked(
         cfg,
         _pad(q, 3, Tqp),
@@ -421,6 +487,7 @@ def chunked_attention(
         _pad(v, 2, Tkp),
         padded,
         _pad(has_vis, 1, Tqp, False),
+        bias,
     )
     return out[:, :, :, :Tq], sees_bad
 
@@ -433,10 +500,11 @@ def fused_attention(
     *,
     scale: float,
     k_bad: Array | None = None,
+    bias: Array | None = None,
 ) -> tuple[Array, Array]:
     """`jax.nn.dot_product_attention` with the rule as a boolean mask.
 
-    Shapes and returns as `chunked_attention`. On a GPU with bfloat16/float16
+    Shapes (`bias` too) and returns as `chunked_attention`. On a GPU with bfloat16/float16
     input cuDNN is asked for (`implementation="cudnn"`), and XLA's path is
     used when cuDNN refuses; elsewhere XLA's path (full logits).
     """
@@ -453,6 +521,8 @@ def fused_attention(
     dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     qt, kt, vt = qt.astype(dtype), kt.astype(dtype), vt.astype(dtype)
     args = dict(mask=mask[:, None], scale=float(scale))
+    if bias is not None:
+        args["bias"] = bias.reshape(bias.shape[0], KV * G, Tq, Tk).astype(dtype)
     out = None
     if jax.devices()[0].platform == "gpu" and dtype in (jnp.bfloat16, jnp.float16):
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -9,7 +10,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_key
 from .attention import AttentionTrace, MultiHeadAttention
@@ -35,6 +36,8 @@ class BlockTrace(NamedTuple):
         ffn_trace: what `ffn.trace(y, key=...)` returned when the FFN module
             has a `trace` method (an object with `.output`, e.g. the router
             statistics of a mixture of experts), else `None`.
+        cross_out: `(T, d)`, what the cross-attention branch adds to the
+            stream (`cross_attention` blocks), else `None`.
 
     For a batch `(..., T, d)` every field gains the same leading axes.
     """
@@ -44,6 +47,7 @@ class BlockTrace(NamedTuple):
     ffn_out: Array
     attention: AttentionTrace | None
     ffn_trace: Any = None
+    cross_out: Array | None = None
 
 
 class TransformerBlock(eqx.Module):
@@ -60,6 +64,15 @@ class TransformerBlock(eqx.Module):
     Only `"post"` normalizes the stream's identity path. Norms are `norm1`,
     `norm2` (the branch-output norms of `"sandwich"` are `out_norm1`,
     `out_norm2`). Dropout acts on each branch output when a `key` is passed.
+
+    With `cross_attention=True` (an encoder–decoder's decoder block: T5,
+    Whisper) a third sublayer sits between the two, the cross-attention
+    $F_\times(y) = \mathrm{MHA}(q = y;\ k, v = c)$ over the encoder states
+    $c$ (`cross_attn`, never RoPE nor window), under the same placement with
+    its own norm `norm_cross` (`out_norm_cross` in `"sandwich"`):
+    pre-norm reads $x \leftarrow x + F_\times(N_\times(x))$.
+    Without a causal `valid_lens` the self-attention is bidirectional (an
+    encoder's block): every query sees every (unmasked) key.
 
     The defaults (pre-norm, RMSNorm, SwiGLU, no bias) are the modern open-weights
     block; `norm="layer", act="gelu", placement="post", bias=True` is the 2017
@@ -85,6 +98,9 @@ class TransformerBlock(eqx.Module):
     attention: Any
     ffn: Any
     cfg: BlockConfig = eqx.field(static=True)
+    norm_cross: RMSNorm | LayerNorm | None = None
+    out_norm_cross: RMSNorm | LayerNorm | None = None
+    cross_attn: MultiHeadAttention | None = None
 
     def __init__(
         self,
@@ -140,6 +156,16 @@ class TransformerBlock(eqx.Module):
             if ffn_factory is None
             else ffn_factory(key=ffn_key)
         )
+        if cfg.cross_attention:
+            # its own key: the other weights stay those of a block without it
+            cross_cfg = dataclasses.replace(cfg, rope_theta=None, window=None)
+            self.cross_attn = MultiHeadAttention(
+                cross_cfg, key=jax.random.fold_in(key, 2)
+            )
+            self.norm_cross = new_norm()
+            self.out_norm_cross = new_norm() if sandwich else None
+        else:
+            self.cross_attn = self.norm_cross = self.out_norm_cross = None
 
     # The block's main options as attributes, read from the config.
     @property
@@ -167,13 +193,19 @@ class TransformerBlock(eqx.Module):
         return self.cfg.dropout
 
     def _sublayer(self, x, branch_fn, i, key, hooks=None):
-        """Sublayer `i` (1: attention, 2: FFN); returns (new stream, what the
-        branch wrote). Sites: `ln{i}.*`, `ln{i}_post.*` (sandwich) and the
-        branch's output, `hook_attn_out` or `hook_mlp_out`."""
-        norm, out_norm = (
-            (self.norm1, self.out_norm1) if i == 1 else (self.norm2, self.out_norm2)
+        """Sublayer `i` (1: attention, 2: FFN, `"cross"`: cross-attention);
+        returns (new stream, what the branch wrote). Sites: `ln{i}.*`,
+        `ln{i}_post.*` (sandwich) and the branch's output, `hook_attn_out`,
+        `hook_mlp_out` or `hook_cross_attn_out`."""
+        norm, out_norm = {
+            1: (self.norm1, self.out_norm1),
+            2: (self.norm2, self.out_norm2),
+            "cross": (self.norm_cross, self.out_norm_cross),
+        }[i]
+        out_site = {1: "hook_attn_out", 2: "hook_mlp_out"}.get(
+            i, "hook_cross_attn_out"
         )
-        ln = scope(hooks, f"ln{i}")
+        ln = scope(hooks, f"ln{i}" if i != "cross" else "ln_cross")
         if self.placement == "output":
             # The raw stream feeds the branch: a half-precision stream near
             # 1e4 would overflow inside it (a gated FFN grows as |x|^2), so
@@ -184,9 +216,10 @@ class TransformerBlock(eqx.Module):
             reads_normed = self.placement in ("pre", "sandwich")
             branch = branch_fn(norm(x, hooks=ln) if reads_normed else x)
         if self.placement == "sandwich":
-            branch = out_norm(branch, hooks=scope(hooks, f"ln{i}_post"))
+            post = f"ln{i}_post" if i != "cross" else "ln_cross_post"
+            branch = out_norm(branch, hooks=scope(hooks, post))
         branch = dropout(branch, self.dropout, key)
-        branch = at(hooks, "hook_attn_out" if i == 1 else "hook_mlp_out", branch)
+        branch = at(hooks, out_site, branch)
         if self.placement == "post":
             # The sum feeding the norm in float32 (or wider): float16 streams
             # near 1e4 would overflow in x + branch before being normalized.
@@ -204,6 +237,7 @@ class TransformerBlock(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
+        **inputs: Any,
     ) -> BlockTrace:
         """Run the block, returning its output and the intermediate values.
 
@@ -213,10 +247,36 @@ class TransformerBlock(eqx.Module):
         `attention_impl` (`__call__` uses the chosen implementation).
         """
         return self._run(
-            x, valid_lens, positions, segment_ids, key, traced=True, hooks=hooks
-        )
+            x, valid_lens, positions, segment_ids, key, traced=True, hooks=hooks,
+            **inputs,
+        )  # fmt: skip
 
-    def _run(self, x, valid_lens, positions, segment_ids, key, traced, hooks=None):
+    def _cross_inputs(self, owner, context, context_lens, context_mask, kv=None):
+        """The cross-attention's keywords, checked against the block's kind."""
+        given = context is not None or kv is not None
+        if self.cross_attn is None:
+            if given or context_lens is not None or context_mask is not None:
+                raise ConfigError(
+                    f"{owner}: context (encoder states) was given to a block "
+                    "without cross-attention; build it with cross_attention=True."
+                )
+            return None
+        if not given:
+            raise ConfigError(
+                f"{owner}: this block has cross-attention (cross_attention=True) "
+                "and needs the encoder states: pass context=(..., Tk, "
+                f"num_hiddens={self.num_hiddens}) (or its cached kv when decoding)."
+            )
+        return dict(
+            context=context, context_lens=context_lens, context_mask=context_mask,
+            kv=kv,
+        )  # fmt: skip
+
+    def _run(
+        self, x, valid_lens, positions, segment_ids, key, traced, hooks=None, *,
+        key_mask=None, score_bias=None, context=None, context_lens=None,
+        context_mask=None,
+    ):  # fmt: skip
         check_float_input(x, "TransformerBlock")  # also refuses a Python list
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
             raise ConfigError(
@@ -224,17 +284,25 @@ class TransformerBlock(eqx.Module):
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
+        cross = self._cross_inputs(
+            "TransformerBlock", context, context_lens, context_mask
+        )
         if key is None:
-            k_attn = k_drop1 = k_drop2 = k_ffn = None
+            k_attn = k_drop1 = k_drop2 = k_ffn = k_cross = k_drop_x = None
         else:
             key = check_key("TransformerBlock", "key", key)
             k_attn, k_drop1, k_drop2 = jax.random.split(key, 3)
-            # A fourth, independent key without changing the three above.
+            # Independent keys without changing the three above.
             k_ffn = jax.random.fold_in(key, 3)
-        attn_trace = ffn_trace = None
+            k_cross, k_drop_x = jax.random.fold_in(key, 4), jax.random.fold_in(key, 5)
+        attn_trace = ffn_trace = cross_out = None
         extra = {} if positions is None else {"positions": positions}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
+        if key_mask is not None:
+            extra["key_mask"] = key_mask
+        if score_bias is not None:
+            extra["score_bias"] = score_bias
 
         attn_extra = {**extra, **_hooks_for(self.attention, hooks, "attn")}
         ffn_extra = _hooks_for(self.ffn, hooks, "mlp")
@@ -258,9 +326,22 @@ class TransformerBlock(eqx.Module):
         x = at(hooks, "hook_resid_pre", x)
         x, attn_out = self._sublayer(x, attend, 1, k_drop1, hooks)
         x = at(hooks, "hook_resid_mid", x)
+        if cross is not None:
+            x, cross_out = self._cross_sublayer(x, cross, k_cross, k_drop_x, hooks)
         x, ffn_out = self._sublayer(x, feed, 2, k_drop2, hooks)
         x = at(hooks, "hook_resid_post", x)
-        return BlockTrace(x, attn_out, ffn_out, attn_trace, ffn_trace)
+        return BlockTrace(x, attn_out, ffn_out, attn_trace, ffn_trace, cross_out)
+
+    def _cross_sublayer(self, x, cross, key, drop_key, hooks):
+        """The cross-attention sublayer; sites `ln_cross.*`, `cross_attn.*`,
+        `hook_cross_attn_out`, then `hook_resid_mid_cross` (the stream)."""
+        sub = scope(hooks, "cross_attn")
+
+        def attend(y):
+            return self.cross_attn.cross(y, key=key, hooks=sub, **cross)
+
+        x, out = self._sublayer(x, attend, "cross", drop_key, hooks)
+        return at(hooks, "hook_resid_mid_cross", x), out
 
     def __call__(
         self,
@@ -271,6 +352,11 @@ class TransformerBlock(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
+        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
+        context: Float[Array, "*batch Tk d"] | None = None,
+        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
     ) -> Float[Array, "*batch T d"]:
         r"""Apply the block to one sequence, or to each of a batch.
 
@@ -292,6 +378,15 @@ class TransformerBlock(eqx.Module):
                 integers): a token attends only within its segment; forwarded
                 to the attention only when given.
             key: enables dropout; `None` is deterministic (evaluation).
+            key_mask: a boolean key mask `(T,)` or `(..., T)` (padding of an
+                encoder's batch), forwarded to the self-attention.
+            score_bias: additive `(H, T, T)` (or with the batch's axes)
+                scores of the self-attention (T5's relative positions).
+            context: the encoder states `(..., Tk, num_hiddens)` the
+                cross-attention reads (needed by, and only by, a block with
+                `cross_attention=True`).
+            context_lens, context_mask: the encoder's valid lengths (one per
+                sequence) or key mask `(..., Tk)`.
             hooks: records and edits the block's activation sites
                 (`blocklab.nn.hooks`, `blocklab.interp`; TransformerLens's
                 names): `hook_resid_pre` (the input), `ln1.hook_normalized`,
@@ -304,14 +399,20 @@ class TransformerBlock(eqx.Module):
                 (see `FeedForward.__call__`, `MoEFeedForward.trace`),
                 `hook_mlp_out`, `hook_resid_post` (the output). In `"post"`
                 `ln{i}` normalizes the sum $x + F(x)$, in `"output"` the
-                branch's output.
+                branch's output. A cross-attention block adds, between
+                `hook_resid_mid` and `ln2`: `ln_cross.hook_normalized`
+                (`ln_cross_post.*` in `"sandwich"`), `cross_attn.*` (see
+                `MultiHeadAttention.cross`), `hook_cross_attn_out` and
+                `hook_resid_mid_cross`.
 
         Returns:
             The shape and dtype of `x`.
         """
         out = self._run(
-            x, valid_lens, positions, segment_ids, key, traced=False, hooks=hooks
-        )
+            x, valid_lens, positions, segment_ids, key, traced=False, hooks=hooks,
+            key_mask=key_mask, score_bias=score_bias, context=context,
+            context_lens=context_lens, context_mask=context_mask,
+        )  # fmt: skip
         return out.output
 
     def step(
@@ -322,6 +423,10 @@ class TransformerBlock(eqx.Module):
         *,
         defer_write: bool = False,
         hooks: Hooks | None = None,
+        score_bias: Float[ArrayLike, "*#batch H Tq L"] | None = None,
+        cross_kv: Any = None,
+        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.
 
@@ -340,6 +445,11 @@ class TransformerBlock(eqx.Module):
                 tokens' keys and values instead of the written cache.
             hooks: the sites of `__call__` for the new tokens, but for the
                 attention's scores and pattern (`MultiHeadAttention.step`).
+            score_bias: the self-attention's additive bias over the cache's
+                indices, `(H, Tq, max_len)` or with the batch's axes.
+            cross_kv: a cross-attention block's cached encoder keys and
+                values (`cross_attn.cross_kv(context)`, computed once).
+            context_lens, context_mask: the encoder's lengths or key mask.
 
         Returns:
             `(output, new_cache)`: the shape and dtype of `x`, and the cache
@@ -353,7 +463,12 @@ class TransformerBlock(eqx.Module):
             )
         new_cache = []
         attn_extra = _hooks_for(self.attention, hooks, "attn", method="step")
+        if score_bias is not None:
+            attn_extra["score_bias"] = score_bias
         ffn_extra = _hooks_for(self.ffn, hooks, "mlp")
+        cross = self._cross_inputs(
+            "TransformerBlock.step", None, context_lens, context_mask, cross_kv
+        )
 
         def attend(y):
             out, written = self.attention.step(
@@ -365,6 +480,8 @@ class TransformerBlock(eqx.Module):
         x = at(hooks, "hook_resid_pre", x)
         x, _ = self._sublayer(x, attend, 1, None, hooks)
         x = at(hooks, "hook_resid_mid", x)
+        if cross is not None:
+            x, _ = self._cross_sublayer(x, cross, None, None, hooks)
         x, _ = self._sublayer(
             x, lambda y: self.ffn(y, key=None, **ffn_extra), 2, None, hooks
         )

@@ -34,6 +34,7 @@ __all__ = [
     "GATED_ACTS",
     "ffn_width",
     "check_act",
+    "WINDOW_MODES",
 ]
 
 #: The valid values of the `attention_impl` option (`attention_impls` implements them).
@@ -43,9 +44,14 @@ PLACEMENTS = ("post", "pre", "output", "sandwich")
 #: The valid values of the `qk_norm` option (`True` means `"head"`).
 QK_NORMS = (False, True, "head", "full")
 #: The valid values of the `act` option (ungated first, then gated).
-ACTS = ("relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu", "bilinear")
+ACTS = (
+    "relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu", "bilinear",
+    "geglu_exact",
+)  # fmt: skip
 #: The gated settings (three matrices).
-GATED_ACTS = ("swiglu", "geglu", "reglu", "bilinear")
+GATED_ACTS = ("swiglu", "geglu", "reglu", "bilinear", "geglu_exact")
+#: The valid values of the `window_mode` option.
+WINDOW_MODES = ("causal", "bidirectional")
 
 
 def _check_sizes(
@@ -209,6 +215,14 @@ class BlockConfig(ComparedByKey):
             (`MultiHeadAttention`; `trace` always uses the reference).
         attn_out_bias: a bias on the attention's output projection $W_o$
             (default `attn_bias`; Qwen 2 has biases on $W_q, W_k, W_v$ only).
+        window_mode: `"causal"` (key $k$ in the window of query $q$ iff
+            $q - w < k \le q$) or `"bidirectional"` (iff $|q - k| < w$:
+            an encoder's local layers; ModernBERT's `local_attention` $a$ is
+            $w = a/2 + 1$).
+        cross_attention: the block gets a cross-attention branch (keys and
+            values from an encoder's output) between its self-attention and
+            its FFN (`TransformerBlock`); structure, so an encoder and a
+            decoder are two stacks.
     """
 
     num_hiddens: int
@@ -232,6 +246,8 @@ class BlockConfig(ComparedByKey):
     attn_out_bias: bool | None = None
     attn_softcap: float | None = None
     attention_impl: str = "auto"
+    window_mode: str = "causal"
+    cross_attention: bool = False
 
     def __post_init__(self):
         owner = "BlockConfig"
@@ -288,6 +304,14 @@ class BlockConfig(ComparedByKey):
         put(
             "attention_impl",
             check_choice(owner, "attention_impl", self.attention_impl, ATTENTION_IMPLS),
+        )
+        put(
+            "window_mode",
+            check_choice(owner, "window_mode", self.window_mode, WINDOW_MODES),
+        )
+        put(
+            "cross_attention",
+            check_bool(owner, "cross_attention", self.cross_attention),
         )
 
     def _key(self) -> tuple:

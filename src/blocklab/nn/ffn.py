@@ -25,6 +25,7 @@ _PHI = {
     "gelu_exact": "gelu_exact",
     "swiglu": "silu",
     "geglu": "gelu",
+    "geglu_exact": "gelu_exact",
     "reglu": "relu",
     "bilinear": None,
 }
@@ -37,9 +38,9 @@ class FeedForward(eqx.Module):
     $$\mathrm{FFN}(x) = W_2\, \phi(W_1 x).$$
     Gated (Shazeer, 2020): `swiglu` ($\phi$ = SiLU), `geglu` (the tanh GELU,
     `transformers`' `gelu_pytorch_tanh`, which Gemma 3 uses), `reglu` (ReLU)
-    and `bilinear` (no activation):
+    `geglu_exact` (the erf GELU: ModernBERT) and `bilinear` (no activation):
     $$\mathrm{FFN}(x) = W_2\, \big(\phi(W_g x) \odot W_1 x\big).$$
-    Widths follow `ffn_width`, so all seven settings hold about $8d^2$
+    Widths follow `ffn_width`, so all eight settings hold about $8d^2$
     weights (all gated ones exactly the same number); any explicit `ffn_width`
     (Llama's `intermediate_size`) may be given instead. `W_g` is Llama's
     `gate_proj`, `W_1` its `up_proj`, `W_2` its `down_proj`.
