@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_key
+from .._validate import ConfigError, check_key
 from .cache import write_cache
 from .hooks import Hooks
+from .remat import NamedSites, check_remat, nested_groups, parse_remat
 
 __all__ = ["Stack"]
 
@@ -38,7 +40,7 @@ class Stack(eqx.Module):
 
     blocks: Any
     num_blks: int = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: bool | str | Callable[..., Any] = eqx.field(static=True)
     unroll: int | bool = eqx.field(static=True)
     #: `constrain(h)` applied to the hidden state at every block boundary
     #: (before each block and after the last), e.g. a sharding constraint
@@ -50,7 +52,7 @@ class Stack(eqx.Module):
         make_block: Callable[[PRNGKeyArray], Any],
         num_blks: int,
         *,
-        remat: bool = False,
+        remat: bool | str | Callable[..., Any] = False,
         unroll: int | bool = 1,
         key: PRNGKeyArray,
     ):
@@ -58,9 +60,13 @@ class Stack(eqx.Module):
         make_block: `make_block(key)` returns one block, called as
             `block(x, valid_lens, key=...)`.
         num_blks: depth N >= 1.
-        remat: rematerialize each block in the backward pass
-            (`jax.checkpoint`): activation memory O(1) blocks instead of O(N),
-            for about one extra forward pass of compute.
+        remat: what the backward pass keeps (`blocklab.nn.remat`): `False`
+            or `"none"` keeps every activation; `True` or `"full"`
+            rematerializes each block (`jax.checkpoint`): activation memory
+            O(1) blocks instead of O(N), for about one extra forward pass;
+            `"dots"`, `"names:SITE,..."`, `"offload:SITE,..."`,
+            `"nested"` or a `jax.checkpoint_policies` callable keep what
+            the policy says.
         unroll: blocks applied per scan iteration, a positive int, or `True`
             for all N (no loop) and `False` for 1.
         key: PRNG key; block k is built from the k-th of `num_blks` subkeys.
@@ -75,7 +81,7 @@ class Stack(eqx.Module):
                 f"Stack: num_blks must be a positive int, got {num_blks!r}."
             )
         num_blks = int(num_blks)
-        remat = check_bool("Stack", "remat", remat)
+        remat = check_remat("Stack", remat)
         if not isinstance(unroll, (bool, np.bool_, int, np.integer)) or (
             not isinstance(unroll, (bool, np.bool_)) and unroll < 1
         ):
@@ -167,22 +173,33 @@ class Stack(eqx.Module):
         layers = None if hooks is None else jnp.arange(self.num_blks, dtype=jnp.int32)
 
         constrain = self.constrain
+        policy = parse_remat("Stack", self.remat)
+        # A policy that reads checkpoint names gets them from the sites.
+        named, seen = policy.tags and collect is None, set()
 
         def step(h, xs):
             blk_params, k, i = xs
             blk = eqx.combine(blk_params, static)
             if constrain is not None:
                 h = constrain(h)
-            if hooks is not None:
-                mine = hooks.stacked(i)
-                return blk(h, valid_lens, key=k, hooks=mine, **extra), mine.values
+            if hooks is not None or named:
+                mine = None if hooks is None else hooks.stacked(i)
+                mine = NamedSites(mine, seen) if named else mine
+                out = blk(h, valid_lens, key=k, hooks=mine, **extra)
+                return out, (None if hooks is None else mine.values)
             if collect is None:
                 return blk(h, valid_lens, key=k, **extra), None
             return collect(blk, h, k)
 
-        if self.remat:
-            step = jax.checkpoint(step)
-        h, stats = jax.lax.scan(step, x, (dynamic, keys, layers), unroll=self.unroll)
+        h, stats = _remat_scan(
+            policy, step, x, (dynamic, keys, layers), self.num_blks, self.unroll
+        )
+        missing = [n for n in policy.full_names if named and n not in seen]
+        if missing:
+            raise ConfigError(
+                f"Stack: remat={self.remat!r} names {missing}, which the blocks "
+                f"do not carry on this path; they carry {sorted(seen)}."
+            )
         if hooks is not None:
             hooks.values.update(stats)
             stats = None
@@ -293,3 +310,35 @@ class Stack(eqx.Module):
         if hooks is not None:
             hooks.values.update(seen)
         return h, new
+
+
+def _remat_scan(policy, step, x, xs, num_blks, unroll):
+    """`lax.scan(step, x, xs)` with the blocks rematerialized as `policy` says
+    (`blocklab.nn.remat`). Inside a scan `prevent_cse` is not needed (the
+    loop already keeps XLA from merging the recomputation into the forward)."""
+    if not policy.checkpoints:
+        return jax.lax.scan(step, x, xs, unroll=unroll)
+    if policy.kind != "nested":
+        body = jax.checkpoint(step, prevent_cse=False, policy=policy.jax_policy())
+        return jax.lax.scan(body, x, xs, unroll=unroll)
+    # Square-root remat: an outer scan over groups of g blocks keeps only the
+    # group inputs; each group, recomputed, keeps its block inputs.
+    g, G, r = nested_groups(num_blks)
+    inner = jax.checkpoint(step, prevent_cse=False)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def group(h, xs_g):
+        return jax.lax.scan(inner, h, xs_g, unroll=unroll)
+
+    def head(a):
+        a = a if r == 0 else a[: G * g]
+        return a.reshape(G, g, *a.shape[1:])
+
+    h, stats = jax.lax.scan(group, x, jax.tree_util.tree_map(head, xs))
+    stats = jax.tree_util.tree_map(lambda a: a.reshape(G * g, *a.shape[2:]), stats)
+    if r:
+        h, more = group(h, jax.tree_util.tree_map(lambda a: a[G * g :], xs))
+        stats = jax.tree_util.tree_map(
+            lambda a, b: jnp.concatenate([a, b]), stats, more
+        )
+    return h, stats
