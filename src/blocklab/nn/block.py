@@ -101,6 +101,7 @@ class TransformerBlock(eqx.Module):
     norm_cross: RMSNorm | LayerNorm | None = None
     out_norm_cross: RMSNorm | LayerNorm | None = None
     cross_attn: MultiHeadAttention | None = None
+    skip_norm1: Int[Array, ""] | None = None
 
     def __init__(
         self,
@@ -166,6 +167,8 @@ class TransformerBlock(eqx.Module):
             self.out_norm_cross = new_norm() if sandwich else None
         else:
             self.cross_attn = self.norm_cross = self.out_norm_cross = None
+        # data, not structure: 0 (use norm1) until a model sets its layers
+        self.skip_norm1 = jnp.zeros((), jnp.int32) if cfg.skip_attn_norm else None
 
     # The block's main options as attributes, read from the config.
     @property
@@ -214,7 +217,10 @@ class TransformerBlock(eqx.Module):
             branch = norm(branch_fn(x.astype(wide)), hooks=ln).astype(x.dtype)
         else:
             reads_normed = self.placement in ("pre", "sandwich")
-            branch = branch_fn(norm(x, hooks=ln) if reads_normed else x)
+            y = norm(x, hooks=ln) if reads_normed else x
+            if i == 1 and self.skip_norm1 is not None:
+                y = jnp.where(self.skip_norm1 > 0, x, y)
+            branch = branch_fn(y)
         if self.placement == "sandwich":
             post = f"ln{i}_post" if i != "cross" else "ln_cross_post"
             branch = out_norm(branch, hooks=scope(hooks, post))

@@ -223,6 +223,10 @@ class BlockConfig(ComparedByKey):
             values from an encoder's output) between its self-attention and
             its FFN (`TransformerBlock`); structure, so an encoder and a
             decoder are two stacks.
+        skip_attn_norm: the block carries an integer leaf `skip_norm1`
+            (data, per layer of a stack): where it is 1 the self-attention
+            reads the stream itself instead of `norm1` of it (ModernBERT's
+            first layer); `"pre"` and `"sandwich"` placements only.
     """
 
     num_hiddens: int
@@ -248,6 +252,7 @@ class BlockConfig(ComparedByKey):
     attention_impl: str = "auto"
     window_mode: str = "causal"
     cross_attention: bool = False
+    skip_attn_norm: bool = False
 
     def __post_init__(self):
         owner = "BlockConfig"
@@ -313,6 +318,13 @@ class BlockConfig(ComparedByKey):
             "cross_attention",
             check_bool(owner, "cross_attention", self.cross_attention),
         )
+        put("skip_attn_norm", check_bool(owner, "skip_attn_norm", self.skip_attn_norm))
+        if self.skip_attn_norm and self.placement not in ("pre", "sandwich"):
+            raise ConfigError(
+                f"{owner}: skip_attn_norm=True needs a placement whose branch reads "
+                f"the normed stream ('pre' or 'sandwich'), got "
+                f"placement={self.placement!r}."
+            )
 
     def _key(self) -> tuple:
         """What `==` and `hash` compare: every field but the values of the
