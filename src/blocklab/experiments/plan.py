@@ -61,6 +61,7 @@ from ..interop.pretrained import _config as _hf_to_config
 from ..interop.pretrained import _standardize as _hf_standardize
 from ..interop.pretrained import pretrained_config
 from ..nn import DecoderConfig, DecoderLM
+from ..nn.config import ffn_width
 from ..nn.decoder_config import CONFIG_CLASSES
 from ..training.checkpoint import CheckpointError
 from ..training.mesh_training import state_shardings
@@ -68,12 +69,20 @@ from ..training.placement import ACTIVATION_AXES, PRESETS, parse_mesh, resolve_r
 from ..training.step import PRECISIONS, init_state
 
 __all__ = [
+    "FIT_POLICIES",
     "PRESET_CONFIGS",
     "PlanResult",
+    "StepOption",
+    "StepPlan",
     "check_global_batch",
+    "closed_form_temp",
     "config_of",
+    "measure_step",
+    "parse_bytes",
     "plan",
+    "plan_step",
     "plans_table",
+    "step_flops",
 ]
 
 #: The sequence length of a plan when none is given (or the model's `max_len`).
@@ -509,3 +518,420 @@ def _compiled_memory(payload: str) -> tuple[int, int]:
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     stats = fn.lower(dyn, key).compile().memory_analysis()
     return int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
+
+
+# Fitting a training step to a memory budget ---------------------------------
+
+#: The policies `plan_step` compares by default (`"offload:..."` is measured
+#: only where the backend has host memory apart from the device's).
+FIT_POLICIES = ("none", "dots", "full", "nested")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: Any, *, name: str = "memory_budget") -> int:
+    """Bytes from an int or a string such as `"16GiB"`, `"500MB"`, `"1e9"`.
+
+    Raises:
+        ConfigError: anything else, or a value <= 0.
+    """
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("kmgtib")
+    unit = text[len(num) :]
+    try:
+        if isinstance(value, bool) or unit not in _UNITS or not num:
+            raise ValueError
+        out = int(float(num) * _UNITS[unit])
+    except (ValueError, OverflowError):
+        raise ConfigError(
+            f"plan_step: {name} must be a number of bytes (an int, or a string "
+            f"like '16GiB', '500MB'), got {value!r}."
+        ) from None
+    if out <= 0:
+        raise ConfigError(f"plan_step: {name} must be positive, got {value!r}.")
+    return out
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3f}"
+
+
+@dataclass(frozen=True)
+class StepOption:
+    """One policy x microbatch count of `plan_step`.
+
+    Attributes:
+        remat: the policy (`blocklab.nn.remat`).
+        microbatches: microbatches per step.
+        bytes: what the step needs on the device: its arguments (parameters,
+            optimizer state, batch), its temporaries and its outputs not
+            aliased to donated arguments.
+        temp_bytes: the temporaries alone (activations saved for the
+            backward pass, gradients, the accumulator).
+        flops: the step's FLOPs, recomputation included (closed form).
+        seconds: estimated step time, `flops / peak_flops`.
+        measured: the bytes come from the compiled step's memory analysis
+            (else from the closed form).
+        fits: `bytes <= budget`.
+    """
+
+    remat: str
+    microbatches: int
+    bytes: int
+    temp_bytes: int
+    flops: float
+    seconds: float
+    measured: bool
+    fits: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """`plan_step`'s options and its choice (the fastest that fits)."""
+
+    config: str
+    batch: int
+    seq_len: int
+    precision: str
+    budget: int
+    peak_flops: float
+    options: tuple[StepOption, ...]
+    choice: StepOption
+
+    def to_json(self) -> dict:
+        return {
+            **{k: v for k, v in asdict(self).items() if k not in ("options", "choice")},
+            "options": [o.to_json() for o in self.options],
+            "choice": self.choice.to_json(),
+        }
+
+    def table(self) -> str:
+        head = ["remat", "microbatches", "GiB", "temp GiB", "est. s/step",
+                "from", "fits", ""]  # fmt: skip
+        rows = [head]
+        for o in self.options:
+            rows.append([
+                o.remat, str(o.microbatches), _gib(o.bytes), _gib(o.temp_bytes),
+                f"{o.seconds:.4g}", "compiled" if o.measured else "closed form",
+                "yes" if o.fits else "no", "<- chosen" if o == self.choice else "",
+            ])  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
+                 for r in rows]  # fmt: skip
+        return (
+            f"{self.config}: batch {self.batch} x {self.seq_len}, {self.precision}, "
+            f"budget {_gib(self.budget)} GiB; time at {self.peak_flops / 1e12:.3g} "
+            "TFLOP/s:\n" + "\n".join(lines)
+        )
+
+
+def _sizes(cfg: DecoderConfig) -> tuple[int, int, int, int, int, int]:
+    d, H, KV, p = cfg.num_hiddens, cfg.num_heads, cfg.block.num_kv_heads, cfg.head_dim
+    F = cfg.ffn_width if cfg.ffn_width is not None else ffn_width(d, cfg.act)
+    return d, H, KV or H, p, F, cfg.vocab_size
+
+
+def step_flops(cfg: DecoderConfig, batch: int, seq_len: int, remat: str) -> float:
+    r"""FLOPs of one training step (closed form), recomputation included.
+
+    Forward per token: per block $2d(Hp + 2\,KV p) + 2Hpd$ (projections),
+    $2 c\, d F$ ($c = 3$ gated, 2 not: the FFN) and $4 T H p$ (scores and
+    mixing over every key); the head $2dV$. The backward pass is twice the
+    forward. Rematerialization adds the recomputed forward: `"full"` one
+    forward of the blocks, `"nested"` two, `"dots"` (and names) the
+    attention's products; `"none"` nothing.
+    """
+    d, H, KV, p, F, V = _sizes(cfg)
+    gated = cfg.act in ("swiglu", "geglu", "reglu", "bilinear")
+    attn = 4 * seq_len * H * p
+    block = 2 * d * (H * p + 2 * KV * p) + 2 * H * p * d + (6 if gated else 4) * d * F
+    blocks = cfg.num_blks * (block + attn)
+    forward = (blocks + 2 * d * V) * batch * seq_len
+    extra = {"none": 0.0, "full": 1.0, "nested": 2.0}.get(remat)
+    if extra is None:  # dots, names, offload: the attention is recomputed
+        recompute = cfg.num_blks * attn * batch * seq_len
+    else:
+        recompute = extra * blocks * batch * seq_len
+    return 3.0 * forward + recompute
+
+
+def _residuals_per_token(cfg: DecoderConfig, remat: str, seq_len: int) -> float:
+    """Elements one block keeps per token for the backward pass (closed form).
+
+    `"none"`: the block's input, both norms' outputs, q, k, v and their
+    rotated copies, the attention's output and log-sum-exp, the two branch
+    outputs and the residual in between, and the FFN's pre-activations,
+    activation and product; `"dots"`: the input and the weight products'
+    outputs; `"full"`, `"nested"`: the input (`nested` is counted by the
+    caller); names: the input and each named site. On the reference
+    attention path (the `"auto"` choice below 1024 keys) `"none"` also keeps
+    the `(H, T)` logits and weights of each query, about $4.5 H T$ elements
+    (fitted to XLA:CPU's figures; on the chunked path XLA keeps about 1.6x
+    the list above).
+    """
+    from ..nn.attention_impls import AUTO_MIN_CHUNKED_LEN
+
+    d, H, KV, p, F, _ = _sizes(cfg)
+    gated = cfg.act in ("swiglu", "geglu", "reglu", "bilinear")
+    qkv = H * p + 2 * KV * p
+    ffn = (4 if gated else 2) * F
+    if remat == "none":
+        impl = cfg.block.attention_impl
+        reference = impl == "reference" or (
+            impl == "auto" and seq_len < AUTO_MIN_CHUNKED_LEN
+        )
+        base = 6 * d + qkv + (H * p + KV * p) + H * p + H + ffn
+        # the chunked kernel's per-block copies: 1.6x (fitted likewise)
+        return base + 4.5 * H * seq_len if reference else 1.6 * base
+    if remat == "dots":
+        return d + qkv + d + (2 if gated else 1) * F + d
+    if remat.startswith(("names:", "offload:")):
+        size = {"attn.hook_q": H * p, "attn.hook_k": KV * p, "attn.hook_v": KV * p,
+                "attn.hook_rot_q": H * p, "attn.hook_rot_k": KV * p,
+                "attn.hook_z": H * p, "mlp.hook_pre": F, "mlp.hook_pre_linear": F,
+                "mlp.hook_post": F}  # fmt: skip
+        names = remat.partition(":")[2].split(",")
+        kept = 0 if remat.startswith("offload:") else 1
+        return d + kept * sum(size.get(n, d) for n in names)
+    return d
+
+
+def closed_form_temp(
+    cfg: DecoderConfig,
+    batch: int,
+    seq_len: int,
+    remat: str,
+    microbatches: int = 1,
+    precision: str = "float32",
+) -> int:
+    r"""The step's temporaries in bytes, in closed form.
+
+    With $b$ the compute dtype's bytes, $B_m = B/k$ rows per microbatch,
+    $r$ the elements one block keeps per token (`_residuals_per_token`) and
+    $r_0$ those of `"none"`:
+    $$\text{temp} \approx b\,B_m T\,\bigl(N_s r + [\text{remat}]\, r_0
+    + 3V\bigr) + P_4 (1 + [k > 1]),$$
+    where $N_s = N$ blocks ($\lceil N/g\rceil + g$ block inputs for
+    `"nested"`), the bracket adds one block's full activations while it is
+    recomputed, $3V$ the logits, their softmax and gradient, and $P_4$ the
+    float32 gradients (and the accumulator over microbatches).
+    """
+    from ..nn.remat import nested_groups
+
+    b = 2 if precision == "bf16" else 4
+    rows = batch // microbatches * seq_len
+    N = cfg.num_blks
+    r0 = _residuals_per_token(cfg, "none", seq_len)
+    if remat == "nested":
+        g, G, rest = nested_groups(N)
+        kept = (G + (1 if rest else 0) + g) * cfg.num_hiddens + r0
+    else:
+        kept = N * _residuals_per_token(cfg, remat, seq_len)
+        kept += r0 if remat != "none" else 0
+    params = sum(
+        x.size * 4
+        for x in jax.tree_util.tree_leaves(_abstract(cfg))
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+    act = b * rows * (kept + 3 * cfg.vocab_size)
+    return int(act + params * (2 if microbatches > 1 else 1))
+
+
+def _machine_bytes() -> int:
+    """Memory of this machine's first device: the GPU's limit, or the host's RAM."""
+    dev = jax.devices()[0]
+    stats = getattr(dev, "memory_stats", lambda: None)()
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def measure_step(
+    model: Any,
+    batch: int,
+    seq_len: int,
+    remat: Any,
+    microbatches: int = 1,
+    precision: str = "float32",
+    optimizer: Any = None,
+) -> dict:
+    """Compile the training step `train_model` runs (on shapes: nothing is
+    allocated) and read its memory analysis.
+
+    The step is `make_train_step(optimizer, source, precision=...,
+    microbatches=...)` of the next-token loss on `(batch, seq_len)` token
+    ids, on `with_remat(model, remat)`, jitted with the state donated.
+
+    Returns:
+        `{"bytes", "temp_bytes", "argument_bytes", "output_bytes",
+        "alias_bytes"}`; `bytes` = arguments + temporaries + outputs not
+        aliased to the donated arguments.
+    """
+    from ..nn.remat import with_remat
+    from ..training.step import make_train_step
+
+    optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
+    if isinstance(model, DecoderConfig):
+        model = _abstract(model)
+    model = with_remat(model, remat)
+    V = model.cfg.vocab_size
+
+    def source(key):
+        X = jax.random.randint(key, (batch, seq_len + 1), 0, V)
+        return X[:, :-1], X[:, 1:]
+
+    step = make_train_step(
+        optimizer, source, precision=precision, microbatches=microbatches
+    )
+    state = eqx.filter_eval_shape(init_state, model, optimizer)
+    dyn, static = eqx.partition(
+        state, lambda x: isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+    )
+    dyn = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dyn)
+
+    def one(d, key):
+        new, loss = step(eqx.combine(d, static), key)
+        return eqx.filter(new, eqx.is_array), loss
+
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    stats = jax.jit(one, donate_argnums=0).lower(dyn, key).compile().memory_analysis()
+    args, temp = int(stats.argument_size_in_bytes), int(stats.temp_size_in_bytes)
+    out, alias = int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes)
+    return {
+        "bytes": args + temp + max(out - alias, 0), "temp_bytes": temp,
+        "argument_bytes": args, "output_bytes": out, "alias_bytes": alias,
+    }  # fmt: skip
+
+
+def plan_step(
+    model: Any,
+    batch_shape: tuple[int, int],
+    memory_budget: int | str,
+    *,
+    policies: Any = None,
+    microbatches: Any = None,
+    precision: str = "float32",
+    measure: bool | None = None,
+    peak_flops: float | None = None,
+) -> StepPlan:
+    r"""The fastest rematerialization policy and microbatch count that fit.
+
+    Every policy (`FIT_POLICIES`, or `policies`) times every microbatch count
+    $k$ (the powers of two that divide the batch, or `microbatches`) is sized:
+    measured, by compiling the training step `train_model` runs for it
+    (`measure_step`: the compiled program's memory analysis on this machine)
+    when the model fits this machine (parameters, gradients and AdamW's two
+    moments within its memory), else in closed form (`plan`'s parameter and
+    optimizer bytes plus `closed_form_temp`). Its time is estimated as
+    `step_flops / peak_flops`. The choice is the option of least time among
+    those with bytes $\le$ the budget, fewer microbatches first among equal
+    times.
+
+    Args:
+        model: a `DecoderLM`, or what `plan` takes (a preset name, a
+            checkpoint folder, a config file, a `DecoderConfig`).
+        batch_shape: `(batch, seq_len)` of the step's token ids.
+        memory_budget: bytes (an int, or `"16GiB"`, `"500MB"`).
+        policies: the `remat=` values to compare.
+        microbatches: the microbatch counts to compare (each divides batch).
+        precision: `"float32"` or `"bf16"`.
+        measure: `True` compiles, `False` uses the closed form, `None`
+            decides as above.
+        peak_flops: the device's FLOP/s for the time estimate (default:
+            this machine's float32 matmul rate, measured).
+
+    Returns:
+        A `StepPlan` (`.table()`, `.to_json()`, `.choice`).
+
+    Raises:
+        ConfigError: bad arguments (a microbatch count that does not divide
+            the batch, an unknown policy), or a budget below every option
+            (naming the smallest need and its option).
+    """
+    from ..nn.remat import parse_remat
+
+    owner = "plan_step"
+    if isinstance(model, DecoderLM):
+        cfg, name = model.cfg, "model"
+    else:
+        cfg = config_of(model)
+        name = str(model) if isinstance(model, (str, os.PathLike)) else "config"
+        model = None
+    if not isinstance(batch_shape, (tuple, list)) or len(batch_shape) != 2:
+        raise ConfigError(
+            f"{owner}: batch_shape must be (batch, seq_len), got {batch_shape!r}."
+        )
+    B = check_int(owner, "batch_shape[0]", batch_shape[0], min=1)
+    T = check_int(owner, "batch_shape[1]", batch_shape[1], min=1)
+    if T > cfg.max_len:
+        raise ConfigError(
+            f"{owner}: seq_len={T} is longer than the model's max_len={cfg.max_len}."
+        )
+    budget = parse_bytes(memory_budget)
+    precision = check_choice(owner, "precision", precision, PRECISIONS)
+    pols = list(FIT_POLICIES if policies is None else policies)
+    if policies is None and jax.default_backend() != "cpu":
+        pols.append("offload:mlp.hook_post,attn.hook_q,attn.hook_k,attn.hook_v")
+    pols = [str(parse_remat(owner, p)) for p in pols]
+    if microbatches is None:
+        ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= B and B % k == 0]
+    else:
+        ks = [check_int(owner, "microbatches", k, min=1) for k in microbatches]
+        for k in ks:
+            if B % k:
+                raise ConfigError(
+                    f"{owner}: microbatches={k} does not divide the batch ({B})."
+                )
+    abstract = _abstract(cfg) if model is None else model
+    arrays = [x for x in jax.tree_util.tree_leaves(abstract) if hasattr(x, "dtype")]
+    params = sum(x.size * x.dtype.itemsize for x in arrays)
+    if measure is None:
+        measure = 4 * params < _machine_bytes()
+    peak = float(peak_flops) if peak_flops is not None else _peak_flops()
+    options = []
+    for pol in pols:
+        flops = step_flops(cfg, B, T, pol)
+        for k in ks:
+            if measure:
+                m = measure_step(abstract, B, T, pol, k, precision)
+                need, temp = m["bytes"], m["temp_bytes"]
+            else:
+                temp = closed_form_temp(cfg, B, T, pol, k, precision)
+                # parameters, AdamW's two moments and its count, the batch
+                need = 3 * params + temp + 2 * B * T * 4
+            options.append(
+                StepOption(
+                    pol,
+                    k,
+                    int(need),
+                    int(temp),
+                    flops,
+                    flops / peak,
+                    bool(measure),
+                    need <= budget,
+                )  # fmt: skip
+            )
+    fitting = [o for o in options if o.fits]
+    if not fitting:
+        least = min(options, key=lambda o: o.bytes)
+        raise ConfigError(
+            f"{owner}: memory_budget={budget} bytes ({_gib(budget)} GiB) is below "
+            f"every option; the smallest need is {least.bytes} bytes "
+            f"({_gib(least.bytes)} GiB: remat={least.remat!r}, microbatches="
+            f"{least.microbatches}). Raise the budget, or shorten the batch."
+        )
+    choice = min(fitting, key=lambda o: (o.seconds, o.microbatches))
+    return StepPlan(name, B, T, precision, budget, peak, tuple(options), choice)
+
+
+def _peak_flops() -> float:
+    from .timing import matmul_peak_flops
+
+    return float(matmul_peak_flops(1024, reps=3))
