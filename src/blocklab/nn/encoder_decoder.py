@@ -1,0 +1,401 @@
+r"""An encoder–decoder language model, `EncoderDecoderLM` (T5; `EncoderDecoderConfig`).
+
+Two scanned stacks of the same `TransformerBlock`: the encoder's attend
+bidirectionally over the source (with its padding mask), the decoder's
+causally over the target and, through a cross-attention branch, over the
+encoder's output. One token embedding is shared by both stacks (and by the
+head when tied). T5's relative position bias is one table per stack
+(`RelativePositionBias`: both directions in the encoder, causal in the
+decoder), computed once per call and added to every layer's self-attention
+scores; the cross-attention has none.
+
+Generation (`greedy`, `init_cache`, `decode_step`) computes the
+cross-attention keys and values of every decoder layer once, from the
+encoder output, and keeps them in the cache beside the self-attention's
+growing keys and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+
+from .._validate import ConfigError, check_ids, check_int, check_key
+from . import init
+from .block import TransformerBlock
+from .encoder import padding_mask
+from .encoder_config import EncoderDecoderConfig
+from .functional import causal_lengths, linear
+from .hooks import Hooks, at, scope
+from .normalization import LayerNorm, RMSNorm, make_norm
+from .relative_position import RelativePositionBias
+from .stack import Stack
+
+__all__ = ["EncoderDecoderLM", "EncoderDecoderCache"]
+
+
+@eqx.filter_jit
+def _build(cfg: EncoderDecoderConfig, key):
+    k_emb, k_enc, k_dec, k_rel_e, k_rel_d, k_head = jax.random.split(key, 6)
+    d = cfg.num_hiddens
+    emb = eqx.nn.Embedding(
+        weight=0.02 * jax.random.normal(k_emb, (cfg.vocab_size, d), jnp.float32)
+    )
+    enc_block, dec_block = cfg.block, cfg.decoder_block
+    encoder = Stack(
+        lambda k: TransformerBlock(enc_block, key=k), cfg.num_blks, key=k_enc
+    )
+    decoder = Stack(
+        lambda k: TransformerBlock(dec_block, key=k), cfg.num_decoder_blks, key=k_dec
+    )
+
+    def rel(bidirectional, k):
+        if cfg.positions != "relative":
+            return None
+        return RelativePositionBias(
+            cfg.num_heads, num_buckets=cfg.relative_num_buckets,
+            max_distance=cfg.relative_max_distance, bidirectional=bidirectional,
+            key=k,
+        )  # fmt: skip
+
+    head = (
+        None
+        if cfg.tie_embeddings
+        else init.linear(d, cfg.vocab_size, bias=False, key=k_head)
+    )
+    return emb, encoder, decoder, rel(True, k_rel_e), rel(False, k_rel_d), head
+
+
+class EncoderDecoderCache(eqx.Module):
+    """What decoding keeps between steps (a pytree).
+
+    Attributes:
+        layers: the decoder's self-attention caches, stacked over its layers
+            (`AttentionCache`, leaves `(N, *batch, KV, ...)`).
+        cross: the cross-attention keys and values of every decoder layer,
+            computed once from the encoder output (`(N, *batch, KV, p, S)`
+            and `(N, *batch, KV, S, p)`).
+        length: `batch_shape` int32, target tokens held per sequence.
+        src_mask: `(*batch, S)` booleans, the encoder's real tokens, or `None`.
+        max_len: the self-attention cache capacity (static).
+    """
+
+    layers: Any
+    cross: Any
+    length: Int[Array, "*batch"]
+    src_mask: Bool[Array, "*batch S"] | None
+    max_len: int = eqx.field(static=True)
+
+
+class EncoderDecoderLM(eqx.Module):
+    r"""An encoder–decoder transformer (Vaswani et al., 2017; T5, Raffel et al., 2020).
+
+    For source ids $u$ (with a padding mask $m$) and target ids $t$:
+    $$c = \mathrm{Norm}_e\big(\mathrm{Enc}(E[u];\ m,\ B_e)\big),\qquad
+    y = \mathrm{Norm}_d\big(\mathrm{Dec}(E[t];\ \text{causal},\ B_d;\ c, m)\big),
+    \qquad \text{logits} = \gamma\, y\, W^\top,$$
+    where $B_e$, $B_d$ are the relative position biases of the two stacks
+    (`positions="relative"`), each decoder block attends to $c$ through its
+    cross-attention (keys $j$ with $m_j$), $\gamma$ is `head_scale` (T5:
+    $d^{-1/2}$ with a tied head) and $W$ is the head or, tied, $E$.
+
+    Attributes:
+        token_emb: the shared `(vocab, d)` embedding $E$.
+        encoder, decoder: the two `Stack`s (the decoder's blocks have
+            `cross_attn` and `norm_cross`).
+        enc_norm, dec_norm: the final norms.
+        enc_rel_bias, dec_rel_bias: `RelativePositionBias` tables, or `None`.
+        head: the untied `(vocab, d)` head, or `None` (tied).
+        cfg: the `EncoderDecoderConfig` (static).
+    """
+
+    token_emb: eqx.nn.Embedding
+    encoder: Stack
+    enc_norm: RMSNorm | LayerNorm
+    enc_rel_bias: RelativePositionBias | None
+    decoder: Stack
+    dec_norm: RMSNorm | LayerNorm
+    dec_rel_bias: RelativePositionBias | None
+    head: eqx.nn.Linear | None
+    cfg: EncoderDecoderConfig = eqx.field(static=True)
+
+    def __init__(
+        self, cfg: EncoderDecoderConfig | Mapping[str, Any], *, key: PRNGKeyArray
+    ):
+        """Args:
+        cfg: an `EncoderDecoderConfig`, or the mapping of its fields.
+        key: PRNG key for every weight.
+        """
+        if isinstance(cfg, Mapping):
+            cfg = EncoderDecoderConfig(**cfg)
+        if not isinstance(cfg, EncoderDecoderConfig):
+            raise ConfigError(
+                "EncoderDecoderLM: cfg must be an EncoderDecoderConfig, got "
+                f"{type(cfg).__name__}."
+            )
+        check_key("EncoderDecoderLM", "key", key)
+        self.cfg = cfg
+        (
+            self.token_emb, self.encoder, self.decoder, self.enc_rel_bias,
+            self.dec_rel_bias, self.head,
+        ) = _build(cfg, key)  # fmt: skip
+        self.enc_norm = make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
+        self.dec_norm = make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
+
+    def init_args(self) -> dict[str, Any]:
+        """`EncoderDecoderLM(**m.init_args(), key=k)` rebuilds this structure."""
+        return {"cfg": self.cfg.to_dict()}
+
+    @property
+    def head_weight(self) -> Float[Array, "vocab d"]:
+        return self.token_emb.weight if self.head is None else self.head.weight
+
+    def _ids(self, name, ids):
+        ids = jnp.asarray(ids)
+        if ids.ndim < 1 or ids.shape[-1] < 1 or not jnp.issubdtype(
+            ids.dtype, jnp.integer
+        ):
+            raise ConfigError(
+                f"EncoderDecoderLM: {name} must be integer ids of shape (T,) or "
+                f"(..., T) with T >= 1, got dtype {ids.dtype}, shape {tuple(ids.shape)}."
+            )
+        return check_ids(
+            "EncoderDecoderLM", name, ids, self.cfg.vocab_size, what="vocab_size"
+        )
+
+    def encode(
+        self,
+        src_ids: Int[ArrayLike, "*batch S"],
+        *,
+        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
+    ) -> Float[Array, "*batch S d"]:
+        """The encoder's output $c$ (final-normed), `(..., S, d)`.
+
+        `src_mask` (True at real tokens, `transformers`' `attention_mask`)
+        and/or `src_lens` (one length per sequence) hide the padding. `hooks`
+        sees the encoder's sites (`hook_embed`, `blocks.*.<site>`,
+        `ln_final.hook_normalized`) in a call of their own.
+        """
+        src_ids = self._ids("src_ids", src_ids)
+        mask = padding_mask("EncoderDecoderLM", src_ids.shape, src_mask, src_lens)
+        h = at(hooks, "hook_embed", self.token_emb.weight[src_ids])
+        inputs: dict[str, Any] = {}
+        if mask is not None:
+            inputs["key_mask"] = mask
+        if self.enc_rel_bias is not None:
+            S = h.shape[-2]
+            inputs["score_bias"] = self.enc_rel_bias(S, S).astype(jnp.float32)
+        h = self.encoder(h, key=key, hooks=hooks, **inputs)
+        return self.enc_norm(h, hooks=scope(hooks, "ln_final"))
+
+    def _check_enc(self, owner, enc, lead):
+        if enc is None:
+            raise ConfigError(
+                f"{owner}: the decoder needs the encoder states: pass enc = "
+                "model.encode(src_ids) (shape (..., S, num_hiddens))."
+            )
+        if (
+            not hasattr(enc, "shape")
+            or enc.ndim < 2
+            or enc.shape[-1] != self.cfg.num_hiddens
+            or tuple(enc.shape[:-2]) != tuple(lead)
+        ):
+            raise ConfigError(
+                f"{owner}: enc (the encoder states) must have shape (*batch={tuple(lead)}"
+                f", S, num_hiddens={self.cfg.num_hiddens}), got "
+                f"{tuple(getattr(enc, 'shape', ()))}."
+            )
+
+    def logits(
+        self, y: Float[Array, "*batch d"], *, hooks: Hooks | None = None
+    ) -> Float[Array, "*batch vocab"]:
+        r"""$\gamma\, y W^\top$ in float32 for final-normed decoder states `y`."""
+        if self.cfg.head_scale is not None:
+            y = y * jnp.asarray(self.cfg.head_scale, y.dtype)
+        z = linear(y, self.head_weight, out_dtype=jnp.float32).astype(jnp.float32)
+        return at(hooks, "unembed.hook_out", z)
+
+    def decode(
+        self,
+        tgt_ids: Int[ArrayLike, "*batch T"],
+        enc: Float[Array, "*batch S d"] | None,
+        *,
+        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
+    ) -> Float[Array, "*batch T vocab"]:
+        """Next-token logits of the decoder over the whole target (teacher
+        forcing): row `i` scores the token after `tgt_ids[..., i]`."""
+        owner = "EncoderDecoderLM.decode"
+        tgt_ids = self._ids("tgt_ids", tgt_ids)
+        self._check_enc(owner, enc, tgt_ids.shape[:-1])
+        mask = padding_mask(owner, enc.shape[:-1], src_mask, src_lens)
+        h = at(hooks, "hook_embed", self.token_emb.weight[tgt_ids])
+        T = h.shape[-2]
+        inputs: dict[str, Any] = {"context": enc}
+        if mask is not None:
+            inputs["context_mask"] = mask
+        if self.dec_rel_bias is not None:
+            inputs["score_bias"] = self.dec_rel_bias(T, T).astype(jnp.float32)
+        h = self.decoder(
+            h, causal_lengths(h.shape[:-1]), key=key, hooks=hooks, **inputs
+        )
+        y = self.dec_norm(h, hooks=scope(hooks, "ln_final"))
+        return self.logits(y, hooks=hooks)
+
+    def __call__(
+        self,
+        src_ids: Int[ArrayLike, "*batch S"],
+        tgt_ids: Int[ArrayLike, "*batch T"] | None = None,
+        *,
+        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        key: PRNGKeyArray | None = None,
+        hooks: Hooks | None = None,
+    ) -> Float[Array, "*batch T vocab"]:
+        """Logits `(..., T, vocab)` of the target given the source.
+
+        `hooks` sees the decoder's sites (its blocks' `blocks.*.<site>`,
+        the cross-attention's among them); the encoder's come from
+        `encode(..., hooks=...)`. `tgt_ids` is required.
+        """
+        if tgt_ids is None:
+            raise ConfigError(
+                "EncoderDecoderLM: pass the decoder's input tgt_ids beside src_ids "
+                "(teacher forcing; generation is greedy(src_ids, ...))."
+            )
+        if key is not None:
+            k_enc, k_dec = jax.random.split(key)
+        else:
+            k_enc = k_dec = None
+        enc = self.encode(src_ids, src_mask=src_mask, src_lens=src_lens, key=k_enc)
+        return self.decode(
+            tgt_ids, enc, src_mask=src_mask, src_lens=src_lens, key=k_dec, hooks=hooks
+        )
+
+    # Cached decoding --------------------------------------------------------
+
+    def init_cache(
+        self,
+        enc: Float[Array, "*batch S d"],
+        *,
+        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        max_len: int | None = None,
+    ) -> EncoderDecoderCache:
+        """An empty decoding cache for the encoder states `enc`, holding the
+        cross-attention keys and values of every decoder layer (computed here,
+        once: `cross_attn.cross_kv(enc)` for the stacked layers)."""
+        owner = "EncoderDecoderLM.init_cache"
+        if enc is None or not hasattr(enc, "shape") or enc.ndim < 2:
+            self._check_enc(owner, enc, ())
+        lead = tuple(enc.shape[:-2])
+        self._check_enc(owner, enc, lead)
+        max_len = check_int(
+            owner, "max_len", self.cfg.max_len if max_len is None else max_len, min=1
+        )
+        mask = padding_mask(owner, enc.shape[:-1], src_mask, src_lens)
+        dynamic, static = eqx.partition(self.decoder.blocks, eqx.is_array)
+
+        def one(params):
+            blk = eqx.combine(params, static)
+            return blk.cross_attn.cross_kv(enc)
+
+        cross = jax.vmap(one)(dynamic)
+        attn = self.decoder.block(0).attention
+        empty = attn.init_cache(lead, max_len, enc.dtype)
+        N = self.cfg.num_decoder_blks
+        layers = jax.tree_util.tree_map(
+            lambda a: jnp.broadcast_to(a, (N, *a.shape)), empty
+        )
+        return EncoderDecoderCache(
+            layers, cross, jnp.zeros(lead, jnp.int32), mask, max_len
+        )
+
+    def decode_step(
+        self,
+        ids: Int[ArrayLike, "*batch Tq"],
+        cache: EncoderDecoderCache,
+        *,
+        hooks: Hooks | None = None,
+    ) -> tuple[Float[Array, "*batch Tq vocab"], EncoderDecoderCache]:
+        """Run new target tokens (the first at each sequence's `cache.length`)
+        through the decoder against the cache: `(logits, new_cache)`. Equal,
+        row for row, to `decode` on the whole target."""
+        owner = "EncoderDecoderLM.decode_step"
+        if not isinstance(cache, EncoderDecoderCache):
+            raise ConfigError(
+                f"{owner}: cache must be an EncoderDecoderCache (init_cache), got "
+                f"{type(cache).__name__}."
+            )
+        ids = self._ids("ids", ids)
+        if tuple(ids.shape[:-1]) != tuple(cache.length.shape):
+            raise ConfigError(
+                f"{owner}: ids must have the cache's batch shape "
+                f"{tuple(cache.length.shape)} + (Tq,), got {tuple(ids.shape)}."
+            )
+        Tq = ids.shape[-1]
+        start = cache.length
+        h = at(hooks, "hook_embed", self.token_emb.weight[ids])
+        inputs: dict[str, Any] = {}
+        if cache.src_mask is not None:
+            inputs["context_mask"] = cache.src_mask
+        if self.dec_rel_bias is not None:
+            bias = self.dec_rel_bias(Tq, cache.max_len, offset=start)
+            inputs["score_bias"] = bias.astype(jnp.float32)
+        h, layers = self.decoder.step(
+            h, cache.layers, start, hooks=hooks, cross_kv=cache.cross, **inputs
+        )
+        y = self.dec_norm(h, hooks=scope(hooks, "ln_final"))
+        new = EncoderDecoderCache(
+            layers, cache.cross, start + Tq, cache.src_mask, cache.max_len
+        )
+        return self.logits(y, hooks=hooks), new
+
+    def greedy(
+        self,
+        src_ids: Int[ArrayLike, "*batch S"],
+        max_new_tokens: int,
+        *,
+        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+    ) -> Int[Array, "*batch max_new_tokens"]:
+        """Greedy decoding: `max_new_tokens` ids per sequence, starting from
+        `decoder_start_token_id`; after `eos_token_id` a sequence emits
+        `pad_token_id` (as `transformers`' `generate`). The encoder runs
+        once, the cross-attention keys and values are computed once, and
+        every step is one cached `decode_step` (one compiled loop)."""
+        n = check_int("EncoderDecoderLM.greedy", "max_new_tokens", max_new_tokens, min=1)
+        return _greedy(self, jnp.asarray(src_ids), n, src_mask, src_lens)
+
+
+@eqx.filter_jit
+def _greedy(model, src_ids, n, src_mask, src_lens):
+    cfg = model.cfg
+    enc = model.encode(src_ids, src_mask=src_mask, src_lens=src_lens)
+    cache = model.init_cache(enc, src_mask=src_mask, src_lens=src_lens, max_len=n)
+    lead = src_ids.shape[:-1]
+    tok = jnp.full((*lead, 1), cfg.decoder_start_token_id, jnp.int32)
+    done = jnp.zeros(lead, bool)
+
+    def body(carry, _):
+        tok, cache, done = carry
+        logits, cache = model.decode_step(tok, cache)
+        nxt = jnp.argmax(logits[..., -1, :], axis=-1).astype(jnp.int32)
+        nxt = jnp.where(done, cfg.pad_token_id, nxt)
+        if cfg.eos_token_id is not None:
+            done = done | (nxt == cfg.eos_token_id)
+        return (nxt[..., None], cache, done), nxt
+
+    _, out = jax.lax.scan(body, (tok, cache, done), None, length=n)
+    return jnp.moveaxis(out, 0, -1)
+
