@@ -58,8 +58,9 @@ def call_with_hooks(model: Any, inputs: Any, hooks: Hooks | None, kwargs) -> Any
             raise
         raise ConfigError(
             f"model of type {type(model).__name__} has no activation sites (its "
-            "__call__ takes no `hooks`); pass a DecoderLM, CharLM, Stack, "
-            "TransformerBlock, MultiHeadAttention or FeedForward."
+            "__call__ takes no `hooks`); pass a DecoderLM, CharLM, EncoderModel, "
+            "EncoderDecoderLM (its decoder's sites; encode(..., hooks=) has the "
+            "encoder's), Stack, TransformerBlock, MultiHeadAttention or FeedForward."
         ) from err
 
 
@@ -80,7 +81,11 @@ def site_shapes(
     Computed by `jax.eval_shape` (nothing runs) and cached per model
     structure and input shapes. Stacked sites are keyed `blocks.*.<site>`
     with their leading layer axis. `kwargs` are forwarded to the model's
-    call (`positions`, `segment_ids`, `valid_lens`).
+    call (`positions`, `segment_ids`, `valid_lens`; an encoder–decoder's
+    `tgt_ids` and `src_mask`, a cross-attention stack's `context`: the
+    cross-attention sites `blocks.*.ln_cross.*`, `blocks.*.cross_attn.*`,
+    `blocks.*.hook_cross_attn_out`, `blocks.*.hook_resid_mid_cross` come
+    with them).
     """
     key = _cache_key(model, inputs, kwargs)
     try:

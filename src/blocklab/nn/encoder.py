@@ -26,10 +26,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
 from . import init
-from .attention import check_key_mask
+from .attention import check_key_mask, check_segment_ids
 from .block import TransformerBlock
 from .encoder_config import EncoderConfig
-from .functional import ACTIVATIONS, linear, rope_theta_bits
+from .functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
 from .patch_embed import ViTEmbedding
@@ -284,6 +284,7 @@ class EncoderModel(eqx.Module):
         key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
         valid_lens: Int[ArrayLike, "*#batch"] | None = None,
         positions: Int[ArrayLike, "*#batch T"] | None = None,
+        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T d"]:
@@ -296,8 +297,11 @@ class EncoderModel(eqx.Module):
             key_mask: booleans `(..., T)`, True at real tokens
                 (`transformers`' `attention_mask`); padded keys are unseen.
             valid_lens: real lengths per sequence instead (or as well).
-            positions: positions of the tokens (default `0..T-1`): rows of
-                the learned table, or RoPE angles.
+            positions: positions of the tokens (default `0..T-1`, or
+                restarting at each segment): rows of the learned table, or
+                RoPE angles.
+            segment_ids: packed documents `(..., T)`: a token attends only
+                within its own (`MultiHeadAttention`'s runs of equal ids).
             key: dropout; `None` evaluates.
             hooks: sites `hook_embed`, `hook_pos_embed`, `hook_type_embed`,
                 `ln_embed.hook_normalized`, the blocks' `blocks.*.<site>`,
@@ -307,6 +311,9 @@ class EncoderModel(eqx.Module):
             `(..., T, d)` (T = patches + 1 for images). Rows at padded
             positions are computed but meaningless.
         """
+        if segment_ids is not None and positions is None and images is None:
+            seg = check_segment_ids("EncoderModel", segment_ids, jnp.shape(ids))
+            positions = segment_positions(seg)
         h, pos = self._embed(ids, images, token_type_ids, positions, hooks)
         if self.emb_norm is not None:
             h = self.emb_norm(h, hooks=scope(hooks, "ln_embed"))
@@ -319,6 +326,8 @@ class EncoderModel(eqx.Module):
             inputs["score_bias"] = self.rel_bias(T, T).astype(jnp.float32)
         if self.cfg.positions == "rope":
             inputs["positions"] = pos
+        if segment_ids is not None:
+            inputs["segment_ids"] = segment_ids
         h = self.stack(h, key=key, hooks=hooks, **inputs)
         if self.norm is not None:
             h = self.norm(h, hooks=scope(hooks, "ln_final"))

@@ -28,7 +28,10 @@ from jaxtyping import Array, Float, Int
 from .._validate import ConfigError, check_float, check_ids
 from ..nn.moe import moe_forward
 
-__all__ = ["lm_loss", "moe_loss", "next_token_loss", "token_cross_entropy"]
+__all__ = [
+    "lm_loss", "moe_loss", "next_token_loss", "token_cross_entropy", "mlm_loss",
+    "mask_tokens", "seq2seq_loss",
+]  # fmt: skip
 
 
 def _wide(logits: Array) -> Array:
@@ -211,3 +214,93 @@ def moe_loss(
         return total, {"task": task, "aux": aux, "z": z, "load": load}
 
     return fn
+
+
+def _masked_mean(owner, logits, labels):
+    """Mean cross-entropy over the labels >= 0 (negative labels: no loss)."""
+    keep = labels >= 0
+    safe = jnp.where(keep, labels, 0)
+    per_token = token_cross_entropy(logits, safe, owner=owner)
+    count = jnp.maximum(jnp.sum(keep), 1)
+    return jnp.sum(jnp.where(keep, per_token, 0.0)) / count
+
+
+def mlm_loss(
+    model: Any,
+    ids: Int[Array, "B T"],
+    labels: Int[Array, "B T"],
+    *,
+    key_mask: Any = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    key: Any = None,
+) -> Float[Array, ""]:
+    r"""Masked-language-model loss: mean cross-entropy over the masked positions.
+
+    $$-\frac{1}{|M|}\sum_{(b,t) \in M} \log p(y_{bt} \mid \tilde x_b),\qquad
+    M = \{(b, t) : y_{bt} \ge 0\},$$
+    where $\tilde x$ = `ids` is the corrupted input (`mask_tokens`) and the
+    labels $y$ hold the original id at the positions to predict and a
+    negative number (`transformers`' -100) elsewhere. `model(ids,
+    key_mask=..., segment_ids=..., key=...)` returns `(B, T, vocab)` logits
+    (an `EncoderModel` with `mlm_head`); `key_mask` hides padding, and
+    packed documents (`segment_ids`) attend only within themselves. An
+    empty $M$ gives 0. Log-softmax in float32.
+    """
+    _check_not_empty("mlm_loss", labels)
+    kwargs = {"key": key}
+    if key_mask is not None:
+        kwargs["key_mask"] = key_mask
+    if segment_ids is not None:
+        kwargs["segment_ids"] = segment_ids
+    return _masked_mean("mlm_loss", model(ids, **kwargs), jnp.asarray(labels))
+
+
+def mask_tokens(
+    key: Any,
+    ids: Int[Array, "*batch T"],
+    *,
+    mask_id: int,
+    vocab_size: int,
+    rate: float = 0.15,
+    can_mask: Any = None,
+) -> tuple[Int[Array, "*batch T"], Int[Array, "*batch T"]]:
+    r"""BERT's corruption (Devlin et al., 2019): `(inputs, labels)`.
+
+    Each position where `can_mask` is True (default: all) is chosen with
+    probability `rate`; a chosen token becomes `mask_id` with probability
+    0.8, a uniformly random id with 0.1, and stays with 0.1. `labels` hold
+    the original ids at the chosen positions and -100 elsewhere (`mlm_loss`).
+    """
+    rate = check_float("mask_tokens", "rate", rate, min=0.0, max=1.0)
+    ids = jnp.asarray(ids)
+    k_pick, k_kind, k_rand = jax.random.split(key, 3)
+    pick = jax.random.uniform(k_pick, ids.shape) < rate
+    if can_mask is not None:
+        pick = pick & jnp.asarray(can_mask, bool)
+    u = jax.random.uniform(k_kind, ids.shape)
+    rand = jax.random.randint(k_rand, ids.shape, 0, vocab_size, ids.dtype)
+    new = jnp.where(u < 0.8, jnp.asarray(mask_id, ids.dtype), jnp.where(u < 0.9, rand, ids))
+    return jnp.where(pick, new, ids), jnp.where(pick, ids, -100)
+
+
+def seq2seq_loss(
+    model: Any,
+    src_ids: Int[Array, "B S"],
+    tgt_in: Int[Array, "B T"],
+    tgt_out: Int[Array, "B T"],
+    *,
+    src_mask: Any = None,
+    key: Any = None,
+) -> Float[Array, ""]:
+    r"""Sequence-to-sequence loss: mean next-token cross-entropy of the target.
+
+    $$-\frac{1}{|M|}\sum_{(b,t) \in M} \log p(y_{bt} \mid y_{b,<t}, u_b),
+    \qquad M = \{(b, t): y_{bt} \ge 0\},$$
+    with `tgt_in` the decoder's input (the target shifted right behind the
+    start token) and `tgt_out` = $y$ the target, negative at padding.
+    `model(src_ids, tgt_in, src_mask=..., key=...)` returns `(B, T, vocab)`
+    logits (an `EncoderDecoderLM`). Log-softmax in float32.
+    """
+    _check_not_empty("seq2seq_loss", tgt_out)
+    logits = model(src_ids, tgt_in, src_mask=src_mask, key=key)
+    return _masked_mean("seq2seq_loss", logits, jnp.asarray(tgt_out))

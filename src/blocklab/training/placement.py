@@ -74,9 +74,13 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.block import TransformerBlock
 from ..nn.charlm import CharLM
 from ..nn.decoder import DecoderLM
+from ..nn.encoder import EncoderModel
+from ..nn.encoder_decoder import EncoderDecoderLM
 from ..nn.ffn import FeedForward
 from ..nn.moe import MoEFeedForward
 from ..nn.normalization import LayerNorm, RMSNorm
+from ..nn.patch_embed import ViTEmbedding
+from ..nn.relative_position import RelativePositionBias
 from ..nn.stack import Stack
 
 __all__ = [
@@ -194,10 +198,31 @@ class _Walk:
             self.leaf(getattr(att, name), f"{path}.{name}", lead, ())
 
     def block(self, blk: TransformerBlock, path: str, lead: tuple) -> None:
-        for name in ("norm1", "norm2", "out_norm1", "out_norm2"):
+        for name in (
+            "norm1", "norm2", "out_norm1", "out_norm2", "norm_cross", "out_norm_cross"
+        ):  # fmt: skip
             self.norm(getattr(blk, name, None), f"{path}.{name}", lead, "embed")
         self.module(blk.attention, f"{path}.attention", lead)
+        self.module(getattr(blk, "cross_attn", None), f"{path}.cross_attn", lead)
         self.module(blk.ffn, f"{path}.ffn", lead)
+        self.leaf(getattr(blk, "skip_norm1", None), f"{path}.skip_norm1", lead, ())
+
+    def encoder(self, node: EncoderModel, path: str, lead: tuple) -> None:
+        """An encoder's embeddings, stack, norms and heads."""
+        for name, rows in (
+            ("token_emb", "vocab"), ("pos_emb", "position"), ("type_emb", None)
+        ):  # fmt: skip
+            self.embedding(getattr(node, name), f"{path}.{name}", lead, rows)
+        self.module(node.vit_emb, f"{path}.vit_emb", lead)
+        self.module(node.rel_bias, f"{path}.rel_bias", lead)
+        self.module(node.stack, f"{path}.stack", lead)
+        for name in ("emb_norm", "norm", "mlm_norm", "pooler_norm"):
+            self.norm(getattr(node, name), f"{path}.{name}", lead, "embed")
+        self.linear(node.mlm_dense, f"{path}.mlm_dense", lead, None, "embed")
+        self.linear(node.mlm_decoder, f"{path}.mlm_decoder", lead, "vocab", "embed")
+        self.leaf(node.mlm_bias, f"{path}.mlm_bias", lead, ("vocab",))
+        self.linear(node.pooler_dense, f"{path}.pooler_dense", lead, None, "embed")
+        self.linear(node.classifier, f"{path}.classifier", lead, None, "embed")
 
     def module(self, node: Any, path: str, lead: tuple) -> None:
         if node is None:
@@ -209,6 +234,23 @@ class _Walk:
             self.norm(node.norm, f"{path}.norm", lead, "embed")
             self.linear(getattr(node, "head", None), f"{path}.head", lead, "vocab",
                         "embed")  # fmt: skip
+        elif isinstance(node, EncoderModel):
+            self.encoder(node, path, lead)
+        elif isinstance(node, EncoderDecoderLM):
+            self.embedding(node.token_emb, f"{path}.token_emb", lead, "vocab")
+            for name in ("encoder", "decoder", "enc_rel_bias", "dec_rel_bias"):
+                self.module(getattr(node, name), f"{path}.{name}", lead)
+            for name in ("enc_norm", "dec_norm"):
+                self.norm(getattr(node, name), f"{path}.{name}", lead, "embed")
+            self.linear(node.head, f"{path}.head", lead, "vocab", "embed")
+        elif isinstance(node, RelativePositionBias):
+            self.leaf(node.weight, f"{path}.weight", lead, (None, None))  # small
+        elif isinstance(node, ViTEmbedding):
+            self.leaf(node.patch.weight, f"{path}.patch.weight", lead,
+                      ("embed", None, None, None))  # fmt: skip
+            self.leaf(node.patch.bias, f"{path}.patch.bias", lead, ("embed",))
+            self.leaf(node.cls_token, f"{path}.cls_token", lead, ("embed",))
+            self.leaf(node.pos_emb, f"{path}.pos_emb", lead, ("position", "embed"))
         elif isinstance(node, Stack):
             self.module(node.blocks, f"{path}.blocks", (*lead, "layers"))
         elif isinstance(node, TransformerBlock):
@@ -229,7 +271,8 @@ class _Walk:
     def unknown(node: Any, path: str) -> None:
         raise ConfigError(
             f"logical_axes: no logical axes for {type(node).__name__} at "
-            f"{path or 'the root'}; known modules: DecoderLM, CharLM, Stack, "
+            f"{path or 'the root'}; known modules: DecoderLM, CharLM, "
+            "EncoderModel, EncoderDecoderLM, RelativePositionBias, ViTEmbedding, Stack, "
             "TransformerBlock, MultiHeadAttention, FeedForward, MoEFeedForward, "
             "RMSNorm, LayerNorm."
         )
