@@ -86,3 +86,96 @@ def test_patch_embed_refuses_bad_sizes():
         PatchEmbed(3, 4, 8, key=jax.random.key(0))(jnp.zeros((1, 8, 8)))
     with pytest.raises(ConfigError, match="image_size"):
         ViTEmbedding(10, 4, 3, 8, key=jax.random.key(0))
+
+
+# Shared helpers ------------------------------------------------------------------
+
+
+def _close(got, want, where=None):
+    """|got - want| <= 1e-5 x the scale of want (rows `where` only)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if where is not None:
+        got, want = got[where], want[where]
+    scale = max(float(np.abs(want).max()), 1.0)
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-5 * scale, f"max |diff| {err:.3g} > 1e-5 x scale {scale:.3g}"
+
+
+def _ragged(rng, B, T, vocab, lo=1):
+    """Random ids (B, T) and a right-padding mask with lengths in [lo, T]."""
+    ids = rng.integers(0, vocab, size=(B, T))
+    lens = rng.integers(lo, T + 1, size=B)
+    lens[0] = T
+    mask = np.arange(T)[None, :] < lens[:, None]
+    return ids, mask
+
+
+# BERT --------------------------------------------------------------------------
+
+
+def _bert(cls_name, seed, **fields):
+    transformers = pytest.importorskip("transformers")
+    from hf_models import randomize
+
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([2, 3, 4]))
+    hd = int(rng.choice([4, 8]))
+    cfg = dict(
+        vocab_size=int(rng.integers(20, 60)),
+        hidden_size=heads * hd,
+        num_hidden_layers=int(rng.integers(1, 4)),
+        num_attention_heads=heads,
+        intermediate_size=int(rng.integers(8, 50)),
+        max_position_embeddings=int(rng.integers(12, 30)),
+        type_vocab_size=int(rng.integers(1, 4)),
+        layer_norm_eps=float(rng.choice([1e-12, 1e-5])),
+    )
+    cfg.update(fields)
+    model = getattr(transformers, cls_name)(transformers.BertConfig(**cfg))
+    return randomize(model, seed=seed, embeddings=1.0), rng
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        0,
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.slow),
+    ],
+)
+def test_bert_mlm_logits(seed):
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _bert("BertForMaskedLM", seed)
+    c = hf.config
+    B, T = 3, int(rng.integers(2, c.max_position_embeddings + 1))
+    ids, mask = _ragged(rng, B, T, c.vocab_size)
+    types = rng.integers(0, c.type_vocab_size, size=(B, T))
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            token_type_ids=torch.tensor(types),
+        ).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    got = ours(
+        jnp.asarray(ids), token_type_ids=jnp.asarray(types), key_mask=jnp.asarray(mask)
+    )
+    _close(got, want, mask)
+
+
+def test_bert_sequence_classification():
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _bert("BertForSequenceClassification", 3, num_labels=3)
+    c = hf.config
+    ids, mask = _ragged(rng, 4, 9, c.vocab_size)
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+        ).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    _close(ours.classify(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want)

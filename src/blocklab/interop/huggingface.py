@@ -37,7 +37,8 @@ import numpy as np
 from .._validate import ConfigError
 from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
-from . import (  # noqa: F401 - register the families
+from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
+    bert,
     gemma2,
     gemma3,
     gpt2,
@@ -59,6 +60,7 @@ from .hf_common import (
     register_family,
     resolve_family,
 )
+from .hf_encoder import encoder_from_huggingface, is_encoder_class
 from .porting import check_keys, load_state_dict, param_shapes, state_dict
 
 __all__ = [
@@ -303,13 +305,16 @@ def _check_model_matches_config(cls: str, hf_model: Any, hf_config: Any) -> None
         return
 
 
-def from_huggingface(hf_model: Any) -> DecoderLM:
+def from_huggingface(hf_model: Any) -> Any:
     """Convert a `transformers` PyTorch causal LM into a `DecoderLM`.
 
     Supported: `GPT2LMHeadModel`, `LlamaForCausalLM`, `Olmo2ForCausalLM`,
     `Gemma3ForCausalLM` (text), `MixtralForCausalLM`, `MistralForCausalLM`,
     `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma2ForCausalLM`,
     `Phi3ForCausalLM`, and any class added with `register_family`.
+    Encoders and encoder–decoders (`interop.hf_encoder`: BERT, ModernBERT,
+    ViT, T5) give an `EncoderModel` or an `EncoderDecoderLM` instead, whose
+    outputs equal the PyTorch model's.
     The result's `model(ids)` ((T,) or (B, T) integer ids) returns the
     PyTorch model's logits (`hf_model(ids).logits`) in float32. Weights are
     converted to float32.
@@ -321,6 +326,8 @@ def from_huggingface(hf_model: Any) -> DecoderLM:
             the config ties but whose weights differ from the embedding.
     """
     cls = type(hf_model).__name__
+    if is_encoder_class(cls):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
+        return encoder_from_huggingface(hf_model)
     fam = family_for_class(cls)
     hf_config = getattr(hf_model, "config", None)
     if hf_config is None:

@@ -1,0 +1,491 @@
+r"""Encoder and encoder–decoder families of `transformers`: registry and conversion.
+
+The decoder families (`interop.hf_common.HFFamily`) map a `transformers`
+config onto a `DecoderConfig`; the families here (BERT, ModernBERT, ViT, T5 /
+umT5, one module each: `interop.bert`, `.modernbert`, `.vit`, `.t5`) map one
+onto the config of an encoder or encoder–decoder model of `blocklab.nn`, and
+state-dict keys onto its parameters. Each is an `EncoderFamily`:
+
+- `to_config(hf_config, cls)`: the blocklab config of the model class `cls`,
+  refusing by name every config field that changes the maths and is not
+  implemented (an allow-list, `FIELDS` of each module, read by
+  `hf_common.understood`);
+- `hf_fields(cfg)`: the way back (the `transformers` config fields);
+- `rules(cfg, cls)`: every stored tensor, its blocklab parameter(s) and its
+  layout (`EncRule`), with absolute names on both sides;
+- `build(cfg, key)`: the blocklab model.
+
+`from_huggingface`, `load_pretrained` and `save_pretrained` dispatch here for
+the classes and `model_type`s registered in `ENCODER_FAMILIES`. Loading reads
+each stored tensor once (safetensors, no torch); the folder's keys and shapes
+are checked against the rules before any tensor is converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .._io import atomic_dir, check_writable
+from .._validate import ConfigError, check_bool, check_choice
+from ..training.checkpoint import CheckpointError
+from .porting import _non_finite, load_state_dict, param_shapes, state_dict
+from .safetensors_io import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    open_catalog,
+    parse_size,
+    shard_plan,
+    write_shards,
+)
+
+__all__ = [
+    "ENCODER_FAMILIES",
+    "EncRule",
+    "EncoderFamily",
+    "encoder_family_for_class",
+    "encoder_family_of_config",
+    "encoder_from_huggingface",
+    "encoder_state_dict",
+    "is_encoder_class",
+    "is_encoder_model",
+    "load_encoder_pretrained",
+    "load_encoder_state_dict",
+    "register_encoder_family",
+    "save_encoder_pretrained",
+]
+
+#: The layouts of an `EncRule`: `"same"` (copied), `"T"` (transposed), `"cat"`
+#: (the blocklab arrays concatenated along axis 0: ModernBERT's fused `Wqkv`
+#: and `Wi`), `"lead"` (the stored tensor has `lead` leading axes of size 1:
+#: ViT's `cls_token` `(1, 1, d)` and position table `(1, N + 1, d)`).
+ENC_RULE_KINDS = ("same", "T", "cat", "lead")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncRule:
+    """One stored tensor `hf` and the blocklab parameter(s) `bl` it holds.
+
+    Names are absolute on both sides (`"bert.encoder.layer.0.attention.self.
+    query.weight"`, `("encoder.stack.blocks.0.attention.W_q.weight",)`).
+    """
+
+    hf: str
+    bl: tuple[str, ...]
+    kind: str = "same"
+    lead: int = 0
+
+    def __post_init__(self):
+        check_choice("EncRule", "kind", self.kind, ENC_RULE_KINDS)
+
+    def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        if self.kind == "same":
+            return np.asarray(arrays[0])
+        if self.kind == "T":
+            return np.ascontiguousarray(np.asarray(arrays[0]).T)
+        if self.kind == "cat":
+            return np.concatenate([np.asarray(a) for a in arrays], axis=0)
+        a = np.asarray(arrays[0])
+        return a.reshape((1,) * self.lead + a.shape)
+
+    def from_hf(self, array: np.ndarray) -> list[np.ndarray]:
+        if self.kind == "same":
+            return [array]
+        if self.kind == "T":
+            return [np.ascontiguousarray(array.T)]
+        if self.kind == "cat":
+            return [
+                np.ascontiguousarray(a) for a in np.split(array, len(self.bl), axis=0)
+            ]
+        return [array.reshape(array.shape[self.lead :])]
+
+    def hf_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        if self.kind == "same":
+            return tuple(shapes[0])
+        if self.kind == "T":
+            return tuple(shapes[0])[::-1]
+        if self.kind == "cat":
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
+        return (1,) * self.lead + tuple(shapes[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderFamily:
+    """How one `transformers` encoder (or encoder–decoder) family maps onto blocklab.
+
+    Attributes:
+        name: short name (`"bert"`), accepted as `family=`.
+        classes: the `transformers` model classes it converts (the first is
+            what `save_pretrained` writes when the model does not say).
+        model_types: the `model_type`s of its `config.json`; the first is
+            written.
+        to_config: `to_config(hf_config, cls) -> cfg`; refuses (naming the
+            field and its value) what blocklab does not implement.
+        hf_fields: `hf_fields(cfg) -> dict` of `transformers` config fields.
+        rules: `rules(cfg, cls) -> list[EncRule]`.
+        build: `build(cfg, key) -> model`.
+        model_class: `model_class(cfg) -> cls`: the `transformers` class of a
+            blocklab config (what `save_pretrained` names in `architectures`).
+        owns: `owns(model) -> bool`: the blocklab models it exports.
+        dropout_fields: config fields holding dropout rates, refused while
+            the PyTorch model is in training mode.
+        tied: `tied(cfg, cls) -> {stored key: the stored key it equals}`,
+            tensors `transformers` ties and `save_pretrained` leaves out (a
+            file may still hold them: they are checked equal and dropped).
+        ignored: stored keys that `transformers` itself ignores on load.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    model_types: tuple[str, ...]
+    to_config: Callable[[Any, str], Any]
+    hf_fields: Callable[[Any], dict[str, Any]]
+    rules: Callable[[Any, str], list[EncRule]]
+    build: Callable[..., Any]
+    model_class: Callable[[Any], str]
+    owns: Callable[[Any], bool]
+    dropout_fields: tuple[str, ...] = ()
+    tied: Callable[[Any, str], Mapping[str, str]] = lambda cfg, cls: {}
+    ignored: tuple[str, ...] = ()
+
+
+#: Registered encoder families by short name.
+ENCODER_FAMILIES: dict[str, EncoderFamily] = {}
+
+
+def register_encoder_family(family: EncoderFamily) -> EncoderFamily:
+    """Add `family` to `ENCODER_FAMILIES`; returns it."""
+    if not isinstance(family, EncoderFamily):
+        raise ConfigError(
+            "register_encoder_family: family must be an EncoderFamily, got "
+            f"{type(family).__name__}."
+        )
+    ENCODER_FAMILIES[family.name] = family
+    return family
+
+
+def is_encoder_class(name: str) -> bool:
+    """Whether the `transformers` class `name` is an encoder family's."""
+    return any(name in f.classes for f in ENCODER_FAMILIES.values())
+
+
+def encoder_family_for_class(name: str) -> EncoderFamily:
+    """The family converting the `transformers` model class `name`."""
+    for fam in ENCODER_FAMILIES.values():
+        if name in fam.classes:
+            return fam
+    raise ConfigError(f"from_huggingface: the model class {name} is not supported.")
+
+
+def is_encoder_model(model: Any) -> bool:
+    """Whether some encoder family exports `model`."""
+    return any(f.owns(model) for f in ENCODER_FAMILIES.values())
+
+
+def encoder_family_of_config(
+    raw: Mapping[str, Any],
+) -> tuple[EncoderFamily, str] | None:
+    """The encoder family and model class of a `config.json` (its
+    `architectures[0]`, else its `model_type`'s first class), or `None`."""
+    archs = raw.get("architectures")
+    if isinstance(archs, list):
+        for name in archs:
+            if isinstance(name, str) and is_encoder_class(name):
+                fam = encoder_family_for_class(name)
+                model_type = raw.get("model_type")
+                if model_type is not None and model_type not in fam.model_types:
+                    raise CheckpointError(
+                        f"load_pretrained: config.json names architectures="
+                        f"{archs!r} but model_type={model_type!r}; transformers "
+                        f"builds the model of model_type (the {fam.name} family's "
+                        f"are {list(fam.model_types)})."
+                    )
+                return fam, name
+        return None
+    model_type = raw.get("model_type")
+    for fam in ENCODER_FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam, fam.classes[0]
+    return None
+
+
+def _family(owner: str, model: Any, family: str | None) -> EncoderFamily:
+    if family is not None:
+        fam = ENCODER_FAMILIES.get(family) or next(
+            (f for f in ENCODER_FAMILIES.values() if family in f.classes), None
+        )
+        if fam is None or not fam.owns(model):
+            raise ConfigError(
+                f"{owner}: family={family!r} is not an encoder family that can "
+                f"express a {type(model).__name__}; encoder families: "
+                f"{sorted(ENCODER_FAMILIES)}."
+            )
+        return fam
+    found = [f for f in ENCODER_FAMILIES.values() if f.owns(model)]
+    if len(found) != 1:
+        raise ConfigError(
+            f"{owner}: no single encoder family expresses this "
+            f"{type(model).__name__} (candidates: {[f.name for f in found]}); "
+            "pass family=."
+        )
+    return found[0]
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor, without importing torch
+        value = value.detach().cpu()
+        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _complete(model: Any, fam: EncoderFamily, cfg: Any) -> Any:
+    """A model whose every leaf is concrete: abstract integer leaves (per-layer
+    windows, RoPE bases) of a skeleton come from a model built for `cfg`."""
+    abstract = [
+        leaf
+        for leaf in jax.tree_util.tree_leaves(model)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if not abstract:
+        return model
+    full = fam.build(cfg, key=jax.random.key(0))
+    return load_state_dict(full, state_dict(model))
+
+
+def _skeleton(fam: EncoderFamily, cfg: Any) -> Any:
+    return eqx.filter_eval_shape(lambda k: fam.build(cfg, key=k), jax.random.key(0))
+
+
+def load_encoder_state_dict(
+    cfg: Any, hf_state_dict: Mapping[str, Any], *, family: str, cls: str | None = None
+) -> Any:
+    """The blocklab model of `cfg` with every weight from a `transformers`
+    state dict of the family `family` (class `cls`; default the family's
+    first). Tied tensors may be present (they must equal what they tie to).
+
+    Raises:
+        ConfigError: a missing or unexpected key, a wrong shape (named), a
+            tied tensor that differs from its source.
+    """
+    owner = "load_huggingface_state_dict"
+    fam = ENCODER_FAMILIES.get(family) or encoder_family_for_class(family)
+    cls = cls or fam.classes[0]
+    rules = fam.rules(cfg, cls)
+    skeleton = _skeleton(fam, cfg)
+    shapes = param_shapes(skeleton)
+    given = {k: v for k, v in hf_state_dict.items() if k not in fam.ignored}
+    for key, source in fam.tied(cfg, cls).items():
+        if key in given:
+            a, b = _to_numpy(given.pop(key)), _to_numpy(given.get(source))
+            if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                raise ConfigError(
+                    f"{owner}: {key} is tied to {source} in the {cls} of this config "
+                    "but differs from it."
+                )
+    expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    if missing or unexpected:
+        raise ConfigError(
+            f"{owner}: the state dict does not match the {cls} of this config: "
+            f"missing keys {missing}; unexpected keys {unexpected}."
+        )
+    ours: dict[str, np.ndarray] = {}
+    for r in rules:
+        arr = _to_numpy(given[r.hf])
+        if tuple(arr.shape) != expected[r.hf]:
+            raise ConfigError(
+                f"{owner}: key {r.hf!r} has shape {tuple(arr.shape)}, the {cls} of "
+                f"this config expects {expected[r.hf]}."
+            )
+        ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+    return _complete(load_state_dict(skeleton, ours), fam, cfg)
+
+
+def encoder_state_dict(
+    model: Any, *, family: str | None = None
+) -> dict[str, np.ndarray]:
+    """The `transformers` state dict of an encoder-family `model`
+    (`{key: numpy array}`, tied tensors left out as `save_pretrained` does)."""
+    fam = _family("to_huggingface_state_dict", model, family)
+    cls = fam.model_class(model.cfg)
+    ours = state_dict(model)
+    return {r.hf: r.to_hf([ours[b] for b in r.bl]) for r in fam.rules(model.cfg, cls)}
+
+
+def encoder_from_huggingface(hf_model: Any) -> Any:
+    """The blocklab model of a `transformers` encoder-family PyTorch model
+    (float32 weights); its outputs equal the PyTorch model's."""
+    cls = type(hf_model).__name__
+    fam = encoder_family_for_class(cls)
+    hf_config = getattr(hf_model, "config", None)
+    if hf_config is None:
+        raise ConfigError(f"from_huggingface: the {cls} has no config attribute.")
+    if getattr(hf_model, "training", False):
+        for field in fam.dropout_fields:
+            rate = getattr(hf_config, field, 0.0) or 0.0
+            if rate > 0:
+                raise ConfigError(
+                    f"from_huggingface: {cls} config field {field}={rate!r}: the "
+                    "model is in training mode, so dropout is active; call "
+                    "hf_model.eval() first."
+                )
+    cfg = fam.to_config(hf_config, cls)
+    sd = {k: v.float() for k, v in hf_model.state_dict().items()}
+    return load_encoder_state_dict(cfg, sd, family=fam.name, cls=cls)
+
+
+# Folders ---------------------------------------------------------------------------
+
+
+def load_encoder_pretrained(
+    folder: Path, raw: Mapping[str, Any], fam: EncoderFamily, cls: str, *, dtype=None
+) -> Any:
+    """The model of a checkpoint folder of an encoder family (`raw`: its
+    `config.json`). Keys and shapes are checked before any tensor is read.
+
+    Raises:
+        ConfigError: a config field blocklab does not implement (named).
+        CheckpointError: a missing or left-over key, a wrong shape, a
+            non-floating dtype, a NaN or infinity (named with its file).
+    """
+    import types
+
+    owner = "load_pretrained"
+    where = folder / CONFIG_NAME
+    try:
+        cfg = fam.to_config(types.SimpleNamespace(**raw), cls)
+    except AttributeError as err:
+        name = getattr(err, "name", None) or str(err)
+        raise CheckpointError(
+            f"{owner}: {where} has no field {name!r}, which the {cls} config needs."
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(f"{owner}: {where}: {err}") from None
+    rules = fam.rules(cfg, cls)
+    skeleton = _skeleton(fam, cfg)
+    shapes = param_shapes(skeleton)
+    with open_catalog(folder) as catalog:
+        stored = set(catalog.keys())
+        tied = fam.tied(cfg, cls)
+        for key, source in tied.items():
+            if key in stored:
+                a = catalog.read(key)
+                b = catalog.read(source) if source in stored else None
+                if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                    raise CheckpointError(
+                        f"{owner}: {folder}: {key} is tied to {source} by the {cls} "
+                        "of config.json but the stored tensors differ."
+                    )
+                stored.discard(key)
+        stored -= set(fam.ignored)
+        expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
+        missing = [k for k in expected if k not in stored]
+        leftover = sorted(stored - set(expected))
+        if missing or leftover:
+            raise CheckpointError(
+                f"{owner}: {folder}: the stored tensors do not match the {cls} of "
+                f"its config.json: missing keys {missing}; left-over keys {leftover}."
+            )
+        for key, shape in expected.items():
+            info = catalog.infos[key]
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{owner}: {info.file}: tensor {key!r} has shape {info.shape}; "
+                    f"the config.json model expects {shape}."
+                )
+            if info.np_dtype is None or not np.issubdtype(info.np_dtype, np.floating):
+                raise CheckpointError(
+                    f"{owner}: {info.file}: tensor {key!r} is stored as {info.dtype}, "
+                    "which cannot be converted to parameters."
+                )
+        ours: dict[str, np.ndarray] = {}
+        for r in rules:
+            arr = catalog.read(r.hf)
+            bad = _non_finite(arr)
+            if bad is not None:
+                raise CheckpointError(
+                    f"{owner}: {catalog.infos[r.hf].file}: tensor {r.hf!r} {bad}."
+                )
+            ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+    model = load_state_dict(skeleton, ours, dtype=dtype)
+    return _complete(model, fam, cfg)
+
+
+def _json_value(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return [_json_value(v) for v in x]
+    if isinstance(x, Mapping):
+        return {str(k): _json_value(v) for k, v in x.items()}
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def save_encoder_pretrained(
+    model: Any,
+    path: Any,
+    *,
+    max_shard_size: Any = "5GB",
+    overwrite: Any = False,
+    family: str | None = None,
+    token_ids: Mapping[str, Any] | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write an encoder-family `model` as a folder `transformers` loads
+    (`config.json`, `generation_config.json` for encoder–decoders,
+    `model.safetensors` or shards); atomic, as `save_pretrained`."""
+    owner = "save_pretrained"
+    folder = Path(path)
+    max_bytes = parse_size(owner, max_shard_size)
+    overwrite = check_bool(owner, "overwrite", overwrite)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{owner}: {folder} exists and is not a folder.")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{owner}: the folder {folder} exists and is not empty; pass "
+            "overwrite=True to replace it."
+        )
+    check_writable(folder / CONFIG_NAME, owner=owner, name="path")
+    fam = _family(owner, model, family)
+    cfg = model.cfg
+    cls = fam.model_class(cfg)
+    fields = dict(fam.hf_fields(cfg))
+    if token_ids:
+        fields.update(token_ids)
+    fields.update(architectures=[cls], model_type=fam.model_types[0], dtype="float32")
+    config = {k: _json_value(v) for k, v in sorted(fields.items())}
+    tensors = encoder_state_dict(model, family=fam.name)
+    sizes = [(k, v.nbytes) for k, v in tensors.items()]
+    num_params = sum(v.size for v in tensors.values())
+    generation = None
+    if getattr(fam, "name", "") == "t5" or generation_config is not None:
+        generation = dict(generation_config or {"_from_model_config": True})
+        for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
+            if k in config and k not in generation:
+                generation[k] = config[k]
+    with atomic_dir(folder, owner=owner, overwrite=overwrite) as tmp:
+        for _ in write_shards(
+            tmp,
+            shard_plan(sizes, max_bytes),
+            tensors.__getitem__,
+            num_params=num_params,
+        ):
+            pass
+        (tmp / CONFIG_NAME).write_text(
+            json.dumps(config, indent=2, sort_keys=True) + "\n"
+        )
+        if generation is not None:
+            (tmp / GENERATION_CONFIG_NAME).write_text(
+                json.dumps(generation, indent=2, sort_keys=True) + "\n"
+            )
+    return folder
