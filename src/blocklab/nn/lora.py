@@ -20,6 +20,19 @@ Training only the adapters: `lora_filter(model)` marks the `A`/`B` leaves
 keeps state for, and updates, those leaves only (the rest get zero updates).
 The base weight of an adapted layer is also behind `jax.lax.stop_gradient`,
 so the backward pass never forms its gradient.
+
+**Ranks by masking.** An adapter sweep (`blocklab.train_sweep(base,
+adapters=...)`) holds members of different ranks $r \le R$ in one array
+shape: `mask_lora(model, R)` zero-pads a rank-$r$ adapter to rank $R$
+(`MaskedLoRALinear`) and masks the rank axis,
+
+$$y = x W^\top + b + s_r\,\big((x A^\top) \odot m\big) B^\top,\qquad
+m_j = [\,j < r\,],$$
+
+with $s_r$ the scaling of rank $r$. The padded rows of $A$ and columns of
+$B$ get exactly zero gradients and stay zero, so the member follows the
+rank-$r$ adapter's trajectory; `unmask_lora` slices it back to a
+`LoRALinear` of rank $r$.
 """
 
 from __future__ import annotations
@@ -31,8 +44,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
 from .functional import linear
@@ -46,6 +60,9 @@ __all__ = [
     "merge_lora",
     "unmerge_lora",
     "lora_layers",
+    "MaskedLoRALinear",
+    "mask_lora",
+    "unmask_lora",
 ]
 
 #: Target names -> the path tail (module attribute names) of the Linear they
@@ -115,8 +132,74 @@ class LoRALinear(eqx.Module):
         return eqx.tree_at(lambda m: m.weight, self.base, new)
 
 
+class MaskedLoRALinear(eqx.Module):
+    r"""A rank-$r$ adapter held at a larger rank $R$ (`mask_lora`):
+    $y = x W^\top + b + s_r\,((x A^\top) \odot m) B^\top$, $m_j = [j < r]$.
+
+    `rank` is an integer array (one entry per layer of a stack, so that the
+    stack's scan slices it like the weights; not trained), so members of
+    different ranks share one structure and can be vmapped. $s_r$ is
+    `lora_scale(r, alpha, use_rslora)` rounded to float32, read from a table
+    over $0..R$.
+    """
+
+    base: eqx.nn.Linear
+    A: Float[Array, "*layers R n"]
+    B: Float[Array, "*layers m R"]
+    rank: Int[Array, "*layers"]
+    alpha: float = eqx.field(static=True)
+    use_rslora: bool = eqx.field(static=True)
+    max_rank: int = eqx.field(static=True)
+
+    def scale(self) -> Float[Array, "*layers"]:
+        """$s_r$ per layer, float32 (the table's entry 0 is unused)."""
+        table = np.asarray(
+            [0.0]
+            + [
+                lora_scale(r, self.alpha, self.use_rslora)
+                for r in range(1, self.max_rank + 1)
+            ],
+            np.float32,
+        )
+        return jnp.asarray(table)[self.rank]
+
+    def delta(self, x: Float[Array, "*batch n"]) -> Float[Array, "*batch m"]:
+        r"""$s_r\,((x A^\top) \odot m) B^\top$ in float32."""
+        xa = linear(x.astype(jnp.float32), self.A.astype(jnp.float32))
+        mask = jnp.arange(self.max_rank) < self.rank
+        xa = jnp.where(mask, xa, 0.0)
+        return linear(xa, self.B.astype(jnp.float32)) * self.scale()
+
+    def frozen_base(self) -> eqx.nn.Linear:
+        """The base Linear behind `stop_gradient` (what `dense` applies)."""
+        return jax.lax.stop_gradient(self.base)
+
+    def add_delta(
+        self, x: Float[Array, "*batch n"], y: Float[Array, "*batch m"]
+    ) -> Float[Array, "*batch m"]:
+        """`y` (the base's product on `x`) plus the adapter's term, in `y`'s dtype."""
+        return (y + self.delta(x).astype(y.dtype)).astype(y.dtype)
+
+    def merged(self) -> eqx.nn.Linear:
+        r"""The plain Linear with $W + s_r B\,\mathrm{diag}(m)\,A$."""
+        W = self.base.weight
+        mask = (jnp.arange(self.max_rank) < self.rank[..., None]).astype(jnp.float32)
+        A = self.A.astype(jnp.float32) * mask[..., :, None]
+        delta = jnp.matmul(self.B.astype(jnp.float32), A)
+        s = self.scale()[..., None, None]
+        new = (W.astype(jnp.float32) + s * delta).astype(W.dtype)
+        return eqx.tree_at(lambda m: m.weight, self.base, new)
+
+
+_ADAPTED = (LoRALinear, MaskedLoRALinear)
+
+
+def _is_adapted(x: Any) -> bool:
+    return isinstance(x, _ADAPTED)
+
+
 def _is_linear(x: Any) -> bool:
-    return isinstance(x, (eqx.nn.Linear, LoRALinear))
+    return isinstance(x, (eqx.nn.Linear, *_ADAPTED))
 
 
 def _name(k: Any) -> Any:
@@ -157,7 +240,7 @@ def _target_paths(model: Any, owner: str, targets: Sequence[str]) -> dict[str, l
         tail = tuple(str(_name(k)) for k in path[-2:])
         for t in targets:
             if tail == LORA_TARGETS[t]:
-                if isinstance(node, LoRALinear):
+                if _is_adapted(node):
                     raise ConfigError(
                         f"{owner}: {_path_str(path)} already has an adapter "
                         "(adding adapters twice); merge_lora or unmerge_lora first."
@@ -289,14 +372,14 @@ def lora_filter(model: Any) -> Any:
     leaves, False elsewhere (for `eqx.partition` / `optax` masks)."""
 
     def mark(node):
-        if isinstance(node, LoRALinear):
+        if _is_adapted(node):
             marked = eqx.tree_at(
                 lambda m: (m.A, m.B), node, (True, True), is_leaf=lambda x: x is None
             )
             return jax.tree.map(lambda x: x is True, marked)
         return False
 
-    return jax.tree.map(mark, model, is_leaf=lambda x: isinstance(x, LoRALinear))
+    return jax.tree.map(mark, model, is_leaf=_is_adapted)
 
 
 def lora_optimizer(
@@ -320,9 +403,7 @@ def merge_lora(model: Any) -> Any:
     $W + s BA$ (float32 sums, cast to W's dtype). Its outputs equal the
     adapted model's to float32 rounding."""
     return jax.tree.map(
-        lambda n: n.merged() if isinstance(n, LoRALinear) else n,
-        model,
-        is_leaf=lambda x: isinstance(x, LoRALinear),
+        lambda n: n.merged() if _is_adapted(n) else n, model, is_leaf=_is_adapted
     )
 
 
@@ -345,3 +426,79 @@ def unmerge_lora(model: Any) -> tuple[Any, Any]:
         is_leaf=lambda x: isinstance(x, LoRALinear),
     )
     return base, adapters
+
+
+def _pad(a: Array, axis: int, size: int) -> Array:
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, widths)
+
+
+def mask_lora(model: Any, max_rank: int) -> Any:
+    r"""Each `LoRALinear` of rank $r \le R$ = `max_rank` as a
+    `MaskedLoRALinear` of rank $R$: $A$ zero-padded to $(R, n)$, $B$ to
+    $(m, R)$, and `rank` $= r$. Its outputs equal the adapter's (the padded
+    terms are masked), and so do its gradients on the first $r$ rows of $A$
+    and columns of $B$; the padded ones get zero gradients.
+
+    Raises:
+        ConfigError: no adapters, or an adapter of rank above `max_rank`.
+    """
+    owner = "mask_lora"
+    max_rank = check_int(owner, "max_rank", max_rank, min=1)
+    layers = lora_layers(model)
+    if not layers:
+        raise ConfigError(f"{owner}: the model has no adapters (LoRALinear).")
+    for path, node in layers.items():
+        if node.rank > max_rank:
+            raise ConfigError(
+                f"{owner}: {path} has rank {node.rank} > max_rank={max_rank}."
+            )
+
+    def masked(n):
+        if not isinstance(n, LoRALinear):
+            return n
+        lead = n.A.shape[:-2]
+        return MaskedLoRALinear(
+            base=n.base,
+            A=_pad(n.A, -2, max_rank),
+            B=_pad(n.B, -1, max_rank),
+            rank=jnp.full(lead, n.rank, jnp.int32),
+            alpha=n.alpha,
+            use_rslora=n.use_rslora,
+            max_rank=max_rank,
+        )
+
+    return jax.tree.map(masked, model, is_leaf=_is_adapted)
+
+
+def unmask_lora(model: Any) -> Any:
+    """Each `MaskedLoRALinear` as the `LoRALinear` of its rank $r$ (the first
+    $r$ rows of $A$ and columns of $B$, scaling $s_r$): the inverse of
+    `mask_lora`. Needs concrete ranks (not under `jit`).
+
+    Raises:
+        ConfigError: a layer whose ranks differ between its stacked layers.
+    """
+
+    def unmasked(n):
+        if not isinstance(n, MaskedLoRALinear):
+            return n
+        ranks = np.unique(np.asarray(n.rank))
+        if ranks.size != 1:
+            raise ConfigError(
+                f"unmask_lora: one adapter's layers have different ranks "
+                f"{ranks.tolist()}."
+            )
+        r = int(ranks[0])
+        return LoRALinear(
+            base=n.base,
+            A=n.A[..., :r, :],
+            B=n.B[..., :r],
+            scale=lora_scale(r, n.alpha, n.use_rslora),
+            rank=r,
+            alpha=n.alpha,
+            use_rslora=n.use_rslora,
+        )
+
+    return jax.tree.map(unmasked, model, is_leaf=_is_adapted)

@@ -24,6 +24,23 @@ The chunks, the progress bar, the aux, the divergence bookkeeping and the
 validation are those of `train_model`: both run
 `blocklab.training.loop.run_chunks`, and differ only in the compiled chunk.
 
+**From one model.** `train_sweep(model, ...)` with a model (an Equinox
+module) instead of `make_model(key)` starts every member from that model (a
+loaded checkpoint swept over learning rates and data orders); the members
+then differ only in their hyperparameters and data keys.
+
+**Adapter sweeps.** `train_sweep(base, ..., adapters={"rank": ..., "alpha":
+..., "targets": [...]})` trains K low-rank adapters (`blocklab.lora`) on one
+frozen base model. Member $k$ is `lora(base, rank=r_k, alpha=alpha,
+targets=targets, key=model_keys[k])`, held at the largest rank $R = \max_k
+r_k$ by masking (`blocklab.nn.lora.mask_lora`: its rank axis is zero-padded
+and masked, so it follows the rank-$r_k$ adapter's trajectory), and its
+state holds only its adapters and their optimizer state. The base is held
+once: it is an argument of the compiled step that every member reads
+(broadcast by the vmap, not stacked), so K adapters cost the base plus K
+adapters' states, not K bases (`memory_analysis=True` reports the compiled
+chunk's bytes).
+
 **Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
 and padded to a multiple of the device count (`blocklab.training.member_axis`). Members
 never communicate, so XLA inserts no collectives in the step. On a mesh with
@@ -61,7 +78,8 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_int
+from .._validate import ConfigError, check_bool, check_float, check_int
+from ..nn.lora import MaskedLoRALinear, lora, lora_filter, mask_lora, unmask_lora
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .member_axis import (
@@ -85,6 +103,8 @@ from .run import TrainResult
 from .sources import HostSource
 from .step import (
     TrainState,
+    TrainStep,
+    _to_compute,
     init_state,
     make_train_step,
     step_keys,
@@ -194,6 +214,14 @@ class SweepResult:
         model_seeds, data_seeds: `(K,)` int seeds, or `None` where keys were
             given.
         aux: the loss's aux stacked as `(K, num_steps, ...)`, or `None`.
+        ranks: `(K,)` int, each member's adapter rank in an adapter sweep
+            (`None` otherwise); `select(rank=...)` looks members up by it.
+        base: an adapter sweep's shared base: the adapted model at the largest
+            rank with its adapters' leaves `None` (held once; `state.model`
+            holds the members' adapters only). `None` otherwise.
+        memory: with `train_sweep(memory_analysis=True)`, the compiled
+            chunk's `memory_analysis()` in bytes: `argument`, `output`,
+            `temp`, `alias` and `total` (= argument + output + temp - alias).
     """
 
     losses: np.ndarray
@@ -207,16 +235,27 @@ class SweepResult:
     model_seeds: np.ndarray | None = None
     data_seeds: np.ndarray | None = None
     aux: Any = None
+    ranks: np.ndarray | None = None
+    base: Any = None
+    memory: Mapping[str, int] | None = None
 
     @property
     def num_members(self) -> int:
         return self.losses.shape[0]
 
     def model(self, k: int) -> Any:
-        """Member `k`'s final model (its last finite one) as an ordinary module."""
-        return jax.tree_util.tree_map(
+        """Member `k`'s final model (its last finite one) as an ordinary module.
+
+        In an adapter sweep: the base with member `k`'s adapters as
+        `LoRALinear`s of its own rank (`unmask_lora`), ready for
+        `merge_lora` or `save_adapter`.
+        """
+        member = jax.tree_util.tree_map(
             lambda a: a[k] if eqx.is_array(a) else a, self.state.model
         )
+        if self.base is None:
+            return member
+        return unmask_lora(eqx.combine(member, self.base))
 
     def _columns(self) -> dict[str, np.ndarray]:
         cols = dict(self.hyperparams or {})
@@ -224,6 +263,8 @@ class SweepResult:
             cols["model_seed"] = self.model_seeds
         if self.data_seeds is not None:
             cols["data_seed"] = self.data_seeds
+        if self.ranks is not None:
+            cols["rank"] = self.ranks
         return cols
 
     def index(self, **values: Any) -> np.ndarray:
@@ -286,10 +327,16 @@ class SweepResult:
             take(self.model_seeds),
             take(self.data_seeds),
             take(self.aux),
+            take(self.ranks),
+            self.base,
+            self.memory,
         )
 
     def runs(self) -> list[TrainResult]:
         """One `TrainResult` per member, as `train_lm` would have returned it.
+
+        In an adapter sweep its `model` is `self.model(k)` (base and
+        adapters) and its `state` holds the member's adapters.
 
         A diverged member's losses stop before its divergence and `stopped`
         says at which step, as for `train_lm`.
@@ -313,8 +360,13 @@ class SweepResult:
                 aux = jax.tree_util.tree_map(lambda a, k=k, n=n: a[k, :n], self.aux)
             out.append(
                 TrainResult(
-                    state.model, losses, float(self.val_loss[k]), state, stopped, aux
-                )
+                    self.model(k),
+                    losses,
+                    float(self.val_loss[k]),
+                    state,
+                    stopped,
+                    aux,
+                )  # fmt: skip
             )
         return out
 
@@ -359,11 +411,11 @@ def _member_values(
 
 
 def train_sweep(
-    make_model: Callable[[PRNGKeyArray], Any],
+    model: Callable[[PRNGKeyArray], Any] | eqx.Module,
     data: Any,
     num_steps: int,
     *,
-    model_keys: MemberKeys,
+    model_keys: MemberKeys | None = None,
     data_keys: MemberKeys,
     learning_rates: float | Sequence[float] | Float[ArrayLike, " K"] | None = None,
     hyperparams: Mapping[str, Any] | None = None,
@@ -377,10 +429,13 @@ def train_sweep(
     mesh: Mesh | None = None,
     progress: bool = True,
     rules: Any = None,
+    adapters: Mapping[str, Any] | None = None,
+    memory_analysis: bool = False,
 ) -> SweepResult:
     """Train K members as one compiled program, vmapped over K and sharded over devices.
 
-    Member k is `make_model(model_keys[k])`, trained with hyperparameters
+    Member k is `make_model(model_keys[k])` (or the model given, or the
+    base with adapters: see `model` and `adapters`), trained with hyperparameters
     `{name: values[k]}` on the batches of `data_keys[k]` (step s draws its
     batch from `fold_in(data_keys[k], s)`, as `train_lm(..., key=data_keys[k])`).
     The work runs as compiled chunks of `steps_per_call` fused steps
@@ -389,9 +444,13 @@ def train_sweep(
     source and the loss are checked once by tracing before anything runs.
 
     Args:
-        make_model: `make_model(key)` builds one model; it is
-            `eqx.filter_vmap`-ed over the model keys, so every member has one
-            structure.
+        model: `make_model(key)`, which builds one model: it is
+            `eqx.filter_vmap`-ed over `model_keys`, so every member has one
+            structure. Or a model itself (an Equinox module other than
+            `eqx.Partial`, or any pytree that is not callable), e.g. a loaded
+            checkpoint: every member starts from it, K is the length of
+            `data_keys` and `model_keys` is not taken. With `adapters`, the
+            frozen base the adapters are added to.
         data: a token dataset (`TimeMachine`, `TokenDataset`) or any batch
             source (`source(key)` / `source.batch(key)`), shared by all members;
             or an iterable of batches drawn on the host (a
@@ -401,7 +460,8 @@ def train_sweep(
         num_steps: optimizer steps per member (>= 1).
         model_keys, data_keys: `(K,)` PRNG keys, or K int seeds (non-negative,
             repeats allowed: members may share a seed and differ in
-            hyperparameters).
+            hyperparameters). `model_keys` go to `make_model`, or draw each
+            member's adapter $A$ (`lora(..., key=model_keys[k])`).
         learning_rates: one rate for all, or K rates (> 0); shorthand for
             `hyperparams={"learning_rate": ...}`.
         hyperparams: `{name: one value or K values}` for any hyperparameter
@@ -429,6 +489,18 @@ def train_sweep(
         mesh: a mesh with axis `"members"` (default: all devices of all
             processes).
         progress: show a tqdm bar over the chunks.
+        adapters: an adapter sweep on the base `model`: `{"rank": one int or
+            K ints, "alpha": float, "targets": [...], "use_rslora": False}`
+            (the arguments of `blocklab.lora`). Member $k$ trains
+            `lora(model, rank=rank[k], ..., key=model_keys[k])` only: the
+            optimizer sees its adapters alone (no `lora_optimizer` needed) and
+            the base is held once for all members. Ranks are masked up to the
+            largest (`mask_lora`); `SweepResult.ranks` records each member's
+            rank and `result.model(k)` is its adapter at that rank. On a 1-D
+            `members` mesh only (the base is replicated on each device).
+        memory_analysis: compile the first chunk ahead of time once more and
+            put its `memory_analysis()` in `SweepResult.memory` (bytes of
+            arguments, outputs and temporaries). Not with a host source.
 
     Returns:
         A `SweepResult` over the K members (padding dropped), the same on
@@ -438,16 +510,47 @@ def train_sweep(
         ConfigError: bad sizes, keys of different lengths, a hyperparameter
             the optimizer does not have or with the wrong number of values, a
             learning rate that is not positive, a non-scalar loss, or a batch
-            the loss cannot take.
+            the loss cannot take; `model_keys` missing with `make_model` or
+            `adapters`, or given with a model alone; `adapters` with
+            `make_model`, unknown or bad adapter settings, or a mesh with
+            axes besides `"members"`.
     """
     owner = "train_sweep"
     num_steps = check_int(owner, "num_steps", num_steps, min=1)
     steps_per_call = check_int(owner, "steps_per_call", steps_per_call, min=1)
     validate = check_bool(owner, "validate", validate)
-    model_seeds = _seeds_of(owner, "model_keys", model_keys)
+    memory_analysis = check_bool(owner, "memory_analysis", memory_analysis)
+    given = _is_model(model)
+    if adapters is not None and not given:
+        raise ConfigError(
+            f"{owner}: adapters= trains adapters on one shared base: pass the "
+            "base model itself, not make_model(key)."
+        )
+    if model_keys is None and (not given or adapters is not None):
+        raise ConfigError(
+            f"{owner}: model_keys is required "
+            + (
+                "with adapters= (they draw each member's adapter A)."
+                if given
+                else "with make_model(key) (one key per member)."
+            )
+        )
+    if given and adapters is None and model_keys is not None:
+        raise ConfigError(
+            f"{owner}: model_keys were given with a model: every member starts "
+            "from that model, so there is nothing for them to draw. Pass "
+            "make_model(key) to draw each member's model, or leave model_keys out."
+        )
     data_seeds = _seeds_of(owner, "data_keys", data_keys)
-    model_data = key_data(model_keys, owner, "model_keys")
     data_data = key_data(data_keys, owner, "data_keys")
+    if model_keys is None:
+        model_seeds = None
+        model_data = data_data  # unused: every member starts from `model`
+        if data_data.shape[0] == 0:
+            raise ConfigError(f"{owner}: data_keys must hold at least one key.")
+    else:
+        model_seeds = _seeds_of(owner, "model_keys", model_keys)
+        model_data = key_data(model_keys, owner, "model_keys")
     K = model_data.shape[0]
     if K == 0:
         raise ConfigError(f"{owner}: model_keys must hold at least one key.")
@@ -456,6 +559,7 @@ def train_sweep(
             f"{owner}: model_keys and data_keys must have the same length, got "
             f"{K} and {data_data.shape[0]}."
         )
+    spec = None if adapters is None else _adapter_spec(owner, adapters, K)
     hp = dict(hyperparams or {})
     if learning_rates is not None:
         if "learning_rate" in hp:
@@ -474,6 +578,7 @@ def train_sweep(
     step = make_train_step(
         tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
     )
+    has_validation = step.has_validation
     host = step.source if isinstance(step.source, HostSource) else None
     if host is not None and host._fn is not None:
         raise ConfigError(
@@ -482,9 +587,32 @@ def train_sweep(
             "a blocklab.data.TokenPipeline): every member trains step s on its "
             "s-th batch."
         )
-    shape_state = eqx.filter_eval_shape(
-        lambda k: init_state(make_model(k), tx), jax.random.key(0)
-    )
+    if memory_analysis and host is not None:
+        raise ConfigError(
+            f"{owner}: memory_analysis=True needs a source drawn on the device "
+            "(the host source's batches are not known before the run)."
+        )
+    base = None
+    if spec is not None:
+        members, base = _adapter_members(owner, model, spec, model_data)
+        one = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), members
+        )
+        shape_state = eqx.filter_eval_shape(init_state, one, tx)
+        # The loss reads each member's adapters on the one base (an argument
+        # of the step, broadcast by the vmap).
+        step = TrainStep(
+            step.source, _OnBase(base, step.loss_fn, precision), tx, precision
+        )
+        make_model = None
+    elif given:
+        make_model = _Given(model)
+        shape_state = eqx.filter_eval_shape(init_state, model, tx)
+    else:
+        make_model = model
+        shape_state = eqx.filter_eval_shape(
+            lambda k: init_state(make_model(k), tx), jax.random.key(0)
+        )
     injected = getattr(shape_state.opt_state, "hyperparams", None)
     if values and not isinstance(injected, dict):
         raise ConfigError(
@@ -506,6 +634,12 @@ def train_sweep(
     # final states go back onto the mesh given (no copy).
     mesh = auto_mesh(user_mesh)
     sharding = member_sharding(mesh)
+    if spec is not None and (set(mesh.axis_names) != {AXIS} or rules is not None):
+        raise ConfigError(
+            f"{owner}: adapter sweeps run on a 1-D {AXIS!r} mesh (the base is "
+            f"replicated on each device), got mesh {dict(mesh.shape)} and "
+            f"rules={rules!r}."
+        )
     state_shard = _state_sharding(owner, mesh, rules, shape_state, tx, K)
     if state_shard is None:
         state_shard = sharding
@@ -515,11 +649,40 @@ def train_sweep(
     mk, dk = (global_rows(pad_rows(a, size), mesh) for a in (model_data, data_data))
     hv = {n: global_rows(pad_rows(v, size), mesh) for n, v in values.items()}
 
-    states = _init_states(make_model, tx, state_shard, mk, hv)
+    if base is None:
+        states = _init_states(make_model, tx, state_shard, mk, hv)
+    else:
+        base = _replicated(base, mesh)
+        step = eqx.tree_at(lambda s: s.loss_fn.base, step, base)
+        stacked = jax.tree_util.tree_map(
+            lambda a: global_rows(pad_rows(np.asarray(a), size), mesh), members
+        )
+        states = _init_member_states(tx, state_shard, stacked, hv)
     _check_members_descend(owner, tx, states, injected, K)
+    memory = None
+    chunk = _run_chunk  # the compiled chunk (ahead of time with memory_analysis)
+    if memory_analysis:
+        n = min(steps_per_call, num_steps)
+        fixed = (step, dk, jnp.asarray(0, jnp.int32))
+        with jax.set_mesh(mesh):
+            compiled = _run_chunk.lower(
+                fixed, states, n, (state_shard, sharding)
+            ).compile()
+        # equinox's Compiled wraps jax's (`.compiled`).
+        memory = _memory_of(getattr(compiled, "compiled", compiled).memory_analysis())
+
+        def chunk(fixed, states, m, shardings, n=n, compiled=compiled):
+            # the program analysed runs the chunks of its length (no second
+            # compile); a shorter last chunk compiles its own
+            if m == n:
+                return compiled(fixed, states, m, shardings)
+            return _run_chunk(fixed, states, m, shardings)
+
+    def on_base(fn):
+        return fn if base is None else _OnBase(base, fn)
 
     def record(models):
-        probed = _probe_members(probe, models, sharding)
+        probed = _probe_members(on_base(probe), models, sharding)
         return jax.tree_util.tree_map(lambda a: to_host(a)[:K], probed)
 
     records = [] if probe is None else [record(states.model)]
@@ -529,7 +692,7 @@ def train_sweep(
         fixed = (step, dk, jnp.asarray(done, jnp.int32))
         with jax.set_mesh(mesh):  # runtime checks raise on every device
             if host is None:
-                states, out = _run_chunk(fixed, states, n, (state_shard, sharding))
+                states, out = chunk(fixed, states, n, (state_shard, sharding))
             else:
                 batches = host.take(range(n), owner=owner)
                 if not batches:
@@ -550,7 +713,8 @@ def train_sweep(
             probe_steps.append(done)
 
     def members_val(models):
-        return to_host(_val_members(models, step.data, sharding))[:K]
+        val = _val_members(on_base(validation_loss), models, step.data, sharding)
+        return to_host(val)[:K]
 
     run = run_chunks(
         advance,
@@ -560,7 +724,7 @@ def train_sweep(
         has_aux=has_aux,
         members=(K,),
         after_chunk=after_chunk,
-        validate=members_val if validate and step.has_validation else None,
+        validate=members_val if validate and has_validation else None,
         desc=f"sweep K={K}",
         progress=progress,
     )
@@ -579,6 +743,9 @@ def train_sweep(
         model_seeds,
         data_seeds,
         run.aux,
+        None if spec is None else spec["rank"].copy(),
+        None if base is None else on_mesh(base, user_mesh),
+        memory,
     )
 
 
@@ -619,19 +786,169 @@ def _state_sharding(owner, mesh, rules, shape_state, tx, K):
     return state_shardings(stacked, tx, mesh, rules or "fsdp", prefix=(AXIS,))
 
 
+def _with_values(state: TrainState, vals: Mapping[str, Any]) -> TrainState:
+    """`state` with the member's hyperparameter values in its optimizer state."""
+    if not vals:
+        return state
+    hyper = dict(state.opt_state.hyperparams)
+    for name, v in vals.items():
+        hyper[name] = v.astype(jnp.asarray(hyper[name]).dtype)
+    opt_state = state.opt_state._replace(hyperparams=hyper)
+    return eqx.tree_at(lambda s: s.opt_state, state, opt_state)
+
+
 @eqx.filter_jit
 def _init_states(make_model, tx, sharding, model_keys, values):
     def one(k, vals):
-        state = init_state(make_model(wrap_key(k)), tx)
-        if not vals:
-            return state
-        hyper = dict(state.opt_state.hyperparams)
-        for name, v in vals.items():
-            hyper[name] = v.astype(jnp.asarray(hyper[name]).dtype)
-        opt_state = state.opt_state._replace(hyperparams=hyper)
-        return eqx.tree_at(lambda s: s.opt_state, state, opt_state)
+        return _with_values(init_state(make_model(wrap_key(k)), tx), vals)
 
     return eqx.filter_shard(eqx.filter_vmap(one)(model_keys, values), sharding)
+
+
+@eqx.filter_jit
+def _init_member_states(tx, sharding, members, values):
+    def one(m, vals):
+        return _with_values(init_state(m, tx), vals)
+
+    return eqx.filter_shard(eqx.filter_vmap(one)(members, values), sharding)
+
+
+def _is_model(x: Any) -> bool:
+    """A model (every member starts from it) rather than `make_model(key)`."""
+    if isinstance(x, eqx.Partial):
+        return False
+    return isinstance(x, eqx.Module) or not callable(x)
+
+
+class _Given(eqx.Module):
+    """`make_model` of a sweep given a model: every key builds that model
+    (its arrays are arguments of the compiled init, not constants)."""
+
+    model: Any
+
+    def __call__(self, key: Any) -> Any:
+        del key
+        return self.model
+
+
+class _OnBase(eqx.Module):
+    """`fn(member's adapters on the shared base, *args)`: the base is a
+    field (an argument of the compiled step, broadcast by the vmap), cast to
+    the compute dtype of `precision` as the step casts the member."""
+
+    base: Any
+    fn: Any
+    precision: str = eqx.field(static=True, default="float32")
+
+    def __call__(self, member: Any, *args: Any) -> Any:
+        full = eqx.combine(member, _to_compute(self.base, self.precision))
+        return self.fn(full, *args)
+
+
+_ADAPTER_KEYS = ("rank", "alpha", "targets", "use_rslora")
+
+
+def _adapter_spec(owner: str, adapters: Any, K: int) -> dict[str, Any]:
+    """The checked `adapters=` settings, with `rank` as `(K,)` ints."""
+    if not isinstance(adapters, Mapping):
+        raise ConfigError(
+            f"{owner}: adapters must be a mapping like {{'rank': [4, 8], "
+            f"'alpha': 16.0, 'targets': ['q', 'v']}}, got {adapters!r}."
+        )
+    unknown = sorted(set(adapters) - set(_ADAPTER_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{owner}: adapters has no setting {unknown[0]!r}; the settings are "
+            f"{list(_ADAPTER_KEYS)}."
+        )
+    for need in ("rank", "alpha", "targets"):
+        if need not in adapters:
+            raise ConfigError(f"{owner}: adapters needs {need!r}.")
+    rank = adapters["rank"]
+    ranks = np.asarray(rank)
+    if ranks.ndim == 0:
+        ranks = np.broadcast_to(ranks, (K,))
+    if ranks.shape != (K,):
+        raise ConfigError(
+            f"{owner}: adapters['rank'] has {ranks.size} values but there are "
+            f"K={K} members; give one rank or {K}."
+        )
+    out = []
+    for r in ranks.tolist():
+        out.append(check_int(owner, "adapters['rank']", r, min=1))
+    alpha = check_float(owner, "adapters['alpha']", adapters["alpha"])
+    return {
+        "rank": np.asarray(out, np.int64),
+        "alpha": alpha,
+        "targets": adapters["targets"],
+        "use_rslora": check_bool(
+            owner, "adapters['use_rslora']", adapters.get("use_rslora", False)
+        ),
+    }
+
+
+def _adapter_members(owner, base_model, spec, model_data):
+    """`(members, base)`: each member's adapters, `lora(base_model,
+    rank=r_k, ..., key=model_keys[k])` masked to the largest rank, stacked
+    over K (host arrays); and the shared rest of the adapted model."""
+    R = int(spec["rank"].max())
+    rows = []
+    for r, k in zip(spec["rank"].tolist(), model_data, strict=True):
+        try:
+            adapted = lora(
+                base_model, rank=r, alpha=spec["alpha"], targets=spec["targets"],
+                use_rslora=spec["use_rslora"], key=wrap_key(jnp.asarray(k)),
+            )  # fmt: skip
+        except ConfigError as err:
+            raise ConfigError(f"{owner}: adapters: {err}") from err
+        masked = mask_lora(adapted, R)
+        rows.append(masked)
+    trainable = lora_filter(rows[0])
+    rank_leaf = jax.tree.map(_rank_marks, rows[0], is_leaf=_is_masked)
+    keep = jax.tree.map(lambda a, b: a or b, trainable, rank_leaf)
+    parts = [eqx.filter(m, keep) for m in rows]
+    members = jax.tree_util.tree_map(
+        lambda *a: np.stack([np.asarray(x) for x in a]), *parts
+    )
+    base = eqx.filter(rows[0], keep, inverse=True)
+    return members, base
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, MaskedLoRALinear)
+
+
+def _rank_marks(node: Any) -> Any:
+    """True on a `MaskedLoRALinear`'s `rank` leaf (it differs per member)."""
+    if not _is_masked(node):
+        return jax.tree.map(lambda _: False, node)
+    marked = eqx.tree_at(lambda m: m.rank, node, True)
+    return jax.tree.map(lambda x: x is True, marked)
+
+
+def _replicated(tree: Any, mesh: Mesh) -> Any:
+    """`tree`'s arrays replicated on every device of `mesh` (held once per
+    device, read by every member)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map(
+        lambda a: jax.device_put(a, sharding) if eqx.is_array(a) else a, tree
+    )
+
+
+def _memory_of(analysis: Any) -> dict[str, int] | None:
+    """The bytes of a compiled program's `memory_analysis()`."""
+    if analysis is None:
+        return None
+    out = {
+        "argument": int(analysis.argument_size_in_bytes),
+        "output": int(analysis.output_size_in_bytes),
+        "temp": int(analysis.temp_size_in_bytes),
+        "alias": int(analysis.alias_size_in_bytes),
+    }
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
 
 
 # The states are donated (updated in place); the step, the data keys and the
@@ -694,6 +1011,6 @@ def _probe_members(probe, models, sharding):
 
 
 @eqx.filter_jit
-def _val_members(models, data, sharding):
-    losses = eqx.filter_vmap(lambda m: validation_loss(m, data))(models)
+def _val_members(val, models, data, sharding):
+    losses = eqx.filter_vmap(lambda m: val(m, data))(models)
     return eqx.filter_shard(losses, sharding)
