@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
@@ -459,7 +459,7 @@ class MultiHeadAttention(eqx.Module):
         impl: str | None = None,
         defer_write: bool = False,
         hooks: Hooks | None = None,
-        score_bias: Float[ArrayLike, "*#batch H Tq L"] | None = None,
+        score_bias: ArrayLike | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], AttentionCache]:
         r"""Attend from new tokens to a key/value cache, and write theirs into it.
 
@@ -556,7 +556,9 @@ class MultiHeadAttention(eqx.Module):
             q = q[..., None, :, :]
         rows = AttentionCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         if check_bool(owner, "defer_write", defer_write):
-            out = self._attend_deferred(x, q, cache, rows, start, pos, hooks, score_bias)
+            out = self._attend_deferred(
+                x, q, cache, rows, start, pos, hooks, score_bias
+            )
             return out, rows
         new = write_cache(cache, rows, start)
         j = jnp.arange(L)
@@ -595,8 +597,8 @@ class MultiHeadAttention(eqx.Module):
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
-        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
+        key_mask: ArrayLike | None = None,
+        score_bias: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> AttentionTrace:
@@ -687,8 +689,8 @@ class MultiHeadAttention(eqx.Module):
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
-        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
+        key_mask: ArrayLike | None = None,
+        score_bias: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         impl: str | None = None,
         hooks: Hooks | None = None,
@@ -792,10 +794,9 @@ class MultiHeadAttention(eqx.Module):
         bad = sees_bad.reshape(*lead, T) | ~row_ok
         return jnp.where(bad[..., None], jnp.nan, out).astype(x.dtype)
 
-
     def cross_kv(
         self,
-        context: Float[Array, "*batch Tk d"],
+        context: Float[Array, "*cbatch Tk dc"],
         *,
         hooks: Hooks | None = None,
     ) -> AttentionCache:
@@ -817,7 +818,9 @@ class MultiHeadAttention(eqx.Module):
         if hooks is not None:
             k, v = (
                 hooks.sites(
-                    name, a, lambda a: a.reshape(*lead, Tk, KV, p),
+                    name,
+                    a,
+                    lambda a: a.reshape(*lead, Tk, KV, p),
                     lambda a: a.reshape(*lead, Tk, KV * p),
                 )  # fmt: skip
                 for name, a in (("hook_k", k), ("hook_v", v))
@@ -848,11 +851,11 @@ class MultiHeadAttention(eqx.Module):
     def cross(
         self,
         x: Float[Array, "*batch Tq d"],
-        context: Float[Array, "*batch Tk d"] | None = None,
+        context: Float[Array, "*cbatch Tk dc"] | None = None,
         *,
         context_lens: Int[ArrayLike, "*#batch"] | None = None,
-        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
-        score_bias: Float[ArrayLike, "*#batch H Tq Tk"] | None = None,
+        context_mask: ArrayLike | None = None,
+        score_bias: ArrayLike | None = None,
         kv: AttentionCache | None = None,
         key: PRNGKeyArray | None = None,
         impl: str | None = None,
@@ -989,6 +992,7 @@ class MultiHeadAttention(eqx.Module):
         weights = dropout(weights, self.dropout, key)
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(kv.v.dtype), kv.v)
         return self._heads_out(mixed, x.dtype, hooks)
+
 
 def holds_attention(tree: Any) -> bool:
     """Whether the pytree `tree` holds a `MultiHeadAttention` anywhere."""
@@ -1156,8 +1160,7 @@ def check_score_bias(owner: str, bias, lead, H: int, Tq: int, Tk: int):
             jnp.issubdtype(arr.dtype, jnp.floating)
             and arr.ndim >= 3
             and tuple(arr.shape[-3:]) == want
-            and np.broadcast_shapes(tuple(arr.shape[:-3]), tuple(lead))
-            == tuple(lead)
+            and np.broadcast_shapes(tuple(arr.shape[:-3]), tuple(lead)) == tuple(lead)
         )
     except ValueError:
         ok = False

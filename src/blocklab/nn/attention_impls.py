@@ -237,9 +237,7 @@ def _forward_block(cfg, rule, k, v, qb, qi, lens, qseg, bb, stat):
 
     def body(carry, j):
         kj = j * cfg.bk + jnp.arange(cfg.bk)
-        vis = rule.block(
-            (qi, lens, qseg), kj, cfg.num_keys, rule.key_slices(j, cfg.bk)
-        )
+        vis = rule.block((qi, lens, qseg), kj, cfg.num_keys, rule.key_slices(j, cfg.bk))
 
         def go(c):
             m, z, acc = c
@@ -350,8 +348,10 @@ def _chunked_bwd(cfg, res, dout):
                 dP = jnp.einsum("bhgqp,bhkp->bhgqk", dob, vs.astype(stat))
                 dS = jnp.where(vis5, P * (dP - Db[..., None]), 0)
                 if db_b is not None:  # the bias adds to the capped logits
-                    u = dS if db_b.shape[0] == dS.shape[0] else jnp.sum(
-                        dS, axis=0, keepdims=True
+                    u = (
+                        dS
+                        if db_b.shape[0] == dS.shape[0]
+                        else jnp.sum(dS, axis=0, keepdims=True)
                     )
                     db_b = jax.lax.dynamic_update_slice_in_dim(
                         db_b, u.astype(db_b.dtype), j * cfg.bk, axis=4
@@ -504,9 +504,10 @@ def fused_attention(
 ) -> tuple[Array, Array]:
     """`jax.nn.dot_product_attention` with the rule as a boolean mask.
 
-    Shapes (`bias` too) and returns as `chunked_attention`. On a GPU with bfloat16/float16
-    input cuDNN is asked for (`implementation="cudnn"`), and XLA's path is
-    used when cuDNN refuses; elsewhere XLA's path (full logits).
+    Shapes (`bias` too) and returns as `chunked_attention`. On a GPU with
+    bfloat16/float16 input cuDNN is asked for (`implementation="cudnn"`),
+    and XLA's path is used when cuDNN refuses; elsewhere XLA's path (full
+    logits).
     """
     B, KV, G, Tq, p = q.shape
     Tk = k.shape[2]

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_key
 from .attention import AttentionTrace, MultiHeadAttention
@@ -205,9 +205,7 @@ class TransformerBlock(eqx.Module):
             2: (self.norm2, self.out_norm2),
             "cross": (self.norm_cross, self.out_norm_cross),
         }[i]
-        out_site = {1: "hook_attn_out", 2: "hook_mlp_out"}.get(
-            i, "hook_cross_attn_out"
-        )
+        out_site = {1: "hook_attn_out", 2: "hook_mlp_out"}.get(i, "hook_cross_attn_out")
         ln = scope(hooks, f"ln{i}" if i != "cross" else "ln_cross")
         if self.placement == "output":
             # The raw stream feeds the branch: a half-precision stream near
@@ -358,11 +356,11 @@ class TransformerBlock(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
-        score_bias: Float[ArrayLike, "*#batch H T T"] | None = None,
-        context: Float[Array, "*batch Tk d"] | None = None,
+        key_mask: ArrayLike | None = None,
+        score_bias: ArrayLike | None = None,
+        context: Float[Array, "*cbatch Tk dc"] | None = None,
         context_lens: Int[ArrayLike, "*#batch"] | None = None,
-        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
+        context_mask: ArrayLike | None = None,
     ) -> Float[Array, "*batch T d"]:
         r"""Apply the block to one sequence, or to each of a batch.
 
@@ -429,10 +427,10 @@ class TransformerBlock(eqx.Module):
         *,
         defer_write: bool = False,
         hooks: Hooks | None = None,
-        score_bias: Float[ArrayLike, "*#batch H Tq L"] | None = None,
+        score_bias: ArrayLike | None = None,
         cross_kv: Any = None,
         context_lens: Int[ArrayLike, "*#batch"] | None = None,
-        context_mask: Bool[ArrayLike, "*#batch Tk"] | None = None,
+        context_mask: ArrayLike | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.
 

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
 from . import init
@@ -115,24 +115,29 @@ def _build(cfg: EncoderConfig, key):
     k_vit, k_rel, k_stack = next(keys), next(keys), next(keys)
     parts["vit_emb"] = (
         ViTEmbedding(
-            cfg.image_size, cfg.patch_size, cfg.num_channels, d,
-            bias=cfg.block.attn_bias, key=k_vit,
+            cfg.image_size,
+            cfg.patch_size,
+            cfg.num_channels,
+            d,
+            bias=cfg.block.attn_bias,
+            key=k_vit,
         )  # fmt: skip
         if cfg.image_size is not None
         else None
     )
     parts["rel_bias"] = (
         RelativePositionBias(
-            cfg.num_heads, num_buckets=cfg.relative_num_buckets,
-            max_distance=cfg.relative_max_distance, bidirectional=True, key=k_rel,
+            cfg.num_heads,
+            num_buckets=cfg.relative_num_buckets,
+            max_distance=cfg.relative_max_distance,
+            bidirectional=True,
+            key=k_rel,
         )  # fmt: skip
         if cfg.positions == "relative"
         else None
     )
     block = cfg.block
-    stack = Stack(
-        lambda k: TransformerBlock(block, key=k), cfg.num_blks, key=k_stack
-    )
+    stack = Stack(lambda k: TransformerBlock(block, key=k), cfg.num_blks, key=k_stack)
     parts["stack"] = set_encoder_layer_data(stack, cfg)
     k_mlm, k_dec, k_pool, k_cls = next(keys), next(keys), next(keys), next(keys)
     if cfg.mlm_head:
@@ -243,8 +248,10 @@ class EncoderModel(eqx.Module):
         if ids is None:
             raise ConfigError(f"{owner}: pass token ids (..., T).")
         ids = jnp.asarray(ids)
-        if ids.ndim < 1 or not 1 <= ids.shape[-1] or (
-            cfg.positions == "learned" and ids.shape[-1] > cfg.max_len
+        if (
+            ids.ndim < 1
+            or not 1 <= ids.shape[-1]
+            or (cfg.positions == "learned" and ids.shape[-1] > cfg.max_len)
         ):
             raise ConfigError(
                 f"{owner} takes sequences (T,) or batches (..., T) of 1 to "
@@ -263,8 +270,11 @@ class EncoderModel(eqx.Module):
                 jnp.zeros_like(ids)
                 if token_type_ids is None
                 else check_ids(
-                    owner, "token_type_ids", jnp.asarray(token_type_ids),
-                    cfg.type_vocab_size, what="type_vocab_size",
+                    owner,
+                    "token_type_ids",
+                    jnp.asarray(token_type_ids),
+                    cfg.type_vocab_size,
+                    what="type_vocab_size",
                 )  # fmt: skip
             )
             h = h + at(hooks, "hook_type_embed", self.type_emb.weight[types])
@@ -281,7 +291,7 @@ class EncoderModel(eqx.Module):
         *,
         images: Float[ArrayLike, "*batch C S S"] | None = None,
         token_type_ids: Int[ArrayLike, "*batch T"] | None = None,
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        key_mask: ArrayLike | None = None,
         valid_lens: Int[ArrayLike, "*#batch"] | None = None,
         positions: Int[ArrayLike, "*#batch T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
@@ -342,7 +352,11 @@ class EncoderModel(eqx.Module):
         act = ACTIVATIONS[self.cfg.head_act]
         t = act(linear(h, self.mlm_dense.weight, self.mlm_dense.bias))
         t = self.mlm_norm(t, hooks=scope(hooks, "mlm.ln"))
-        W = self.token_emb.weight if self.mlm_decoder is None else self.mlm_decoder.weight
+        W = (
+            self.token_emb.weight
+            if self.mlm_decoder is None
+            else self.mlm_decoder.weight
+        )
         z = linear(t, W, out_dtype=jnp.float32).astype(jnp.float32)
         if self.mlm_bias is not None:
             z = z + self.mlm_bias.astype(jnp.float32)
@@ -362,7 +376,7 @@ class EncoderModel(eqx.Module):
     def pool(
         self,
         h: Float[Array, "*batch T d"],
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        key_mask: ArrayLike | None = None,
     ) -> Float[Array, "*batch d"]:
         """The pooled state: row 0 (`"cls"`) or the mean over `key_mask`'s rows."""
         if self.cfg.pooling == "cls":
@@ -376,7 +390,7 @@ class EncoderModel(eqx.Module):
         self,
         ids: Int[ArrayLike, "*batch T"] | None = None,
         *,
-        key_mask: Bool[ArrayLike, "*#batch T"] | None = None,
+        key_mask: ArrayLike | None = None,
         valid_lens: Int[ArrayLike, "*#batch"] | None = None,
         hooks: Hooks | None = None,
         **kwargs: Any,
@@ -384,7 +398,9 @@ class EncoderModel(eqx.Module):
         """Sequence (or image) classification logits `(..., num_labels)`,
         float32; keywords as for `hidden`."""
         if self.classifier is None:
-            raise ConfigError("EncoderModel: this config has no classifier (num_labels).")
+            raise ConfigError(
+                "EncoderModel: this config has no classifier (num_labels)."
+            )
         h = self.hidden(
             ids, key_mask=key_mask, valid_lens=valid_lens, hooks=hooks, **kwargs
         )
@@ -396,5 +412,7 @@ class EncoderModel(eqx.Module):
             act = ACTIVATIONS[self.cfg.head_act]
             p = act(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
             p = self.pooler_norm(p, hooks=scope(hooks, "pooler.ln"))
-        z = linear(p, self.classifier.weight, self.classifier.bias, out_dtype=jnp.float32)
+        z = linear(
+            p, self.classifier.weight, self.classifier.bias, out_dtype=jnp.float32
+        )
         return at(hooks, "classifier.hook_out", z.astype(jnp.float32))

@@ -157,12 +157,15 @@ class EncoderDecoderLM(eqx.Module):
 
     def _ids(self, name, ids):
         ids = jnp.asarray(ids)
-        if ids.ndim < 1 or ids.shape[-1] < 1 or not jnp.issubdtype(
-            ids.dtype, jnp.integer
+        if (
+            ids.ndim < 1
+            or ids.shape[-1] < 1
+            or not jnp.issubdtype(ids.dtype, jnp.integer)
         ):
             raise ConfigError(
                 f"EncoderDecoderLM: {name} must be integer ids of shape (T,) or "
-                f"(..., T) with T >= 1, got dtype {ids.dtype}, shape {tuple(ids.shape)}."
+                f"(..., T) with T >= 1, got dtype {ids.dtype}, shape "
+                f"{tuple(ids.shape)}."
             )
         return check_ids(
             "EncoderDecoderLM", name, ids, self.cfg.vocab_size, what="vocab_size"
@@ -172,7 +175,7 @@ class EncoderDecoderLM(eqx.Module):
         self,
         src_ids: Int[ArrayLike, "*batch S"],
         *,
-        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_mask: ArrayLike | None = None,
         src_lens: Int[ArrayLike, "*#batch"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
@@ -209,7 +212,8 @@ class EncoderDecoderLM(eqx.Module):
             or tuple(enc.shape[:-2]) != tuple(lead)
         ):
             raise ConfigError(
-                f"{owner}: enc (the encoder states) must have shape (*batch={tuple(lead)}"
+                f"{owner}: enc (the encoder states) must have shape "
+                f"(*batch={tuple(lead)}"
                 f", S, num_hiddens={self.cfg.num_hiddens}), got "
                 f"{tuple(getattr(enc, 'shape', ()))}."
             )
@@ -226,9 +230,9 @@ class EncoderDecoderLM(eqx.Module):
     def decode(
         self,
         tgt_ids: Int[ArrayLike, "*batch T"],
-        enc: Float[Array, "*batch S d"] | None,
+        enc: Float[Array, "..."] | None,
         *,
-        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_mask: ArrayLike | None = None,
         src_lens: Int[ArrayLike, "*#batch"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
@@ -257,7 +261,7 @@ class EncoderDecoderLM(eqx.Module):
         src_ids: Int[ArrayLike, "*batch S"],
         tgt_ids: Int[ArrayLike, "*batch T"] | None = None,
         *,
-        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_mask: ArrayLike | None = None,
         src_lens: Int[ArrayLike, "*#batch"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
@@ -286,9 +290,9 @@ class EncoderDecoderLM(eqx.Module):
 
     def init_cache(
         self,
-        enc: Float[Array, "*batch S d"],
+        enc: Float[Array, "..."],
         *,
-        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_mask: ArrayLike | None = None,
         src_lens: Int[ArrayLike, "*#batch"] | None = None,
         max_len: int | None = None,
     ) -> EncoderDecoderCache:
@@ -366,7 +370,7 @@ class EncoderDecoderLM(eqx.Module):
         src_ids: Int[ArrayLike, "*batch S"],
         max_new_tokens: int,
         *,
-        src_mask: Bool[ArrayLike, "*#batch S"] | None = None,
+        src_mask: ArrayLike | None = None,
         src_lens: Int[ArrayLike, "*#batch"] | None = None,
     ) -> Int[Array, "*batch max_new_tokens"]:
         """Greedy decoding: `max_new_tokens` ids per sequence, starting from
@@ -374,7 +378,9 @@ class EncoderDecoderLM(eqx.Module):
         `pad_token_id` (as `transformers`' `generate`). The encoder runs
         once, the cross-attention keys and values are computed once, and
         every step is one cached `decode_step` (one compiled loop)."""
-        n = check_int("EncoderDecoderLM.greedy", "max_new_tokens", max_new_tokens, min=1)
+        n = check_int(
+            "EncoderDecoderLM.greedy", "max_new_tokens", max_new_tokens, min=1
+        )
         return _greedy(self, jnp.asarray(src_ids), n, src_mask, src_lens)
 
 
@@ -398,4 +404,3 @@ def _greedy(model, src_ids, n, src_mask, src_lens):
 
     _, out = jax.lax.scan(body, (tok, cache, done), None, length=n)
     return jnp.moveaxis(out, 0, -1)
-

@@ -279,7 +279,8 @@ def mask_tokens(
         pick = pick & jnp.asarray(can_mask, bool)
     u = jax.random.uniform(k_kind, ids.shape)
     rand = jax.random.randint(k_rand, ids.shape, 0, vocab_size, ids.dtype)
-    new = jnp.where(u < 0.8, jnp.asarray(mask_id, ids.dtype), jnp.where(u < 0.9, rand, ids))
+    keep_or_rand = jnp.where(u < 0.9, rand, ids)
+    new = jnp.where(u < 0.8, jnp.asarray(mask_id, ids.dtype), keep_or_rand)
     return jnp.where(pick, new, ids), jnp.where(pick, ids, -100)
 
 

@@ -272,7 +272,8 @@ class _Walk:
         raise ConfigError(
             f"logical_axes: no logical axes for {type(node).__name__} at "
             f"{path or 'the root'}; known modules: DecoderLM, CharLM, "
-            "EncoderModel, EncoderDecoderLM, RelativePositionBias, ViTEmbedding, Stack, "
+            "EncoderModel, EncoderDecoderLM, RelativePositionBias, ViTEmbedding, "
+            "Stack, "
             "TransformerBlock, MultiHeadAttention, FeedForward, MoEFeedForward, "
             "RMSNorm, LayerNorm."
         )
