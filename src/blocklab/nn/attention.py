@@ -853,7 +853,7 @@ class MultiHeadAttention(eqx.Module):
         x: Float[Array, "*batch Tq d"],
         context: Float[Array, "*cbatch Tk dc"] | None = None,
         *,
-        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_lens: ArrayLike | None = None,
         context_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         kv: AttentionCache | None = None,

@@ -359,7 +359,7 @@ class TransformerBlock(eqx.Module):
         key_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         context: Float[Array, "*cbatch Tk dc"] | None = None,
-        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_lens: ArrayLike | None = None,
         context_mask: ArrayLike | None = None,
     ) -> Float[Array, "*batch T d"]:
         r"""Apply the block to one sequence, or to each of a batch.
@@ -429,7 +429,7 @@ class TransformerBlock(eqx.Module):
         hooks: Hooks | None = None,
         score_bias: ArrayLike | None = None,
         cross_kv: Any = None,
-        context_lens: Int[ArrayLike, "*#batch"] | None = None,
+        context_lens: ArrayLike | None = None,
         context_mask: ArrayLike | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.

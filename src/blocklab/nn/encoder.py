@@ -292,7 +292,7 @@ class EncoderModel(eqx.Module):
         images: Float[ArrayLike, "*batch C S S"] | None = None,
         token_type_ids: Int[ArrayLike, "*batch T"] | None = None,
         key_mask: ArrayLike | None = None,
-        valid_lens: Int[ArrayLike, "*#batch"] | None = None,
+        valid_lens: ArrayLike | None = None,
         positions: Int[ArrayLike, "*#batch T"] | None = None,
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
@@ -391,7 +391,7 @@ class EncoderModel(eqx.Module):
         ids: Int[ArrayLike, "*batch T"] | None = None,
         *,
         key_mask: ArrayLike | None = None,
-        valid_lens: Int[ArrayLike, "*#batch"] | None = None,
+        valid_lens: ArrayLike | None = None,
         hooks: Hooks | None = None,
         **kwargs: Any,
     ) -> Float[Array, "*batch labels"]:

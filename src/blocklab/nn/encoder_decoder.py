@@ -176,7 +176,7 @@ class EncoderDecoderLM(eqx.Module):
         src_ids: Int[ArrayLike, "*batch S"],
         *,
         src_mask: ArrayLike | None = None,
-        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        src_lens: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> Float[Array, "*batch S d"]:
@@ -233,7 +233,7 @@ class EncoderDecoderLM(eqx.Module):
         enc: Float[Array, "..."] | None,
         *,
         src_mask: ArrayLike | None = None,
-        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        src_lens: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T vocab"]:
@@ -262,7 +262,7 @@ class EncoderDecoderLM(eqx.Module):
         tgt_ids: Int[ArrayLike, "*batch T"] | None = None,
         *,
         src_mask: ArrayLike | None = None,
-        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        src_lens: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
     ) -> Float[Array, "*batch T vocab"]:
@@ -293,7 +293,7 @@ class EncoderDecoderLM(eqx.Module):
         enc: Float[Array, "..."],
         *,
         src_mask: ArrayLike | None = None,
-        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        src_lens: ArrayLike | None = None,
         max_len: int | None = None,
     ) -> EncoderDecoderCache:
         """An empty decoding cache for the encoder states `enc`, holding the
@@ -371,7 +371,7 @@ class EncoderDecoderLM(eqx.Module):
         max_new_tokens: int,
         *,
         src_mask: ArrayLike | None = None,
-        src_lens: Int[ArrayLike, "*#batch"] | None = None,
+        src_lens: ArrayLike | None = None,
     ) -> Int[Array, "*batch max_new_tokens"]:
         """Greedy decoding: `max_new_tokens` ids per sequence, starting from
         `decoder_start_token_id`; after `eos_token_id` a sequence emits
