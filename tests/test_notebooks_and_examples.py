@@ -24,6 +24,7 @@ SLOW = {
     "finetune_pretrained.py",
     "convert_llama.py",
     "train_charlm.py",
+    "lora_finetune.py",
     "02_charlm.ipynb",
     "03_signal_propagation.ipynb",
     "04_identities.ipynb",
