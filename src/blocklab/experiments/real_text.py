@@ -431,7 +431,7 @@ def _optimizer(warmup_steps: int, steps: int) -> optax.GradientTransformationExt
 
 
 def validation_windows(
-    ids: Sequence[int], seq_len: int
+    ids: Sequence[int] | Int[np.ndarray, " N"], seq_len: int
 ) -> tuple[Int[np.ndarray, "W T"], Int[np.ndarray, "W T"], Float[np.ndarray, "W T"]]:
     r"""Disjoint windows of the ids $t_0 \ldots t_n$: inputs $X$, targets $Y$
     and a mask, `(W, seq_len)` each with $W = \lceil n / \text{seq\_len}
