@@ -182,3 +182,118 @@ def test_bias_matches_transformers_compute_bias():
         ours = eqx.tree_at(lambda b: b.weight, ours, table)
         got = np.asarray(ours(7, 40, offset=33))
         np.testing.assert_array_equal(got, want)
+
+
+# The family against transformers ---------------------------------------------------
+
+
+def _close(got, want, where=None):
+    """|got - want| <= 1e-5 x the scale of want (rows `where` only)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if where is not None:
+        got, want = got[where], want[where]
+    scale = max(float(np.abs(want).max()), 1.0)
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-5 * scale, f"max |diff| {err:.3g} > 1e-5 x scale {scale:.3g}"
+
+
+def _t5(seed, **fields):
+    """A random tiny T5ForConditionalGeneration: widths, heads, d_kv (not
+    d_model / heads), depths, buckets drawn from `seed`; random weights."""
+    transformers = pytest.importorskip("transformers")
+    from hf_models import randomize
+
+    rng = np.random.default_rng(seed)
+    cfg = dict(
+        vocab_size=int(rng.integers(20, 64)),
+        d_model=int(rng.choice([8, 12, 16])),
+        d_kv=int(rng.choice([3, 4, 8])),
+        d_ff=int(rng.integers(6, 40)),
+        num_layers=int(rng.integers(1, 4)),
+        num_decoder_layers=int(rng.integers(1, 4)),
+        num_heads=int(rng.choice([1, 2, 4])),
+        relative_attention_num_buckets=int(rng.choice([8, 12, 32])),
+        relative_attention_max_distance=int(rng.choice([17, 40, 128])),
+        feed_forward_proj=str(rng.choice(["gated-gelu", "relu"])),
+        tie_word_embeddings=bool(rng.integers(0, 2)),
+        decoder_start_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        dropout_rate=0.1,
+    )
+    cfg.update(fields)
+    config = transformers.T5Config(**cfg)
+    model = transformers.T5ForConditionalGeneration(config)
+    model = randomize(model, seed=seed, matrices=0.3, embeddings=1.0)
+    if not cfg["tie_word_embeddings"] and rng.integers(0, 2):
+        import torch
+
+        # v1.1's layout: an lm_head of its own
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        with torch.no_grad():
+            model.lm_head.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    return model, rng
+
+
+def _ragged(rng, B, T, vocab, lo=1):
+    ids = rng.integers(2, vocab, size=(B, T))
+    lens = rng.integers(lo, T + 1, size=B)
+    lens[0] = T
+    return ids, np.arange(T)[None, :] < lens[:, None]
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 8))],
+)
+def test_t5_logits(seed):
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _t5(seed)
+    c = hf.config
+    B, S, T = 3, int(rng.integers(1, 12)), int(rng.integers(1, 9))
+    src, mask = _ragged(rng, B, S, c.vocab_size)
+    tgt = rng.integers(0, c.vocab_size, size=(B, T))
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            decoder_input_ids=torch.tensor(tgt),
+        )
+    ours = blocklab.from_huggingface(hf)
+    untied = hf.lm_head.weight.data_ptr() != hf.shared.weight.data_ptr()
+    assert ours.cfg.tie_embeddings is not untied
+    enc = ours.encode(jnp.asarray(src), src_mask=jnp.asarray(mask))
+    _close(enc, out.encoder_last_hidden_state.numpy(), mask)
+    got = ours(jnp.asarray(src), jnp.asarray(tgt), src_mask=jnp.asarray(mask))
+    _close(got, out.logits.numpy())
+
+
+@pytest.mark.parametrize(
+    "seed", [10, *(pytest.param(s, marks=pytest.mark.slow) for s in (11, 12, 13))]
+)
+def test_t5_greedy_equals_generate(seed):
+    """20 greedy tokens on a ragged batch, token for token (after eos: pad).
+
+    The decoder is not deeper than the encoder: transformers 5.24's generate
+    sizes its cache by the encoder's depth (IndexError otherwise)."""
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _t5(seed, num_decoder_layers=None)
+    c = hf.config
+    S = int(rng.integers(3, 12))
+    src, mask = _ragged(rng, 4, S, c.vocab_size)
+    with torch.no_grad():
+        want = hf.generate(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            max_new_tokens=20,
+            do_sample=False,
+            num_beams=1,
+        ).numpy()[:, 1:]  # without the decoder start token
+    want = np.pad(want, ((0, 0), (0, 20 - want.shape[1])), constant_values=0)
+    ours = blocklab.from_huggingface(hf)
+    got = np.asarray(ours.greedy(jnp.asarray(src), 20, src_mask=jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, want)

@@ -140,6 +140,10 @@ class EncoderFamily:
             tensors `transformers` ties and `save_pretrained` leaves out (a
             file may still hold them: they are checked equal and dropped).
         ignored: stored keys that `transformers` itself ignores on load.
+        untie: `untie(cfg) -> cfg` with its own head, for a family whose
+            stored head may differ from the tied embedding (T5: `transformers`
+            then keeps them untied); `None`: a differing tied tensor is an
+            error.
     """
 
     name: str
@@ -154,6 +158,7 @@ class EncoderFamily:
     dropout_fields: tuple[str, ...] = ()
     tied: Callable[[Any, str], Mapping[str, str]] = lambda cfg, cls: {}
     ignored: tuple[str, ...] = ()
+    untie: Callable[[Any], Any] | None = None
 
 
 #: Registered encoder families by short name.
@@ -279,18 +284,23 @@ def load_encoder_state_dict(
     owner = "load_huggingface_state_dict"
     fam = ENCODER_FAMILIES.get(family) or encoder_family_for_class(family)
     cls = cls or fam.classes[0]
-    rules = fam.rules(cfg, cls)
-    skeleton = _skeleton(fam, cfg)
-    shapes = param_shapes(skeleton)
     given = {k: v for k, v in hf_state_dict.items() if k not in fam.ignored}
     for key, source in fam.tied(cfg, cls).items():
         if key in given:
-            a, b = _to_numpy(given.pop(key)), _to_numpy(given.get(source))
+            a = _to_numpy(given[key])
+            b = _to_numpy(given[source]) if source in given else None
             if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                if fam.untie is not None:
+                    cfg = fam.untie(cfg)
+                    continue
                 raise ConfigError(
                     f"{owner}: {key} is tied to {source} in the {cls} of this config "
                     "but differs from it."
                 )
+            del given[key]
+    rules = fam.rules(cfg, cls)
+    skeleton = _skeleton(fam, cfg)
+    shapes = param_shapes(skeleton)
     expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
     missing = [k for k in expected if k not in given]
     unexpected = [k for k in given if k not in expected]
@@ -371,22 +381,24 @@ def load_encoder_pretrained(
         ) from None
     except ConfigError as err:
         raise ConfigError(f"{owner}: {where}: {err}") from None
-    rules = fam.rules(cfg, cls)
-    skeleton = _skeleton(fam, cfg)
-    shapes = param_shapes(skeleton)
     with open_catalog(folder) as catalog:
         stored = set(catalog.keys())
-        tied = fam.tied(cfg, cls)
-        for key, source in tied.items():
+        for key, source in fam.tied(cfg, cls).items():
             if key in stored:
                 a = catalog.read(key)
                 b = catalog.read(source) if source in stored else None
                 if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                    if fam.untie is not None:  # as transformers: keep both
+                        cfg = fam.untie(cfg)
+                        continue
                     raise CheckpointError(
                         f"{owner}: {folder}: {key} is tied to {source} by the {cls} "
                         "of config.json but the stored tensors differ."
                     )
                 stored.discard(key)
+        rules = fam.rules(cfg, cls)
+        skeleton = _skeleton(fam, cfg)
+        shapes = param_shapes(skeleton)
         stored -= set(fam.ignored)
         expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
         missing = [k for k in expected if k not in stored]

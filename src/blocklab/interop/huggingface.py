@@ -39,6 +39,7 @@ from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
 from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     bert,
+    t5,
     gemma2,
     gemma3,
     gpt2,

@@ -1,0 +1,249 @@
+r"""T5 (`T5ForConditionalGeneration`, v1.0 and v1.1): config and weights.
+
+T5 (Raffel et al., 2020) is an encoder–decoder of pre-norm blocks with
+RMSNorm without mean subtraction or bias ($\epsilon = 10^{-6}$), no biases,
+no absolute positions and no $1/\sqrt{d_{kv}}$ on the attention logits
+(`attn_scale=1.0`); each stack's first layer owns a relative position bias
+table (`nn.relative_position`: bidirectional buckets in the encoder, causal in
+the decoder) that every layer of the stack adds; cross-attention has none.
+The FFN is `"gated-gelu"` (v1.1: $W_2(\mathrm{gelu_{tanh}}(x W_g^\top) \odot
+x W_1^\top)$, blocklab's `"geglu"`) or `"relu"` (v1.0). The head is the
+shared embedding or an untied `lm_head`; with `scale_decoder_outputs` (read
+from `tie_word_embeddings` in older configs) the final-normed decoder output
+is multiplied by $d^{-1/2}$ first.
+
+`transformers` 5 forces `tie_word_embeddings=True` in the config object and
+keeps `lm_head` untied when a stored `lm_head.weight` differs from the shared
+embedding; so does the conversion. umT5 (a table in every layer) is not
+converted: its class is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..nn.encoder_config import EncoderDecoderConfig
+from ..nn.encoder_decoder import EncoderDecoderLM
+from .hf_common import Derived, refuse, understood
+from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+
+__all__ = ["T5", "t5_config", "t5_fields", "t5_rules"]
+
+_CLS = "T5ForConditionalGeneration"
+
+#: `feed_forward_proj` -> blocklab's `act` (`"gated-gelu"` is tanh GELU in
+#: `transformers`, whereas a plain `"gelu"` is the exact one).
+_ACTS = {
+    "relu": "relu",
+    "gated-gelu": "geglu",
+    "gated-relu": "reglu",
+    "gated-silu": "swiglu",
+    "gelu": "gelu_exact",
+    "gelu_new": "gelu",
+}
+_HF_ACTS = {v: k for k, v in _ACTS.items()}
+
+#: Every `T5Config` field blocklab understands, with its default.
+FIELDS = {
+    "vocab_size": 32128,
+    "d_model": 512,
+    "d_kv": 64,
+    "d_ff": 2048,
+    "num_layers": 6,
+    "num_decoder_layers": Derived(lambda f: f.num_layers),
+    "num_heads": 8,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "dropout_rate": 0.1,  # dropout: refused in training mode
+    "classifier_dropout": 0.0,
+    "layer_norm_epsilon": 1e-6,
+    "initializer_factor": 1.0,
+    "feed_forward_proj": "relu",
+    # derived from feed_forward_proj by transformers, whatever is stored
+    "dense_act_fn": None,
+    "is_gated_act": None,
+    "is_decoder": False,
+    "tie_word_embeddings": True,
+    "scale_decoder_outputs": None,
+    "n_positions": None,  # legacy keys of old config.json files, read by no code
+    "output_past": None,
+    "gradient_checkpointing": False,
+}
+
+
+def _token(hf: Any, name: str, default: int | None, vocab: int) -> int | None:
+    v = getattr(hf, name, default)
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    return v if isinstance(v, int) and 0 <= v < vocab else default
+
+
+def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
+    """The `EncoderDecoderConfig` of a `T5Config`; refuses (by name) what
+    blocklab does not implement."""
+    if cls != _CLS:
+        raise refuse(cls, "architectures", cls, f"supported: {[_CLS]}")
+    vocab = getattr(hf, "vocab_size", FIELDS["vocab_size"])
+    ids = dict(
+        decoder_start_token_id=_token(hf, "decoder_start_token_id", 0, vocab),
+        eos_token_id=_token(hf, "eos_token_id", 1, vocab),
+        pad_token_id=_token(hf, "pad_token_id", 0, vocab),
+    )
+    hf = understood(cls, hf, FIELDS)
+    proj = hf.feed_forward_proj
+    if proj not in _ACTS:
+        raise refuse(cls, "feed_forward_proj", proj, f"implemented: {sorted(_ACTS)}")
+    if hf.is_decoder:
+        raise refuse(cls, "is_decoder", True, "a T5 model is an encoder–decoder")
+    scale = hf.scale_decoder_outputs
+    if scale is None:  # transformers reads it from tie_word_embeddings
+        scale = hf.tie_word_embeddings is not False
+    return EncoderDecoderConfig(
+        hf.vocab_size,
+        hf.d_model,
+        hf.num_heads,
+        hf.num_layers,
+        num_decoder_blks=hf.num_decoder_layers,
+        head_dim=hf.d_kv,
+        ffn_width=hf.d_ff,
+        act=_ACTS[proj],
+        norm="rms",
+        norm_eps=float(hf.layer_norm_epsilon),
+        placement="pre",
+        bias=False,
+        attn_scale=1.0,
+        positions="relative",
+        relative_num_buckets=hf.relative_attention_num_buckets,
+        relative_max_distance=hf.relative_attention_max_distance,
+        tie_embeddings=True,
+        head_scale=float(hf.d_model) ** -0.5 if scale else None,
+        **ids,
+    )
+
+
+def t5_fields(cfg: EncoderDecoderConfig) -> dict[str, Any]:
+    """The `T5Config` fields of `cfg` (the inverse of `t5_config`)."""
+    b = cfg.block
+    return dict(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.num_hiddens,
+        d_kv=b.head_dim,
+        d_ff=b.ffn_width,
+        num_layers=cfg.num_blks,
+        num_decoder_layers=cfg.num_decoder_blks,
+        num_heads=cfg.num_heads,
+        relative_attention_num_buckets=cfg.relative_num_buckets,
+        relative_attention_max_distance=cfg.relative_max_distance,
+        dropout_rate=0.0,
+        layer_norm_epsilon=b.norm_eps,
+        feed_forward_proj=_HF_ACTS[b.act],
+        is_encoder_decoder=True,
+        tie_word_embeddings=cfg.tie_embeddings,
+        scale_decoder_outputs=cfg.head_scale is not None,
+        decoder_start_token_id=cfg.decoder_start_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+    )
+
+
+def _expressible(cfg: Any) -> bool:
+    """Whether `cfg` is a T5: what `t5_config` builds, at any sizes."""
+    if not isinstance(cfg, EncoderDecoderConfig):
+        return False
+    b = cfg.block
+    scale = cfg.head_scale
+    return (
+        b.norm == "rms" and b.placement == "pre" and b.act in _HF_ACTS
+        and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
+        and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
+        and not b.qk_norm and b.attn_softcap is None and cfg.positions == "relative"
+        and (scale is None or abs(scale - cfg.num_hiddens**-0.5) < 1e-12)
+    )  # fmt: skip
+
+
+def _ffn(cfg: EncoderDecoderConfig, hf: str, ours: str) -> list[EncRule]:
+    if cfg.block.gated:
+        pairs = (("wi_0", "W_g"), ("wi_1", "W_1"), ("wo", "W_2"))
+    else:
+        pairs = (("wi", "W_1"), ("wo", "W_2"))
+    return [
+        EncRule(f"{hf}.DenseReluDense.{h}.weight", (f"{ours}.ffn.{o}.weight",))
+        for h, o in pairs
+    ]
+
+
+def _attn(hf: str, ours: str) -> list[EncRule]:
+    return [EncRule(f"{hf}.{n}.weight", (f"{ours}.W_{n}.weight",)) for n in "qkvo"]
+
+
+def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
+    """Every stored tensor and its blocklab parameter."""
+    rules = [EncRule("shared.weight", ("token_emb.weight",))]
+    for i in range(cfg.num_blks):
+        e, o = f"encoder.block.{i}.layer", f"encoder.blocks.{i}"
+        rules += _attn(f"{e}.0.SelfAttention", f"{o}.attention")
+        rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
+        rules += _ffn(cfg, f"{e}.1", o)
+        rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
+    rules.append(
+        EncRule(
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            ("enc_rel_bias.weight",),
+        )
+    )
+    rules.append(EncRule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
+    for i in range(cfg.num_decoder_blks):
+        e, o = f"decoder.block.{i}.layer", f"decoder.blocks.{i}"
+        rules += _attn(f"{e}.0.SelfAttention", f"{o}.attention")
+        rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
+        rules += _attn(f"{e}.1.EncDecAttention", f"{o}.cross_attn")
+        rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm_cross.weight",)))
+        rules += _ffn(cfg, f"{e}.2", o)
+        rules.append(EncRule(f"{e}.2.layer_norm.weight", (f"{o}.norm2.weight",)))
+    rules.append(
+        EncRule(
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            ("dec_rel_bias.weight",),
+        )
+    )
+    rules.append(EncRule("decoder.final_layer_norm.weight", ("dec_norm.weight",)))
+    if not cfg.tie_embeddings:
+        rules.append(EncRule("lm_head.weight", ("head.weight",)))
+    return rules
+
+
+def _tied(cfg: EncoderDecoderConfig, cls: str) -> dict[str, str]:
+    out = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = "shared.weight"
+    return out
+
+
+def _untie(cfg: EncoderDecoderConfig) -> EncoderDecoderConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
+T5 = register_encoder_family(
+    EncoderFamily(
+        name="t5",
+        classes=(_CLS,),
+        model_types=("t5",),
+        to_config=t5_config,
+        hf_fields=t5_fields,
+        rules=t5_rules,
+        build=lambda cfg, key: EncoderDecoderLM(cfg, key=key),
+        model_class=lambda cfg: _CLS,
+        owns=lambda m: isinstance(m, EncoderDecoderLM) and _expressible(m.cfg),
+        dropout_fields=("dropout_rate", "classifier_dropout"),
+        tied=_tied,
+        ignored=(
+            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+        ),
+        untie=_untie,
+    )
+)
