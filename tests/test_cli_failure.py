@@ -250,6 +250,8 @@ def test_an_interrupted_report_keeps_the_earlier_report(sections, tmp_path, caps
     assert strict_object(capsys.readouterr().out) == {
         "error": "interrupted",
         "type": "KeyboardInterrupt",
+        "interrupted": True,
+        "kept": {},  # no section finished: nothing new kept
     }
     assert (tmp_path / "report.md").read_text() == old
 
@@ -258,7 +260,9 @@ def test_an_interrupted_report_keeps_its_finished_sections(sections, tmp_path, c
     (tmp_path / "report.md").write_text("old\n")
     sections["interrupt_at"] = REPORT_SECTIONS[2]
     assert cli.main(["report", "--out", str(tmp_path)]) == 130
-    assert "interrupted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "interrupted; kept report: " in err
+    assert ", ".join(REPORT_SECTIONS[:2]) in err  # the sections kept, named
     text = (tmp_path / "report.md").read_text()
     assert all(f"new {n}" in text for n in REPORT_SECTIONS[:2])
     assert f"new {REPORT_SECTIONS[2]}" not in text

@@ -11,13 +11,24 @@ Every exit path is defined, and each exit status means one thing (`EXIT_CODES`):
 - 2, bad arguments or configuration: argparse errors, an output path that
   cannot be written, and any `ConfigError`, whichever layer raises it and
   whenever (a command's `validate`, or deep in `blocklab.nn` during the run);
-- 130, interrupted (Ctrl-C).
+- 130, interrupted (Ctrl-C): within a few seconds, whatever the command is
+  doing (`blocklab.cli._interrupt`), with what it had written kept and named
+  (`--json`: `{"error": "interrupted", "interrupted": true, "kept": {...}}`).
 
 On an error, `--json` prints `{"error": "...", "type": "..."}` on stdout;
 without it the error is one line on stderr (a traceback only for an
 unexpected exception, which is a bug). Output paths (`--png`, `--out` and any
 the command lists in `OUTPUT_FILES` / `OUTPUT_DIRS`) are checked before any
 work starts, so a typo never costs a finished run.
+
+Run as the program (`blocklab ...`, `python -m blocklab.cli ...`: `main()`
+without `argv`), the command runs in a worker thread that Ctrl-C stops
+within seconds even inside a long compiled call, long compiles are announced
+on stderr, and JAX's persistent compilation cache is on
+(`blocklab.cli._compile`; `--no-compile-cache` or
+`BLOCKLAB_COMPILE_CACHE=off` turn it off). `main(argv)` called from Python
+runs the command in the caller's thread and leaves JAX's configuration as
+it is.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from typing import Any
 from .._io import check_writable
 from .._validate import ConfigError
 from ..experiments._render import dumps, nonfinite_paths
+from . import _interrupt
 from .commands import COMMANDS
 
 __all__ = ["main", "build_parser", "UsageError"]
@@ -163,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="print the result (or the error) as one strict JSON object",
         )
+        p.add_argument(
+            "--no-compile-cache",
+            action="store_true",
+            help="do not read or write JAX's persistent compilation cache (on by "
+            "default, in ~/.cache/blocklab/jax or $XDG_CACHE_HOME/blocklab/jax; "
+            "also BLOCKLAB_COMPILE_CACHE=off)",
+        )
         p.set_defaults(_run=module.run, _module=module, _name=name)
     return parser
 
@@ -262,10 +281,85 @@ def _error(as_json: bool, exc: BaseException, message: str | None = None) -> Non
         print(f"{owner}: error: {rest}", file=sys.stderr)
 
 
+class _Abandoned(KeyboardInterrupt):
+    """Ctrl-C while the command was inside a long C call: the process ends."""
+
+
+def _interrupted(as_json: bool, name: str) -> None:
+    """Say that the command was interrupted, and what it kept."""
+    kept = _interrupt.kept()
+    if as_json:
+        print(
+            dumps(
+                {
+                    "error": "interrupted",
+                    "type": "KeyboardInterrupt",
+                    "interrupted": True,
+                    "kept": kept,
+                }
+            )
+        )
+        return
+    what = "; ".join(
+        f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in kept.items()
+    )
+    print(
+        f"{name}: error: interrupted" + (f"; kept {what}" if what else ""),
+        file=sys.stderr,
+    )
+
+
+def _estimate_line(args: argparse.Namespace) -> str | None:
+    """The command's `estimate(args)` as one line, or None."""
+    estimate = getattr(args._module, "estimate", None)
+    if estimate is None or getattr(args, "no_progress", False):
+        return None
+    line = estimate(args)
+    return None if line is None else f"blocklab {args._name}: {line}"
+
+
+def _call(args: argparse.Namespace, *, program: bool) -> int:
+    """Run the command; as the program, in a worker thread that Ctrl-C stops
+    within seconds (`blocklab.cli._interrupt`)."""
+
+    def work() -> int:
+        return int(args._run(args) or 0)
+
+    if not program or getattr(args._module, "MAIN_THREAD", False):
+        return work()
+
+    def say() -> None:
+        print(
+            f"blocklab {args._name}: interrupted; stopping (Ctrl-C again ends "
+            "it now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    status = _interrupt.run_interruptible(work, on_interrupt=say)
+    if status is _interrupt.STILL_RUNNING:
+        raise _Abandoned
+    return status
+
+
+def _setup_program(args: argparse.Namespace):
+    """As the program: the compile cache and the compile notices (returned)."""
+    from . import _compile
+
+    folder = _compile.enable_cache(_compile.cache_setting(args.no_compile_cache))
+    if getattr(args, "no_progress", False):
+        return None
+    return _compile.CompileNotices(cached=folder is not None).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse `argv` (default `sys.argv[1:]`), run the subcommand and
     return the exit status (see the module docstring)."""
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    _interrupt.reset()
+    notices = None
     # A `--json` after `--` belongs to the command that `blocklab launch` runs.
     as_json = _wants_json(argv)
     out = io.StringIO()
@@ -282,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_OK
         else:
             args = parser.parse_args(argv)
+        if program:
+            notices = _setup_program(args)
         validate = getattr(args._module, "validate", None)
         if validate is not None:
             validate(args)
@@ -303,13 +399,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ..training.distributed import initialize
 
             initialize()
+        line = _estimate_line(args)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
         if as_json:
             with contextlib.redirect_stdout(out):
-                status = int(args._run(args) or 0)
+                status = _call(args, program=program)
         else:
-            status = int(args._run(args) or 0)
+            status = _call(args, program=program)
     except KeyboardInterrupt as e:
-        _error(as_json, e, "interrupted")
+        _interrupted(as_json, f"blocklab {args._name}")
+        if isinstance(e, _Abandoned):  # the worker is inside a C call
+            _interrupt.flush()
+            os._exit(EXIT_INTERRUPT)
         return EXIT_INTERRUPT
     except ConfigError as e:
         _error(as_json, e)
@@ -335,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             traceback.print_exc(file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        if notices is not None:
+            notices.stop()
     if as_json:
         try:
             print(_strict(out.getvalue()))

@@ -12,6 +12,15 @@ No work is lost: `report.md` is only replaced when a section has finished,
 each time by the whole report so far (header and finished sections), written
 to a temporary file and renamed over the old one. An interrupt or a failing
 section leaves the last complete version in place, never a bare header.
+Ctrl-C acts within seconds (`blocklab.cli._interrupt`); a section that has
+finished is written first (the write is shielded from the interrupt), and the
+exit message (`--json`: its `kept` field) names the report and its sections.
+
+The estimate printed first comes from the measured times of the last timing
+run (`blocklab.experiments.timing.REPORT_TIMES`, the figures the README
+quotes), and from a study's own formula for a section never measured. A
+finished report ends with a `_(total: ... s; mode ...)_` line, which a timing
+run records (`python -m blocklab.experiments.timing record`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from .._io import atomic_write
 from .._validate import ConfigError, check_bool
 from ..experiments._render import dumps
 from ..experiments.protocol import STUDIES, study
+from ..experiments.timing import report_estimates, report_mode
+from . import _interrupt
 from .commands import REPORT_SECTIONS
 
 NAME = "report"
@@ -146,14 +157,17 @@ def write_report(
     header = (
         f"# blocklab report\n\nGenerated {time.strftime('%Y-%m-%d %H:%M')} ({mode}).\n"
     )
-    estimates = {s.name: s.estimate(quick=quick, full=full) for s in studies}
+    estimates, measured = estimate_sections(studies, quick=quick, full=full)
     if progress:
         tqdm.write(
             f"report: {len(studies)} sections, about "
-            f"{_minutes(sum(estimates.values()))} on 2 CPU cores ({mode})",
+            f"{_minutes(sum(estimates.values()))} on 2 CPU cores ({mode}; "
+            f"{_source(estimates, measured)})",
             file=sys.stderr,
         )
     sections: list[str] = []
+    done: list[str] = []
+    start = time.perf_counter()
     bar = tqdm(studies, desc="report", unit="section", disable=not progress)
     for s in bar:
         bar.set_postfix_str(s.name)
@@ -164,16 +178,56 @@ def write_report(
             )
         t0 = time.perf_counter()
         section = s.section(out, quick=quick, full=full, progress=progress)
-        seconds = time.perf_counter() - t0
-        sections.append(f"{section.rstrip()}\n\n_({s.name}: {seconds:.1f} s)_\n")
-        pending = len(studies) - len(sections)
-        note = (
-            f"\n_(in progress: {pending} more section{'s' * (pending > 1)} to come)_\n"
-            if pending
-            else ""
-        )
-        atomic_write(path, header + note + "".join(f"\n{s}" for s in sections))
+        with _interrupt.shield():  # a finished section is written, Ctrl-C or not
+            seconds = time.perf_counter() - t0
+            sections.append(f"{section.rstrip()}\n\n_({s.name}: {seconds:.1f} s)_\n")
+            done.append(s.name)
+            pending = len(studies) - len(sections)
+            note = (
+                f"\n_(in progress: {pending} more section{'s' * (pending > 1)} to "
+                "come)_\n"
+                if pending
+                else ""
+            )
+            end = (
+                ""
+                if pending
+                else f"\n_(total: {time.perf_counter() - start:.1f} s; mode "
+                f"{report_mode(quick=quick, full=full)})_\n"
+            )
+            atomic_write(
+                path, header + note + "".join(f"\n{s}" for s in sections) + end
+            )
+            _interrupt.keep(report=str(path), sections=list(done))
     return path
+
+
+def estimate_sections(
+    studies, *, quick: bool, full: bool
+) -> tuple[dict[str, float], dict | None]:
+    """Seconds per section on 2 CPU cores: measured in the mode's last timing
+    run where it has the section (`blocklab.experiments.timing`), else the
+    study's own formula; and that timing run's record (or None)."""
+    formulas = {s.name: s.estimate(quick=quick, full=full) for s in studies}
+    return report_estimates(formulas, quick=quick, full=full)
+
+
+def _source(estimates: dict[str, float], measured: dict | None) -> str:
+    """Where the estimate comes from, in words."""
+    have = set() if measured is None else set(measured.get("sections", {}))
+    timed = [n for n in estimates if n in have]
+    guessed = [n for n in estimates if n not in have]
+    if not timed:
+        return "from the studies' formulas; never measured in this mode"
+    text = (
+        f"measured {measured['date']}, {measured['machine']}"
+        if len(timed) == len(estimates)
+        else f"{len(timed)} sections measured {measured['date']}, "
+        f"{measured['machine']}"
+    )
+    if guessed:
+        text += f"; {', '.join(guessed)} estimated (not in that timing run)"
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,10 @@ from ...training.launcher import launch_local
 NAME = "launch"
 HELP = "run a command as N local processes of one JAX job (blocklab launch -- CMD)"
 
+#: Runs in the main thread: its loop polls its processes in Python (Ctrl-C acts
+#: at once) and must end them all before it exits.
+MAIN_THREAD = True
+
 EPILOG = (
     "Exit status 0: every process exited with 0; 1: a process could not start "
     "or failed, or the job ran past --timeout (every other process was ended); "
