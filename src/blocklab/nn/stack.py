@@ -52,7 +52,7 @@ class Stack(eqx.Module):
         make_block: Callable[[PRNGKeyArray], Any],
         num_blks: int,
         *,
-        remat: bool | str | Callable[..., Any] = False,
+        remat: Any = False,
         unroll: int | bool = 1,
         key: PRNGKeyArray,
     ):
