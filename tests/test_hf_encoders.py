@@ -179,3 +179,29 @@ def test_bert_sequence_classification():
         ).logits.numpy()
     ours = blocklab.from_huggingface(hf)
     _close(ours.classify(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want)
+
+
+def test_bert_folders_both_ways(tmp_path):
+    """transformers' folder -> load_pretrained -> save_pretrained ->
+    transformers: equal MLM logits at each step (tied decoder left out)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    hf, rng = _bert("BertForMaskedLM", 5)
+    ids, mask = _ragged(rng, 2, 6, hf.config.vocab_size)
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(
+                input_ids=torch.tensor(ids),
+                attention_mask=torch.tensor(mask.astype(np.int64)),
+            ).logits.numpy()
+
+    hf.save_pretrained(tmp_path / "hf")
+    ours = blocklab.load_pretrained(tmp_path / "hf")
+    got = ours(jnp.asarray(ids), key_mask=jnp.asarray(mask))
+    _close(got, hf_logits(hf), mask)
+    blocklab.save_pretrained(ours, tmp_path / "ours")
+    back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "ours")
+    _close(hf_logits(back.eval()), got, mask)

@@ -297,3 +297,45 @@ def test_t5_greedy_equals_generate(seed):
     ours = blocklab.from_huggingface(hf)
     got = np.asarray(ours.greedy(jnp.asarray(src), 20, src_mask=jnp.asarray(mask)))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_t5_folders_both_ways(tmp_path, tied):
+    """transformers' save_pretrained -> load_pretrained (no torch on that
+    path), and save_pretrained -> transformers' from_pretrained: equal logits
+    both ways; v1.1's layout (an untied head, no output rescale) and v1.0's
+    (tied, rescaled by d**-0.5)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    proj = "relu" if tied else "gated-gelu"
+    hf, rng = _t5(4, tie_word_embeddings=tied, feed_forward_proj=proj)
+    if not tied:
+        with torch.no_grad():  # v1.1: an lm_head of its own
+            w = torch.randn(hf.lm_head.weight.shape)
+            hf.lm_head.weight = torch.nn.Parameter(w)
+    src, mask = _ragged(rng, 2, 7, hf.config.vocab_size)
+    tgt = rng.integers(0, hf.config.vocab_size, size=(2, 5))
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(
+                input_ids=torch.tensor(src),
+                attention_mask=torch.tensor(mask.astype(np.int64)),
+                decoder_input_ids=torch.tensor(tgt),
+            ).logits.numpy()
+
+    hf.save_pretrained(tmp_path / "hf")
+    ours = blocklab.load_pretrained(tmp_path / "hf")
+    assert ours.cfg.tie_embeddings is tied
+    assert (ours.cfg.head_scale is None) is not tied
+    got = ours(jnp.asarray(src), jnp.asarray(tgt), src_mask=jnp.asarray(mask))
+    _close(got, hf_logits(hf))
+    blocklab.save_pretrained(ours, tmp_path / "ours")
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours")
+    _close(hf_logits(back.eval()), got)
+    again = blocklab.load_pretrained(tmp_path / "ours")
+    np.testing.assert_array_equal(
+        np.asarray(again.head_weight), np.asarray(ours.head_weight)
+    )

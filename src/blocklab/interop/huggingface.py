@@ -39,7 +39,6 @@ from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
 from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     bert,
-    t5,
     gemma2,
     gemma3,
     gpt2,
@@ -50,6 +49,7 @@ from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     phi3,
     qwen2,
     qwen3,
+    t5,
 )
 from .hf_common import (
     FAMILIES,

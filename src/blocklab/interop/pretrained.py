@@ -87,6 +87,12 @@ from .hf_common import (
     resolve_family,
     rope_fields,
 )
+from .hf_encoder import (
+    encoder_family_of_config,
+    is_encoder_model,
+    load_encoder_pretrained,
+    save_encoder_pretrained,
+)
 from .huggingface import _all_rules, _skeleton
 from .porting import _float_dtype, _non_finite, _walk, param_shapes
 from .safetensors_io import (
@@ -343,7 +349,7 @@ class _Slot:
 
 def load_pretrained(
     path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None
-) -> DecoderLM:
+) -> Any:
     r"""The `DecoderLM` of a checkpoint folder written by `transformers`.
 
     The folder holds `config.json` and `model.safetensors`, or shards listed
@@ -367,7 +373,9 @@ def load_pretrained(
             a `Sharding` or `None`. Each tensor goes straight onto its devices.
 
     Returns:
-        A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral).
+        A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral); for the
+        encoder families (`interop.hf_encoder`: BERT, ModernBERT, ViT, T5) an
+        `EncoderModel` or `EncoderDecoderLM`, read whole (no `sharding=`).
 
     Raises:
         ConfigError: a bad argument, an unknown `architectures` class, a
@@ -385,6 +393,14 @@ def load_pretrained(
     target_dtype = _float_dtype(owner, dtype, "the stored dtypes")
     sharding_of = _resolve_sharding(sharding)
     raw = read_config(folder)
+    encoder = encoder_family_of_config(raw)
+    if encoder is not None:  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
+        if sharding is not None:
+            raise ConfigError(
+                f"{owner}: sharding= is not implemented for the encoder families "
+                f"({encoder[0].name}); load, then blocklab.shard the model."
+            )
+        return load_encoder_pretrained(folder, raw, *encoder, dtype=target_dtype)
     fam, cfg = _config(raw, folder / CONFIG_NAME)
     cfg = _with_usage(owner, cfg, raw, folder)
     with open_catalog(folder) as catalog:
@@ -887,6 +903,16 @@ def save_pretrained(
             reason; nothing is left behind).
     """
     owner = "save_pretrained"
+    if is_encoder_model(model):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
+        if source is not None:
+            raise ConfigError(
+                f"{owner}: source= is not implemented for the encoder families; "
+                "pass token_ids= and generation_config= instead."
+            )
+        return save_encoder_pretrained(
+            model, path, max_shard_size=max_shard_size, overwrite=overwrite,
+            family=family, token_ids=token_ids, generation_config=generation_config,
+        )  # fmt: skip
     if not isinstance(model, DecoderLM):
         raise ConfigError(
             f"{owner}: model must be a DecoderLM, got {type(model).__name__}."
