@@ -90,13 +90,16 @@ def state_shardings(
         is_leaf=lambda x: x is None,
     )
     rest = _replicated(mesh, prefix)
+    # A masked state (`optax.multi_transform`, `optax.masked`, e.g.
+    # `blocklab.nn.lora.lora_optimizer`) holds `MaskedNode`s where a
+    # transformation holds no state: kept as they are.
     opt = optax.tree_map_params(
         optimizer,
-        lambda _, s: s,
+        lambda x, s: x if isinstance(x, optax.MaskedNode) else s,
         state.opt_state,
         params,
         transform_non_params=lambda x: rest if _is_arrayish(x) else None,
-        is_leaf=lambda x: x is None,
+        is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode),
     )
     return _state_like(model, opt, rest, rest)
 
