@@ -93,6 +93,30 @@ def test_probe_of_a_uniform_model_is_log2_v_per_token():
     np.testing.assert_allclose(float(probe(model)), 29 * math.log(50), rtol=1e-5)
 
 
+def test_evaluate_text_cuts_first_windows_without_changing_the_score(monkeypatch):
+    """`evaluate_text` runs a document's first window (scoring `seq_len - 1`
+    tokens) as parts of at most `stride` scored tokens in the batches of the
+    others (one compiled program, less padding). Reference: the same call
+    with the windows left whole (`_merge_first_windows` the identity)."""
+    from blocklab.interop import evaluate as ev
+
+    cfg = bl.nn.DecoderConfig.llama(64, 16, 2, 1, num_kv_heads=1, max_len=16)
+    model = bl.DecoderLM(cfg, key=jax.random.key(1))
+    tok = type("Tok", (), {"encode": staticmethod(lambda t: [ord(c) % 64 for c in t])})
+    texts = ["the time machine " * 5, "a short one"]  # 85 and 11 tokens
+    w = ev._windows([85, 11], 16, 6)
+    cut = ev._merge_first_windows(w, 6, 8)
+    assert len(cut["doc"]) > len(w["doc"])  # the first windows are cut here
+    assert (cut["count"] <= 6).all()
+    got = bl.evaluate_text(model, tok, texts, seq_len=16, stride=6, batch_size=8)
+    monkeypatch.setattr(ev, "_merge_first_windows", lambda w, rows, b: w)
+    want = bl.evaluate_text(model, tok, texts, seq_len=16, stride=6, batch_size=8)
+    assert got.tokens == want.tokens and got.windows == want.windows
+    for a, b in zip(got.documents, want.documents, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.nll, b.nll, rtol=1e-6)
+
+
 # -------------------------------------------------------- parameter counts
 def test_matched_width_is_the_closest_charlm_by_the_closed_forms():
     p = TINY

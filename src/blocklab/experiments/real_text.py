@@ -786,8 +786,8 @@ def run_real_text(
                     raise
                 note = f"not run: `transformers` is not installed ({err})."
             else:
-                ours = tokenizer.encode(p.prompt)
-                ours = [int(i) for i in np.asarray(generate(model, ours, p.new_tokens))]
+                prompt_ids = np.asarray(tokenizer.encode(p.prompt), np.int32)
+                ours = np.asarray(generate(model, prompt_ids, p.new_tokens)).tolist()
                 hf_text = tokenizer.decode(hf_ids)
                 same = _same_greedy(ours, hf_ids, tokenizer.stop_ids) and (
                     hf_text == greedy[: len(hf_text)]
