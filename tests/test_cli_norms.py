@@ -157,3 +157,22 @@ def test_run_norms_validates_its_protocol():
         study.run_norms(shape=SHAPE, reps=0)
     with pytest.raises(TypeError, match="shape"):
         study.run_norms(shape=(4, 2.5), reps=1)
+
+
+def test_a_missing_peer_is_named_with_the_reason(monkeypatch, stubbed):
+    """Without flax the Flax NNX rows are not left out silently: the table, the
+    summary and the JSON name them and say why."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "flax" else real(name, *a),
+    )  # fmt: skip
+    r = study.run_norms(shape=SHAPE, reps=1, progress=False)
+    assert set(r.missing) == {"nnx RMSNorm", "nnx LayerNorm"}
+    table = r.table()
+    assert "| nnx RMSNorm (missing: flax is not installed (pip install flax)) |" in table
+    assert "nnx LayerNorm (missing: flax is not installed" in table
+    assert "not timed: nnx RMSNorm (flax is not installed" in r.summary()
+    assert r.to_json()["missing"]["nnx LayerNorm"].startswith("flax is not installed")

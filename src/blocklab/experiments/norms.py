@@ -56,6 +56,24 @@ def _over_leading_axes(fn: Callable, ndim: int) -> Callable:
     return fn
 
 
+#: The peers that need an optional package: label -> (module, install hint).
+OPTIONAL_PEERS = {
+    "nnx RMSNorm": ("flax", "pip install flax"),
+    "nnx LayerNorm": ("flax", "pip install flax"),
+}
+
+
+def missing_peers() -> dict[str, str]:
+    """Label -> why that peer is not timed here (its package is not installed)."""
+    import importlib.util
+
+    return {
+        label: f"{module} is not installed ({hint})"
+        for label, (module, hint) in OPTIONAL_PEERS.items()
+        if importlib.util.find_spec(module) is None
+    }
+
+
 def _nnx_peers(weight, bias, d: int) -> dict[str, Callable]:
     """Flax NNX's RMSNorm / LayerNorm with our gains, or nothing when flax is absent."""
     try:
@@ -225,6 +243,7 @@ def run_norms(
         max_deviation=deviation,
         cost=cost,
         ratios=_ratios(rows),
+        missing={k: v for k, v in missing_peers().items() if k not in rows},
     )
 
 
@@ -270,6 +289,8 @@ class NormsResult:
             `flops_per_element` and `flops_per_byte`.
         ratios: the targets as bandwidth ratios (ours donated / 2X donated,
             ours / the fastest peer per mode; higher is better).
+        missing: label -> why that peer has no timings (its package is not
+            installed); the table names it with the reason.
     """
 
     shape: list[int]
@@ -280,6 +301,7 @@ class NormsResult:
     max_deviation: dict[str, float]
     cost: dict[str, dict[str, int | float]]
     ratios: dict[str, float]
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         """Markdown: ms, GB/s and passes per implementation, fresh and donated."""
@@ -293,6 +315,8 @@ class NormsResult:
                     for key, spec in (("ms", ".2f"), ("gbps", ".1f"), ("passes", ".2f"))
                 ]
             )
+        for label, why in self.missing.items():  # named, not silently left out
+            rows.append([f"{label} (missing: {why})"] + ["-"] * 6)
         header = ("implementation", "fresh ms", "GB/s", "passes", "donated ms")
         return markdown_table((*header, "GB/s", "passes"), rows)
 
@@ -311,6 +335,7 @@ class NormsResult:
                 f"{c['flops_per_element']} flops per element "
                 f"({c['flops_per_byte']:.2f} flop/byte: memory-bound)."
             )
+        lines += [f"not timed: {k} ({v})" for k, v in self.missing.items()]
         lines += [f"max deviation {k}: {v:.1e}" for k, v in self.max_deviation.items()]
         lines += [f"{k}: {v:.2f}" for k, v in self.ratios.items()]
         return "\n".join(lines)
