@@ -205,3 +205,71 @@ def test_bert_folders_both_ways(tmp_path):
     blocklab.save_pretrained(ours, tmp_path / "ours")
     back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "ours")
     _close(hf_logits(back.eval()), got, mask)
+
+
+# ViT ---------------------------------------------------------------------------
+
+
+def _vit(seed, **fields):
+    transformers = pytest.importorskip("transformers")
+    from hf_models import randomize
+
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([2, 4]))
+    p = int(rng.choice([2, 4]))
+    cfg = dict(
+        hidden_size=heads * int(rng.choice([4, 6])),
+        num_hidden_layers=int(rng.integers(1, 4)),
+        num_attention_heads=heads,
+        intermediate_size=int(rng.integers(8, 40)),
+        image_size=p * int(rng.integers(1, 4)),
+        patch_size=p,
+        num_channels=int(rng.choice([1, 3])),
+        qkv_bias=bool(rng.integers(0, 2)),
+        num_labels=int(rng.integers(2, 6)),
+    )
+    cfg.update(fields)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(**cfg))
+    return randomize(model, seed=seed, embeddings=1.0), rng
+
+
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))]
+)
+def test_vit_classification_logits(seed):
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _vit(seed)
+    c = hf.config
+    x = rng.normal(size=(3, c.num_channels, c.image_size, c.image_size))
+    x = x.astype(np.float32)
+    with torch.no_grad():
+        want = hf(pixel_values=torch.tensor(x)).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    _close(ours.classify(images=jnp.asarray(x)), want)
+
+
+def test_vit_folders_both_ways(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    hf, rng = _vit(4, qkv_bias=False)
+    c = hf.config
+    x = rng.normal(size=(2, c.num_channels, c.image_size, c.image_size))
+    x = x.astype(np.float32)
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(pixel_values=torch.tensor(x)).logits.numpy()
+
+    hf.save_pretrained(tmp_path / "hf")
+    ours = blocklab.load_pretrained(tmp_path / "hf")
+    got = ours.classify(images=jnp.asarray(x))
+    _close(got, hf_logits(hf))
+    blocklab.save_pretrained(ours, tmp_path / "ours")
+    back = transformers.AutoModelForImageClassification.from_pretrained(
+        tmp_path / "ours"
+    )
+    _close(hf_logits(back.eval()), got)

@@ -144,6 +144,9 @@ class EncoderFamily:
             stored head may differ from the tied embedding (T5: `transformers`
             then keeps them untied); `None`: a differing tied tensor is an
             error.
+        disk_name: `disk_name(key)`: the name on disk of an in-memory
+            state-dict key, for a family that `transformers` renames on load
+            (ViT); `None`: the same names.
     """
 
     name: str
@@ -159,6 +162,7 @@ class EncoderFamily:
     tied: Callable[[Any, str], Mapping[str, str]] = lambda cfg, cls: {}
     ignored: tuple[str, ...] = ()
     untie: Callable[[Any], Any] | None = None
+    disk_name: Callable[[str], str] | None = None
 
 
 #: Registered encoder families by short name.
@@ -350,7 +354,8 @@ def encoder_from_huggingface(hf_model: Any) -> Any:
                     "hf_model.eval() first."
                 )
     cfg = fam.to_config(hf_config, cls)
-    sd = {k: v.float() for k, v in hf_model.state_dict().items()}
+    rename = fam.disk_name or (lambda k: k)
+    sd = {rename(k): v.float() for k, v in hf_model.state_dict().items()}
     return load_encoder_state_dict(cfg, sd, family=fam.name, cls=cls)
 
 

@@ -50,6 +50,7 @@ from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     qwen2,
     qwen3,
     t5,
+    vit,
 )
 from .hf_common import (
     FAMILIES,

@@ -119,7 +119,7 @@ def _build(cfg: EncoderConfig, key):
             cfg.patch_size,
             cfg.num_channels,
             d,
-            bias=cfg.block.attn_bias,
+            bias=cfg.block.ffn_bias,  # ViT's patch conv: biased even without qkv_bias
             key=k_vit,
         )  # fmt: skip
         if cfg.image_size is not None

@@ -1,0 +1,191 @@
+r"""ViT (`ViTForImageClassification`): config and weights.
+
+A Vision Transformer (Dosovitskiy et al., 2021) embeds an image's patches
+(`nn.patch_embed.ViTEmbedding`: a stride-$p$ convolution, a CLS token,
+learned positions), runs pre-norm LayerNorm blocks ($\epsilon = 10^{-12}$)
+with biases and the exact GELU, layer-norms the output and classifies the
+CLS token's final state linearly (no pooler in the classification model).
+
+`transformers` 5 renames ViT's tensors in memory (`layers.0.attention.q_proj`)
+and keeps the legacy names on disk (`encoder.layer.0.attention.attention.
+query`); the rules use the names on disk, and `from_huggingface` renames the
+in-memory state dict first (`_disk_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..nn.encoder import EncoderModel
+from ..nn.encoder_config import EncoderConfig
+from .hf_common import refuse, understood
+from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+
+__all__ = ["VIT", "vit_config", "vit_fields", "vit_rules"]
+
+_CLS = "ViTForImageClassification"
+_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
+         "relu": "relu"}  # fmt: skip
+_HF_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+
+#: Every `ViTConfig` field blocklab understands, with its default.
+FIELDS = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.0,  # dropout: refused in training mode
+    "attention_probs_dropout_prob": 0.0,
+    "layer_norm_eps": 1e-12,
+    "image_size": 224,
+    "patch_size": 16,
+    "num_channels": 3,
+    "qkv_bias": True,
+    # read only by ViTForMaskedImageModeling / ViTModel's pooler
+    "encoder_stride": 16,
+    "pooler_output_size": None,
+    "pooler_act": "tanh",
+}
+
+#: In-memory name pieces of transformers 5 -> the names on disk.
+_RENAMES = (
+    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
+    (r"\.attention\.q_proj\.", ".attention.attention.query."),
+    (r"\.attention\.k_proj\.", ".attention.attention.key."),
+    (r"\.attention\.v_proj\.", ".attention.attention.value."),
+    (r"\.attention\.o_proj\.", ".attention.output.dense."),
+    (r"\.mlp\.fc1\.", ".intermediate.dense."),
+    (r"\.mlp\.fc2\.", ".output.dense."),
+)
+
+
+def _disk_name(key: str) -> str:
+    for pattern, repl in _RENAMES:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def vit_config(hf: Any, cls: str = _CLS) -> EncoderConfig:
+    """The `EncoderConfig` of a `ViTConfig`; refuses what blocklab lacks."""
+    if cls != _CLS:
+        raise refuse(cls, "architectures", cls, f"supported: {[_CLS]}")
+    labels = getattr(hf, "id2label", None)
+    num_labels = getattr(hf, "num_labels", None) or (len(labels) if labels else 2)
+    hf = understood(cls, hf, FIELDS)
+    if hf.hidden_act not in _ACTS:
+        raise refuse(cls, "hidden_act", hf.hidden_act, f"supported: {sorted(_ACTS)}")
+    for field in ("image_size", "patch_size"):
+        if not isinstance(getattr(hf, field), int):
+            raise refuse(
+                cls, field, getattr(hf, field), "blocklab takes square images (an int)"
+            )
+    return EncoderConfig(
+        0,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_hidden_layers,
+        norm="layer",
+        norm_eps=float(hf.layer_norm_eps),
+        act=_ACTS[hf.hidden_act],
+        placement="pre",
+        bias=True,
+        attn_bias=bool(hf.qkv_bias),
+        attn_out_bias=True,
+        ffn_width=hf.intermediate_size,
+        positions="none",
+        image_size=hf.image_size,
+        patch_size=hf.patch_size,
+        num_channels=hf.num_channels,
+        final_norm=True,
+        num_labels=int(num_labels),
+        pooling="cls",
+        pooler="none",
+    )
+
+
+def vit_fields(cfg: EncoderConfig) -> dict[str, Any]:
+    """The `ViTConfig` fields of `cfg` (the inverse of `vit_config`)."""
+    n = cfg.num_labels
+    return dict(
+        hidden_size=cfg.num_hiddens,
+        num_hidden_layers=cfg.num_blks,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.block.ffn_width,
+        hidden_act=_HF_ACTS[cfg.block.act],
+        layer_norm_eps=cfg.block.norm_eps,
+        image_size=cfg.image_size,
+        patch_size=cfg.patch_size,
+        num_channels=cfg.num_channels,
+        qkv_bias=cfg.block.attn_bias,
+        id2label={str(i): f"LABEL_{i}" for i in range(n)},
+        label2id={f"LABEL_{i}": i for i in range(n)},
+    )
+
+
+def _expressible(cfg: Any) -> bool:
+    if not isinstance(cfg, EncoderConfig) or cfg.image_size is None:
+        return False
+    b = cfg.block
+    return (
+        b.norm == "layer" and b.placement == "pre" and b.act in _HF_ACTS
+        and b.attn_out_bias and b.ffn_bias and b.num_kv_heads == b.num_heads
+        and b.head_dim * b.num_heads == b.num_hiddens
+        and b.attn_scale in (None, b.head_dim**-0.5) and b.window is None
+        and not b.qk_norm and b.attn_softcap is None and cfg.final_norm
+        and cfg.first_attn_norm and not cfg.embed_norm and cfg.num_labels > 0
+        and cfg.pooling == "cls" and cfg.pooler == "none"
+    )  # fmt: skip
+
+
+def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
+    """Every stored tensor (names on disk) and its blocklab parameter."""
+    e = "vit.embeddings."
+    rules = [
+        EncRule(e + "cls_token", ("vit_emb.cls_token",), "lead", 2),
+        EncRule(e + "position_embeddings", ("vit_emb.pos_emb",), "lead", 1),
+        EncRule(e + "patch_embeddings.projection.weight", ("vit_emb.patch.weight",)),
+        EncRule(e + "patch_embeddings.projection.bias", ("vit_emb.patch.bias",)),
+    ]
+    b = cfg.block
+    layer = [
+        ("attention.attention.query", "attention.W_q", b.attn_bias),
+        ("attention.attention.key", "attention.W_k", b.attn_bias),
+        ("attention.attention.value", "attention.W_v", b.attn_bias),
+        ("attention.output.dense", "attention.W_o", True),
+        ("layernorm_before", "norm1", True),
+        ("intermediate.dense", "ffn.W_1", True),
+        ("output.dense", "ffn.W_2", True),
+        ("layernorm_after", "norm2", True),
+    ]
+    for i in range(cfg.num_blks):
+        for hf, ours, biased in layer:
+            for n in ("weight", "bias") if biased else ("weight",):
+                rules.append(
+                    EncRule(
+                        f"vit.encoder.layer.{i}.{hf}.{n}",
+                        (f"stack.blocks.{i}.{ours}.{n}",),
+                    )
+                )
+    for n in ("weight", "bias"):
+        rules.append(EncRule(f"vit.layernorm.{n}", (f"norm.{n}",)))
+        rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+    return rules
+
+
+VIT = register_encoder_family(
+    EncoderFamily(
+        name="vit",
+        classes=(_CLS,),
+        model_types=("vit",),
+        to_config=vit_config,
+        hf_fields=vit_fields,
+        rules=vit_rules,
+        build=lambda cfg, key: EncoderModel(cfg, key=key),
+        model_class=lambda cfg: _CLS,
+        owns=lambda m: isinstance(m, EncoderModel) and _expressible(m.cfg),
+        dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+        disk_name=_disk_name,
+    )
+)
