@@ -109,7 +109,8 @@ def test_bidirectional_window_mask_segments_bias_equal_numpy(impl, small_blocks)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", _impls("fused"))
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
 def test_no_causal_mask_by_default_with_lengths_per_sequence(impl, small_blocks):
     T = 9
     mha = bl.MultiHeadAttention(16, 4, key=jax.random.key(3))

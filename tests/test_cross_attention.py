@@ -127,6 +127,7 @@ def test_block_cross_branch_sits_between_attention_and_ffn(placement):
     assert b.cross_attn.rope_theta is None and b.cross_attn.window is None
 
 
+@pytest.mark.slow
 def test_stack_with_cross_attention_is_one_scan_and_equals_the_blocks():
     stack = Stack(
         lambda k: TransformerBlock(16, 4, cross_attention=True, key=k), 3,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._validate import ConfigError, check_float, check_ids
 from ..nn.moe import moe_forward
@@ -227,11 +227,11 @@ def _masked_mean(owner, logits, labels):
 
 def mlm_loss(
     model: Any,
-    ids: Int[Array, "B T"],
-    labels: Int[Array, "B T"],
+    ids: Int[ArrayLike, "B T"],
+    labels: Int[ArrayLike, "B T"],
     *,
     key_mask: Any = None,
-    segment_ids: Int[Array, "B T"] | None = None,
+    segment_ids: Int[ArrayLike, "B T"] | None = None,
     key: Any = None,
 ) -> Float[Array, ""]:
     r"""Masked-language-model loss: mean cross-entropy over the masked positions.
@@ -257,7 +257,7 @@ def mlm_loss(
 
 def mask_tokens(
     key: Any,
-    ids: Int[Array, "*batch T"],
+    ids: Int[ArrayLike, "*batch T"],
     *,
     mask_id: int,
     vocab_size: int,
@@ -286,9 +286,9 @@ def mask_tokens(
 
 def seq2seq_loss(
     model: Any,
-    src_ids: Int[Array, "B S"],
-    tgt_in: Int[Array, "B T"],
-    tgt_out: Int[Array, "B T"],
+    src_ids: Int[ArrayLike, "B S"],
+    tgt_in: Int[ArrayLike, "B T"],
+    tgt_out: Int[ArrayLike, "B T"],
     *,
     src_mask: Any = None,
     key: Any = None,
