@@ -13,6 +13,7 @@ import argparse
 from ..._validate import check_int
 from ...experiments import induction as study
 from ...experiments._seeds import check_seeds
+from .._format import minutes
 from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "induction"
@@ -47,11 +48,25 @@ def validate(args: argparse.Namespace) -> None:
     check_int("blocklab induction", "--steps", args.steps, min=1, optional=True)
 
 
-def run(args: argparse.Namespace) -> int:
+def _protocol(args: argparse.Namespace):
     protocol = study.PROTOCOLS[args.protocol]
     if args.seeds is not None:
         protocol = protocol.replace(seeds=tuple(args.seeds))
     if args.steps is not None:
         protocol = protocol.replace(steps=args.steps)
+    return protocol
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr)."""
+    p = _protocol(args)
+    return (
+        f"protocol {args.protocol}, {len(p.seeds)} seeds x {p.steps} steps, about "
+        f"{minutes(study.estimate_seconds(p))} on 2 CPU cores"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    protocol = _protocol(args)
     result = study.run_induction(protocol, progress=not args.no_progress)
     return print_with_figures(args, result, result.table)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ...experiments import mup as study
+from .._format import minutes
 from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "mup"
@@ -26,6 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-progress", action="store_true",
         help="no estimate and no progress bars on stderr",
     )  # fmt: skip
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr)."""
+    p = study.PROTOCOLS[args.protocol]
+    return (
+        f"protocol {p.name}, about {minutes(study.estimate_seconds(p))} on 2 CPU "
+        f"cores (coordinate check at widths {list(p.widths)}"
+        + (f", transfer study at {list(p.transfer_widths)}" if p.transfer else "")
+        + ")"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ...experiments import proxies as study
+from .._format import minutes
 from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "proxies"
@@ -30,6 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-progress", action="store_true",
         help="no estimate and no progress bars on stderr",
     )  # fmt: skip
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr)."""
+    p = study.PROTOCOLS[args.protocol]
+    seconds = study.estimate_seconds(p, len(args.variants))
+    return (
+        f"protocol {args.protocol}, {len(args.variants)} variants, about "
+        f"{minutes(seconds)} on 2 CPU cores"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
