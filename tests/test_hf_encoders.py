@@ -273,3 +273,106 @@ def test_vit_folders_both_ways(tmp_path):
         tmp_path / "ours"
     )
     _close(hf_logits(back.eval()), got)
+
+
+# ModernBERT --------------------------------------------------------------------
+
+
+def _modernbert(cls_name, seed, **fields):
+    transformers = pytest.importorskip("transformers")
+    from hf_models import randomize
+
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([2, 4]))
+    L = int(rng.integers(2, 5))
+    cfg = dict(
+        vocab_size=int(rng.integers(20, 60)),
+        hidden_size=heads * int(rng.choice([4, 8])),
+        intermediate_size=int(rng.integers(6, 30)),
+        num_hidden_layers=L,
+        num_attention_heads=heads,
+        local_attention=int(rng.choice([2, 4, 6])),
+        layer_types=[
+            "full_attention" if rng.random() < 0.4 else "sliding_attention"
+            for _ in range(L)
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        },
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        cls_token_id=2,
+        sep_token_id=1,
+        max_position_embeddings=64,
+    )
+    cfg.update(fields)
+    model = getattr(transformers, cls_name)(transformers.ModernBertConfig(**cfg))
+    return randomize(model, seed=seed, embeddings=1.0), rng
+
+
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))]
+)
+def test_modernbert_mlm_logits(seed):
+    """Random windows, local/global patterns, lengths past the window, padding."""
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _modernbert("ModernBertForMaskedLM", seed)
+    B, T = 3, int(rng.integers(5, 14))
+    ids, mask = _ragged(rng, B, T, hf.config.vocab_size)
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+        ).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    got = ours(jnp.asarray(ids), key_mask=jnp.asarray(mask))
+    _close(got, want, mask)
+
+
+@pytest.mark.parametrize(
+    "pooling", ["mean", pytest.param("cls", marks=pytest.mark.slow)]
+)
+def test_modernbert_sequence_classification(pooling):
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _modernbert(
+        "ModernBertForSequenceClassification", 5, num_labels=3,
+        classifier_pooling=pooling,
+    )  # fmt: skip
+    ids, mask = _ragged(rng, 3, 9, hf.config.vocab_size)
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+        ).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    _close(ours.classify(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want)
+
+
+def test_modernbert_folders_both_ways(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    hf, rng = _modernbert("ModernBertForMaskedLM", 6)
+    ids, mask = _ragged(rng, 2, 11, hf.config.vocab_size)
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(
+                input_ids=torch.tensor(ids),
+                attention_mask=torch.tensor(mask.astype(np.int64)),
+            ).logits.numpy()
+
+    hf.save_pretrained(tmp_path / "hf")
+    ours = blocklab.load_pretrained(tmp_path / "hf")
+    got = ours(jnp.asarray(ids), key_mask=jnp.asarray(mask))
+    _close(got, hf_logits(hf), mask)
+    blocklab.save_pretrained(ours, tmp_path / "ours")
+    back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "ours")
+    _close(hf_logits(back.eval()), got, mask)

@@ -144,6 +144,11 @@ class EncoderFamily:
             stored head may differ from the tied embedding (T5: `transformers`
             then keeps them untied); `None`: a differing tied tensor is an
             error.
+        constants: `constants(cfg, cls) -> {blocklab parameter: value}`, the
+            parameters the `transformers` model does not have, with the
+            constant they hold there (ModernBERT's LayerNorm biases without
+            `norm_bias`: 0; its layer 0's absent attention norm); export
+            refuses a model whose parameter differs from it.
         disk_name: `disk_name(key)`: the name on disk of an in-memory
             state-dict key, for a family that `transformers` renames on load
             (ViT); `None`: the same names.
@@ -163,6 +168,7 @@ class EncoderFamily:
     ignored: tuple[str, ...] = ()
     untie: Callable[[Any], Any] | None = None
     disk_name: Callable[[str], str] | None = None
+    constants: Callable[[Any, str], Mapping[str, float]] = lambda cfg, cls: {}
 
 
 #: Registered encoder families by short name.
@@ -322,7 +328,15 @@ def load_encoder_state_dict(
                 f"this config expects {expected[r.hf]}."
             )
         ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+    ours.update(_constants(fam, cfg, cls, shapes))
     return _complete(load_state_dict(skeleton, ours), fam, cfg)
+
+
+def _constants(fam, cfg, cls, shapes) -> dict[str, np.ndarray]:
+    return {
+        name: np.full(shapes[name], value, np.float32)
+        for name, value in fam.constants(cfg, cls).items()
+    }
 
 
 def encoder_state_dict(
@@ -333,6 +347,13 @@ def encoder_state_dict(
     fam = _family("to_huggingface_state_dict", model, family)
     cls = fam.model_class(model.cfg)
     ours = state_dict(model)
+    for name, value in fam.constants(model.cfg, cls).items():
+        if not np.all(ours[name] == value):
+            raise ConfigError(
+                f"to_huggingface_state_dict: the {cls} has no parameter {name} (it "
+                f"is {value} there), but this model's differs from {value}; the "
+                "transformers model would compute other outputs."
+            )
     return {r.hf: r.to_hf([ours[b] for b in r.bl]) for r in fam.rules(model.cfg, cls)}
 
 
@@ -434,6 +455,7 @@ def load_encoder_pretrained(
                     f"{owner}: {catalog.infos[r.hf].file}: tensor {r.hf!r} {bad}."
                 )
             ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+    ours.update(_constants(fam, cfg, cls, shapes))
     model = load_state_dict(skeleton, ours, dtype=dtype)
     return _complete(model, fam, cfg)
 

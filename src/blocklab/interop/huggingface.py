@@ -45,6 +45,7 @@ from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     llama,
     mistral,
     mixtral,
+    modernbert,
     olmo2,
     phi3,
     qwen2,
