@@ -553,7 +553,7 @@ def parse_bytes(value: Any, *, name: str = "memory_budget") -> int:
     return out
 
 
-def _gib(b: float) -> str:
+def _gib(b: int | float) -> str:
     return f"{b / 2**30:.3f}"
 
 
@@ -659,7 +659,7 @@ def step_flops(cfg: DecoderConfig, batch: int, seq_len: int, remat: str) -> floa
     return 3.0 * forward + recompute
 
 
-def _residuals_per_token(cfg: DecoderConfig, remat: str, seq_len: int) -> float:
+def _residuals_per_token(cfg: DecoderConfig, remat: str, seq_len: int) -> int | float:
     """Elements one block keeps per token for the backward pass (closed form).
 
     `"none"`: the block's input, both norms' outputs, q, k, v and their
