@@ -376,3 +376,42 @@ def test_modernbert_folders_both_ways(tmp_path):
     blocklab.save_pretrained(ours, tmp_path / "ours")
     back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "ours")
     _close(hf_logits(back.eval()), got, mask)
+
+
+# Refusals ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,fields,name",
+    [
+        (
+            "bert",
+            dict(position_embedding_type="relative_key"),
+            "position_embedding_type",
+        ),
+        ("bert", dict(is_decoder=True), "is_decoder"),
+        ("bert", dict(hidden_act="silu"), "hidden_act"),
+        ("bert", dict(brand_new_switch=True), "brand_new_switch"),
+        ("modernbert", dict(norm_bias=True), "norm_bias"),
+        ("modernbert", dict(hidden_activation="tanh"), "hidden_activation"),
+        ("modernbert", dict(local_attention=5), "local_attention"),
+        ("vit", dict(image_size=[8, 12]), "image_size"),
+    ],
+)
+def test_unimplemented_config_fields_refused_by_name(family, fields, name):
+    transformers = pytest.importorskip("transformers")
+    from blocklab.interop.hf_encoder import ENCODER_FAMILIES
+
+    small = {
+        "bert": (transformers.BertConfig, dict(hidden_size=8, num_attention_heads=2)),
+        "modernbert": (
+            transformers.ModernBertConfig,
+            dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=2),
+        ),
+        "vit": (transformers.ViTConfig, dict(hidden_size=8, num_attention_heads=2)),
+    }
+    config_cls, base = small[family]
+    fam = ENCODER_FAMILIES[family]
+    fam.to_config(config_cls(**base), fam.classes[0])  # the base converts
+    with pytest.raises(ConfigError, match=name):
+        fam.to_config(config_cls(**base, **fields), fam.classes[0])

@@ -339,3 +339,45 @@ def test_t5_folders_both_ways(tmp_path, tied):
     np.testing.assert_array_equal(
         np.asarray(again.head_weight), np.asarray(ours.head_weight)
     )
+
+
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        (dict(feed_forward_proj="gelu_fast"), "feed_forward_proj"),
+        (dict(feed_forward_proj="gated-tanh"), "feed_forward_proj"),
+        (dict(some_new_option=3), "some_new_option"),
+    ],
+)
+def test_t5_unimplemented_fields_refused_by_name(fields, name):
+    """An activation blocklab lacks, or a field it does not know, is refused
+    naming the field; T5 v1.0's relu and v1.1's gated-gelu are implemented."""
+    transformers = pytest.importorskip("transformers")
+    from blocklab.interop.t5 import t5_config
+
+    base = dict(vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2)
+    for ok in ("relu", "gated-gelu"):
+        cfg = t5_config(transformers.T5Config(**base, feed_forward_proj=ok))
+        assert cfg.block.act == {"relu": "relu", "gated-gelu": "geglu"}[ok]
+    with pytest.raises(ConfigError, match=name):
+        t5_config(transformers.T5Config(**base, **fields))
+
+
+def test_umt5_refused_by_name():
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    cfg = transformers.UMT5Config(
+        vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2
+    )
+    with pytest.raises(ConfigError, match="UMT5ForConditionalGeneration"):
+        blocklab.from_huggingface(transformers.UMT5ForConditionalGeneration(cfg))
+
+
+def test_t5_training_mode_refused():
+    pytest.importorskip("torch")
+    import blocklab
+
+    hf, _ = _t5(0)
+    with pytest.raises(ConfigError, match="dropout_rate"):
+        blocklab.from_huggingface(hf.train())
