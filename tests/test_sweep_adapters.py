@@ -55,6 +55,7 @@ def _assert_trees_close(a, b, atol):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.slow  # CI time; the adapter sweeps below start from a model too
 def test_sweep_from_a_model_equals_single_runs_from_it():
     """Every member starts from the model given (a stand-in for a loaded
     checkpoint): member k equals `train_model(model, ...)` at its rate and
@@ -100,25 +101,49 @@ def test_adapter_sweep_members_equal_their_own_rank_runs():
     assert isinstance(node, MaskedLoRALinear) and node.base.weight is None
     assert res.state.model.stack.blocks.ffn.W_1.weight is None
     assert res.base.stack.blocks.attention.W_q.A is None
-    for k in range(2):
-        start = lora(base, rank=ranks[k], alpha=8.0, targets=TARGETS,
-                     key=jax.random.key(seeds[k]))  # fmt: skip
-        one = train_model(start, _batches,
-                          lora_optimizer(optax.adamw(rates[k], weight_decay=0.0)), 3,
-                          key=jax.random.key(seeds[k]), progress=False)  # fmt: skip
-        np.testing.assert_allclose(res.losses[k], one.losses, rtol=1e-5)
-        got = res.model(k)
-        node = lora_layers(got)["stack.blocks.attention.W_q"]
-        assert isinstance(node, LoRALinear) and node.rank == ranks[k]
-        assert node.A.shape == (2, ranks[k], 32) and node.scale == 8.0 / ranks[k]
-        _assert_trees_close(got, one.model, atol=3e-5)
-        got_base, _ = unmerge_lora(got)
-        for a, b in zip(_arrays(got_base), _arrays(base), strict=True):
-            np.testing.assert_array_equal(a, b)
+    # member 0 is masked (rank 2 of 4): against its true rank-2 run; member 1
+    # (the largest rank, nothing masked) is checked in the slow test below
+    start = lora(base, rank=2, alpha=8.0, targets=TARGETS, key=jax.random.key(0))
+    one = train_model(start, _batches,
+                      lora_optimizer(optax.adamw(rates[0], weight_decay=0.0)), 3,
+                      key=jax.random.key(seeds[0]), progress=False)  # fmt: skip
+    np.testing.assert_allclose(res.losses[0], one.losses, rtol=1e-5)
+    got = res.model(0)
+    node = lora_layers(got)["stack.blocks.attention.W_q"]
+    assert isinstance(node, LoRALinear) and node.rank == 2
+    assert node.A.shape == (2, 2, 32) and node.scale == 8.0 / 2
+    _assert_trees_close(got, one.model, atol=3e-5)
+    got_base, _ = unmerge_lora(got)
+    for a, b in zip(_arrays(got_base), _arrays(base), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert lora_layers(res.model(1))["stack.blocks.ffn.W_2"].A.shape[:2] == (2, 4)
     # the padded rank of the rank-2 member stayed exactly zero
     padded = res.state.model.stack.blocks.attention.W_q
     np.testing.assert_array_equal(padded.A[0, :, 2:, :], 0.0)
     np.testing.assert_array_equal(padded.B[0, :, :, 2:], 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 3])
+def test_adapter_sweep_members_of_every_rank_equal_their_runs(rank):
+    """Ranks 1, 3 and 4 in one sweep (seeds and rates differing): the member of
+    rank `rank` equals its own rank-`rank` train_model run."""
+    base = _model()
+    ranks, rates, seeds = [1, 3, 4], [3e-2, 1e-2, 2e-2], [2, 0, 1]
+    res = train_sweep(
+        base, _batches, 3, model_keys=seeds, data_keys=seeds, learning_rates=rates,
+        adapters={"rank": ranks, "alpha": 5.0, "targets": TARGETS, "use_rslora": True},
+        progress=False,
+    )  # fmt: skip
+    k = ranks.index(rank)
+    start = lora(base, rank=rank, alpha=5.0, targets=TARGETS, use_rslora=True,
+                 key=jax.random.key(seeds[k]))  # fmt: skip
+    one = train_model(start, _batches,
+                      lora_optimizer(optax.adamw(rates[k], weight_decay=0.0)), 3,
+                      key=jax.random.key(seeds[k]), progress=False)  # fmt: skip
+    np.testing.assert_allclose(res.losses[k], one.losses, rtol=1e-5)
+    _assert_trees_close(res.model(k), one.model, atol=3e-5)
+    assert res.select(rank=rank).num_members == 1
 
 
 def test_mask_lora_round_trips_and_keeps_outputs():
