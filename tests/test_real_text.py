@@ -93,6 +93,7 @@ def test_probe_of_a_uniform_model_is_log2_v_per_token():
     np.testing.assert_allclose(float(probe(model)), 29 * math.log(50), rtol=1e-5)
 
 
+@pytest.mark.slow  # the default suite's transformers comparisons run the cut too
 def test_evaluate_text_cuts_first_windows_without_changing_the_score(monkeypatch):
     """`evaluate_text` runs a document's first window (scoring `seq_len - 1`
     tokens) as parts of at most `stride` scored tokens in the batches of the

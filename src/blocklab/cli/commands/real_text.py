@@ -19,7 +19,7 @@ from . import add_out_dir, add_protocol, print_with_figures
 
 NAME = "real_text"
 HELP = "real text: byte-level BPE vs bytes in bits per byte; save, reload, generate"
-OUTPUT_DIRS = ("out",)
+OUTPUT_DIRS = ("out", "save")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
