@@ -203,3 +203,74 @@ def test_cli_writes_a_real_census_section_and_json(tmp_path):
     # The chapter's census of the default d = 256 block (hand-counted:
     # 4 d^2 attention, 3 d f SwiGLU with f = 683, two d-wide gains).
     assert "787200" in text and "524544" in text and "262144" in text
+
+
+# ------------------------------------------- one source for the report's times
+def test_the_estimate_comes_from_the_measured_times(stub_sections, tmp_path,
+                                                    monkeypatch, capsys):  # fmt: skip
+    """A section measured in the mode's timing run is estimated by its measured
+    seconds (not the study's formula: 1 s and 600 s here); one not measured by
+    the formula, and the line says which."""
+    import blocklab.experiments.timing as timing
+
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"modes": {"cpu": {
+        "date": "2030-01-02", "machine": "test machine", "total_seconds": 1250,
+        "sections": {name: 5.0 for name in REPORT_SECTIONS
+                     if name not in ("census", "lr_sensitivity")}
+        | {"lr_sensitivity": 1200.0},
+    }}}))  # fmt: skip
+    monkeypatch.setattr(timing, "REPORT_TIMES", times)
+    monkeypatch.setattr(
+        report, "report_estimates",
+        lambda formulas, **kw: timing.report_estimates(formulas, path=times, **kw),
+    )  # fmt: skip
+    monkeypatch.setattr(report, "on_accelerator", lambda: False)
+    write_report(tmp_path / "out", only=["census", "lr_sensitivity", "signal"])
+    err = capsys.readouterr().err
+    # 1200 (measured) + 5 (measured) + 1 (census: the formula) = 1206 s = 20 min
+    assert "3 sections, about 20 min on 2 CPU cores" in err
+    assert "2 sections measured 2030-01-02, test machine; census estimated" in err
+    assert "lr_sensitivity: about 20 min" in err
+
+
+def test_a_finished_report_records_its_times(stub_sections, tmp_path):
+    """The report's last line gives the total and the mode; a timing run writes
+    the sections' times into the JSON the estimate reads."""
+    from blocklab.experiments import timing
+
+    path = write_report(tmp_path / "out", quick=True, progress=False)
+    mode, sections, total = timing.parse_report_times(path.read_text())
+    assert mode == "quick" and list(sections) == list(REPORT_SECTIONS)
+    assert 0 <= total < 60
+    times = tmp_path / "times.json"
+    entry = timing.record_report_times(path, machine="m", date="2030-01-01",
+                                       path=times)  # fmt: skip
+    assert timing.measured_report_times("quick", times) == entry
+    assert timing.measured_report_times("cpu", times) is None
+    assert entry["sections"].keys() == set(REPORT_SECTIONS)
+
+
+def test_the_readme_and_install_page_quote_the_measured_times():
+    """The README's figure and the install page's per-section times are the
+    package's report_times.json (one source; a timing run updates it)."""
+    from pathlib import Path
+
+    from blocklab.experiments import timing
+
+    root = Path(__file__).resolve().parents[1]
+    cpu = timing.measured_report_times("cpu")
+    took = f"took {timing.format_duration(cpu['total_seconds'])} end to end ({cpu['date']}"
+    assert took in " ".join((root / "README.md").read_text().split())
+    install = " ".join((root / "docs" / "install.md").read_text().split())
+    assert f"{cpu['date']}): {timing.format_duration(cpu['total_seconds'])}**" in install
+    for name, seconds in cpu["sections"].items():
+        label = {"activations": "train", "lr_sensitivity": "exercise 11"}.get(name, name)
+        assert f"{label} {seconds:g} s" in install, (name, seconds)
+
+
+def test_format_duration_by_hand():
+    from blocklab.experiments.timing import format_duration
+
+    assert format_duration(679) == "11 min 19 s"
+    assert format_duration(42.4) == "42 s" and format_duration(60) == "1 min 0 s"

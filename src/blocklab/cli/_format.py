@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["minutes"]
 
 
-def minutes(seconds: float) -> str:
+def minutes(seconds: float | int) -> str:
     """`42` -> `"42 s"`, `700` -> `"12 min"`, `20000` -> `"5.6 h"`."""
     if seconds < 90:
         return f"{seconds:.0f} s"

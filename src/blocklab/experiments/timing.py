@@ -115,7 +115,7 @@ def report_mode(*, quick: bool, full: bool) -> str:
     return "quick" if quick else "full" if full else "cpu"
 
 
-def format_duration(seconds: float) -> str:
+def format_duration(seconds: float | int) -> str:
     """`679` -> `"11 min 19 s"` (the README's form); under a minute `"42 s"`."""
     seconds = round(float(seconds))
     minutes, rest = divmod(seconds, 60)
