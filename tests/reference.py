@@ -16,7 +16,10 @@ import math
 import numpy as np
 
 MASK_VALUE = -1e6  # d2l's masked_softmax fills masked scores with -1e6
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "bilinear": "identity"}
+GATED = {
+    "swiglu": "silu", "geglu": "gelu", "reglu": "relu", "bilinear": "identity",
+    "geglu_exact": "gelu_exact",
+}  # fmt: skip
 UNGATED = ("relu", "gelu", "gelu_exact")
 ALL_ACTS = UNGATED + tuple(GATED)
 ALL_PLACEMENTS = ("post", "pre", "output", "sandwich")

@@ -14,8 +14,10 @@ from ref_blocks import block_and_dict
 import blocklab as bl
 
 D, H, T = 16, 4, 6
+# geglu_exact differs from geglu only in the FFN's phi (tests/test_ffn.py)
+BLOCK_ACTS = tuple(a for a in ref.ALL_ACTS if a != "geglu_exact")
 CONFIGS = list(
-    itertools.product(ref.ALL_PLACEMENTS, ("rms", "layer"), ref.ALL_ACTS, (False, True))
+    itertools.product(ref.ALL_PLACEMENTS, ("rms", "layer"), BLOCK_ACTS, (False, True))
 )
 
 

@@ -299,6 +299,9 @@ PROBES = {
     "attn_out_bias": True,
     "attn_softcap": 7.0,
     "attention_impl": "chunked",
+    "window_mode": "bidirectional",
+    "cross_attention": True,
+    "skip_attn_norm": True,
 }
 
 

@@ -26,7 +26,7 @@ def _ffn_dict(rng, act, bias, width):
     return sd
 
 
-def test_acts_are_the_seven_settings():
+def test_acts_are_the_eight_settings():
     assert bl.nn.ffn.ACTS == ref.ALL_ACTS
     assert set(bl.nn.ffn.GATED_ACTS) == set(ref.GATED)
 
