@@ -235,3 +235,40 @@ def test_adapter_sweep_refusals():
     with pytest.raises(ConfigError, match="target 'x' is not a projection"):
         train_sweep(base, _batches, 1, model_keys=[0],
                     adapters={**q, "targets": ["x"]}, **kw)  # fmt: skip
+
+
+SHARDED = """
+import json
+import jax, numpy as np
+from blocklab import TimeMachine
+from blocklab.nn.decoder import DecoderLM
+from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.training.sweep import train_sweep
+cfg = DecoderConfig.llama(32, 32, 4, 2, num_kv_heads=2, max_len=16)
+base = DecoderLM(cfg, key=jax.random.key(0))
+data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
+ids = np.arange(16) % 28
+res = train_sweep(base, data, 4, model_keys=[0, 1, 2], data_keys=[3, 4, 5],
+                  learning_rates=[1e-2, 2e-2, 3e-2], batch_size=4, steps_per_call=2,
+                  adapters={"rank": [2, 4, 8], "alpha": 8.0, "targets": ["q", "v"]},
+                  probe=lambda m: m(ids).max(), progress=False)
+B = res.state.model.stack.blocks.attention.W_v.B
+print(json.dumps({"devices": jax.device_count(), "losses": res.losses.tolist(),
+                  "val": res.val_loss.tolist(), "probes": res.probes.tolist(),
+                  "B": np.asarray(B).tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_adapter_sweep_on_4_devices_equals_1():
+    """K = 3 adapters (padded to 4 members) over 4 simulated devices, with
+    validation and a probe: the numbers of one device."""
+    from _procs import script_json
+
+    one = script_json(SHARDED, devices=1, timeout=600)
+    four = script_json(SHARDED, devices=4, timeout=600)
+    assert (one["devices"], four["devices"]) == (1, 4)
+    for name in ("losses", "val", "probes"):
+        np.testing.assert_allclose(four[name], one[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(four["B"], one["B"], rtol=1e-4, atol=1e-6)
+    assert np.abs(np.asarray(one["B"])).max() > 1e-3
