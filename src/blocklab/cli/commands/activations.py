@@ -10,6 +10,7 @@ from ...experiments import activations as study
 from ...experiments._render import dumps
 from ...experiments._seeds import check_seeds
 from ...nn.ffn import ACTS
+from .._format import minutes
 
 NAME = "activations"
 ALIASES = ("train",)
@@ -92,6 +93,19 @@ def validate(args: argparse.Namespace) -> None:
             f"{owner}: --num-hiddens must be a multiple of --num-heads, got "
             f"{args.num_hiddens} and {args.num_heads}."
         )
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr): the report's
+    calibration (0.26 s per step and run at the default size, plus
+    compilation), scaled by tokens x width^2."""
+    scale = (args.batch_size * args.seq_len) / (64 * 128) * (
+        args.num_blks * args.num_hiddens**2) / (2 * 128**2)  # fmt: skip
+    seconds = len(args.act) * len(args.seeds) * args.steps * 0.26 * scale + 20
+    return (
+        f"{len(args.act)} activations x {len(args.seeds)} seeds x {args.steps} "
+        f"steps, about {minutes(seconds)} on 2 CPU cores"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

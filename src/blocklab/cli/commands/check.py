@@ -11,6 +11,7 @@ import argparse
 from ..._validate import check_int
 from ...experiments import check as study
 from ...experiments._render import dumps
+from .._format import minutes
 from . import add_num_seeds, num_seeds_of
 
 NAME = "check"
@@ -33,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _num_seeds(args: argparse.Namespace) -> int:
     return num_seeds_of(args, 8 if args.full else 4)
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr): the report's
+    calibration (its table is `--full`)."""
+    seconds = study.report_estimate(quick=not args.full)
+    return f"{_num_seeds(args)} seeds, about {minutes(seconds)} on 2 CPU cores"
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from ..._validate import ConfigError
 from ...experiments import lr_sensitivity as study
 from ...experiments._render import dumps
 from ...experiments._seeds import MAX_SEED, check_seed
+from .._format import minutes
 from . import add_out_dir
 
 NAME = "lr_sensitivity"
@@ -85,6 +86,17 @@ def validate(args: argparse.Namespace) -> None:
         check_writable(path, owner=owner, name="--out figure")
     if args.lrs is not None:
         study._check_lrs(owner, args.lrs)
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr)."""
+    protocol = protocol_of(args)
+    lrs = tuple(args.lrs) if args.lrs else study.LRS
+    return (
+        f"protocol {'quick' if args.quick else 'full'}, {len(lrs)} rates x 2 "
+        f"models x {protocol.steps} steps, about "
+        f"{minutes(study.estimate_seconds(protocol, lrs))} on 2 CPU cores"
+    )
 
 
 def warn_if_slow(protocol: study.LRProtocol, lrs) -> None:
