@@ -48,7 +48,9 @@ def _run(cmd: list[str], xdg: Path, *, extra: list[str]) -> float:
     p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - t0
     if p.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-3000:]}"
+        )
     return seconds
 
 

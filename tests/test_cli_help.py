@@ -42,3 +42,19 @@ def test_census_help_describes_its_options():
     helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
     for flag in ("--num-hiddens", "--num-heads", "--norm", "--placement", "--bias"):
         assert helps[flag] and len(helps[flag]) > 10, flag
+
+
+#: The commands that run for minutes: each prints an estimate before it starts.
+LONG = ("activations", "check", "lr-sensitivity", "mup", "proxies", "induction")
+
+
+@pytest.mark.parametrize("name", LONG)
+def test_every_long_command_prints_an_estimate(name):
+    parser = cli.build_parser()
+    args = parser.parse_args([name])
+    line = cli._estimate_line(args)
+    assert line.startswith(f"blocklab {name}: ") and "about " in line
+    assert "2 CPU cores" in line
+    quiet = parser.parse_args([name, "--no-progress"]) if name != "check" else None
+    if quiet is not None:
+        assert cli._estimate_line(quiet) is None  # --no-progress: no line

@@ -96,7 +96,8 @@ def test_the_command_prints_verdicts_an_estimate_and_progress(fake_study, capsys
     out, err = capsys.readouterr()
     verdicts = json.loads(out)["verdicts"]
     assert {(v["parametrization"], v["passed"], v["threshold"]) for v in verdicts} == {
-        ("mup", True, t), ("standard", False, t)
+        ("mup", True, t),
+        ("standard", False, t),
     }
     assert "about" not in err and fake_study[-1] == ("quick", False)
 

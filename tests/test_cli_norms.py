@@ -172,7 +172,9 @@ def test_a_missing_peer_is_named_with_the_reason(monkeypatch, stubbed):
     r = study.run_norms(shape=SHAPE, reps=1, progress=False)
     assert set(r.missing) == {"nnx RMSNorm", "nnx LayerNorm"}
     table = r.table()
-    assert "| nnx RMSNorm (missing: flax is not installed (pip install flax)) |" in table
+    assert (
+        "| nnx RMSNorm (missing: flax is not installed (pip install flax)) |" in table
+    )
     assert "nnx LayerNorm (missing: flax is not installed" in table
     assert "not timed: nnx RMSNorm (flax is not installed" in r.summary()
     assert r.to_json()["missing"]["nnx LayerNorm"].startswith("flax is not installed")

@@ -69,7 +69,7 @@ def test_a_block_names_what_it_needs_and_an_extra_that_installs_it(source, used)
     named = {n.strip() for n in needs.group(1).split(",")}
     assert used <= named, f"imports {sorted(used)}, says it needs {sorted(named)}"
     extra = _EXTRA.match(source)
-    assert extra, 'second line should be \'# pip install "blocklab[EXTRA]"\''
+    assert extra, "second line should be '# pip install \"blocklab[EXTRA]\"'"
     extras = _extras()
     assert extra.group(1) in extras, f"no extra {extra.group(1)!r} in pyproject.toml"
     provided = extras[extra.group(1)]

@@ -260,12 +260,18 @@ def test_the_readme_and_install_page_quote_the_measured_times():
 
     root = Path(__file__).resolve().parents[1]
     cpu = timing.measured_report_times("cpu")
-    took = f"took {timing.format_duration(cpu['total_seconds'])} end to end ({cpu['date']}"
+    took = (
+        f"took {timing.format_duration(cpu['total_seconds'])} end to end ({cpu['date']}"
+    )
     assert took in " ".join((root / "README.md").read_text().split())
     install = " ".join((root / "docs" / "install.md").read_text().split())
-    assert f"{cpu['date']}): {timing.format_duration(cpu['total_seconds'])}**" in install
+    assert (
+        f"{cpu['date']}): {timing.format_duration(cpu['total_seconds'])}**" in install
+    )
     for name, seconds in cpu["sections"].items():
-        label = {"activations": "train", "lr_sensitivity": "exercise 11"}.get(name, name)
+        label = {"activations": "train", "lr_sensitivity": "exercise 11"}.get(
+            name, name
+        )
         assert f"{label} {seconds:g} s" in install, (name, seconds)
 
 

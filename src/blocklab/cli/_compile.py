@@ -89,9 +89,9 @@ class CompileNotices:
 
     `start()` registers the listeners and a polling thread; `stop()` removes
     them. `cached`: the persistent cache is on (the line says the next run
-    skips the compile). `write(line)` prints (default: `tqdm.write` to stderr, which keeps
-    progress bars intact). `events` lists `(fun_name, seconds)` of the
-    compiles that were announced, for tests.
+    skips the compile). `write(line)` prints (default: `tqdm.write` to
+    stderr, which keeps progress bars intact). `events` lists
+    `(fun_name, seconds)` of the compiles that were announced, for tests.
     """
 
     def __init__(
@@ -116,7 +116,9 @@ class CompileNotices:
         if event == _COMPILE_EVENT:
             with self._lock:
                 self._running[threading.get_ident()] = [
-                    str(kw.get("fun_name", "?")), time.monotonic(), False
+                    str(kw.get("fun_name", "?")),
+                    time.monotonic(),
+                    False,
                 ]
 
     def _on_duration(self, event, seconds, **kw):

@@ -331,8 +331,7 @@ def _call(args: argparse.Namespace, *, program: bool) -> int:
 
     def say() -> None:
         print(
-            f"blocklab {args._name}: interrupted; stopping (Ctrl-C again ends "
-            "it now)",
+            f"blocklab {args._name}: interrupted; stopping (Ctrl-C again ends it now)",
             file=sys.stderr,
             flush=True,
         )

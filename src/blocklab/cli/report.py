@@ -222,8 +222,7 @@ def _source(estimates: dict[str, float], measured: dict | None) -> str:
     text = (
         f"measured {measured['date']}, {measured['machine']}"
         if len(timed) == len(estimates)
-        else f"{len(timed)} sections measured {measured['date']}, "
-        f"{measured['machine']}"
+        else f"{len(timed)} sections measured {measured['date']}, {measured['machine']}"
     )
     if guessed:
         text += f"; {', '.join(guessed)} estimated (not in that timing run)"

@@ -571,7 +571,9 @@ class MupResult:
         out = []
         for name, r in self.coord.items():
             slopes = np.abs(np.asarray(list(r.final_slopes().values())))
-            value = float(np.nanmax(slopes)) if np.any(np.isfinite(slopes)) else math.nan
+            value = (
+                float(np.nanmax(slopes)) if np.any(np.isfinite(slopes)) else math.nan
+            )
             out.append({
                 "check": "coordinate check", "parametrization": name,
                 "measure": "max |slope| after the last step", "value": value,

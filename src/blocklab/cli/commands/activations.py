@@ -46,10 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model width, a multiple of --num-heads (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--num-heads", type=int, default=4, help="attention heads (default: %(default)s)"
+        "--num-heads",
+        type=int,
+        default=4,
+        help="attention heads (default: %(default)s)",
     )
     parser.add_argument(
-        "--num-blks", type=int, default=2, help="transformer blocks (default: %(default)s)"
+        "--num-blks",
+        type=int,
+        default=2,
+        help="transformer blocks (default: %(default)s)",
     )
     parser.add_argument(
         "--seq-len", type=int, default=128,
