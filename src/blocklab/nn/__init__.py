@@ -4,7 +4,8 @@
 `config` (`BlockConfig`, the block's options, declared and checked once),
 `inplace` (donating norms), `attention` (+ `attention_impls`), `cache`, `ffn`,
 `moe`, `block`, `stack`, `charlm`, `decoder_config` and `decoder` (real
-architectures), `moe_decoder`, `generation` and `init` (re-initialization). It
+architectures), `encoder_config`, `encoder` and `encoder_decoder` (BERT,
+ModernBERT, ViT, T5), `moe_decoder`, `generation` and `init` (re-initialization). It
 imports only the shared checks below it.
 """
 
@@ -14,6 +15,9 @@ from .charlm import CharLM
 from .config import BlockConfig
 from .decoder import DecoderLM
 from .decoder_config import DecoderConfig
+from .encoder import EncoderModel
+from .encoder_config import EncoderConfig, EncoderDecoderConfig
+from .encoder_decoder import EncoderDecoderLM
 from .ffn import ACTS, GATED_ACTS, FeedForward, ffn_width
 from .generation import generate
 from .inplace import layer_norm_, rms_norm_
@@ -30,6 +34,10 @@ __all__ = [
     "CharLM",
     "DecoderConfig",
     "DecoderLM",
+    "EncoderConfig",
+    "EncoderDecoderConfig",
+    "EncoderDecoderLM",
+    "EncoderModel",
     "FeedForward",
     "GATED_ACTS",
     "LayerNorm",

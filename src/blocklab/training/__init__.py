@@ -6,7 +6,14 @@ mesh by logical-axis rules (`placement`), one model trained on a mesh
 
 from .checkpoint import CheckpointError, load, save
 from .launcher import LaunchError, LaunchResult, launch_local
-from .losses import lm_loss, moe_loss, next_token_loss
+from .losses import (
+    lm_loss,
+    mask_tokens,
+    mlm_loss,
+    moe_loss,
+    next_token_loss,
+    seq2seq_loss,
+)
 from .member_axis import check_seeds, member_mesh, pad_members, sharded_map
 from .optimizers import optimizer, schedule_factor
 from .placement import logical_axes, mesh_of, shard
@@ -44,8 +51,10 @@ __all__ = [
     "load",
     "logical_axes",
     "make_train_step",
+    "mask_tokens",
     "member_mesh",
     "mesh_of",
+    "mlm_loss",
     "moe_loss",
     "next_token_loss",
     "optimizer",
@@ -53,6 +62,7 @@ __all__ = [
     "restore_sharded",
     "save",
     "save_sharded",
+    "seq2seq_loss",
     "shard",
     "schedule_factor",
     "sharded_map",
