@@ -521,7 +521,7 @@ FULL = MupProtocol("full", (64, 128, 256, 512, 1024), 10, seeds=(0, 1, 2),
                    transfer_widths=(64, 128, 256, 512),
                    transfer_steps=1000)  # fmt: skip
 #: About ten minutes on 2 CPU cores (`blocklab mup --protocol cpu`).
-CPU = MupProtocol("cpu", (32, 64, 128, 256), 5, seeds=(0, 1), max_slope=0.15,
+CPU = MupProtocol("cpu", (32, 64, 128, 256), 5, seeds=(0, 1), max_slope=0.3,
                   transfer=True, transfer_widths=(16, 32, 64, 128),
                   transfer_steps=100, transfer_seeds=(0, 1))  # fmt: skip
 #: The report's section on a CPU: the coordinate check only, small.
@@ -537,9 +537,9 @@ PROTOCOLS = {p.name: p for p in (FULL, CPU, REPORT, QUICK)}
 VERDICT_NOTES = {
     "full": "Threshold 0.1: on an H200 (2026-11-30) μP's slopes stayed within "
     "±0.04 and the standard parametrization's reached +2.8.",
-    "cpu": "Threshold 0.15: four widths 32..256 and two seeds; μP's slopes "
-    "measured on a 2-core CPU stay below it, the standard parametrization's "
-    "FFN and block outputs exceed it.",
+    "cpu": "Threshold 0.3: four widths 32..256 after 5 steps, two seeds. Measured "
+    "on a 2-core CPU (2026-12-01): μP max |slope| 0.14 (FFN output), standard "
+    "1.17 (FFN output).",
     "report": "Threshold 0.35: three widths 32..128 after 3 steps, one seed: "
     "noisy. Measured on a 2-core CPU (2026-12-01): μP max |slope| 0.25 (FFN "
     "output), standard 0.62 (attention logits).",
