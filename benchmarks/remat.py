@@ -50,14 +50,17 @@ from blocklab.training.losses import next_token_loss  # noqa: E402
 POLICIES = ("none", "dots", "full", "nested", "names:mlp.hook_post")
 
 
-def converted_llama(layers=4, width=256, heads=4, kv=2, vocab=512, max_len=2048):
+def converted_llama(
+    layers=8, width=128, heads=4, kv=2, vocab=512, max_len=2048, ffn=None
+):
     """A random-weight `transformers` Llama, converted (needs torch)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        hidden_size=width, intermediate_size=round(8 * width / 3),
+        hidden_size=width,
+        intermediate_size=round(8 * width / 3) if ffn is None else ffn,
         num_attention_heads=heads, num_key_value_heads=kv,
         num_hidden_layers=layers, max_position_embeddings=max_len,
         vocab_size=vocab, tie_word_embeddings=False,

@@ -188,3 +188,27 @@ def test_decoder_config_and_model_carry_the_policy():
     assert "remat" not in with_remat(model, fn).cfg.to_dict()  # not JSON
     with pytest.raises(ConfigError, match="DecoderConfig: remat must be"):
         DecoderConfig.llama(remat="some")
+
+
+@pytest.mark.slow  # every section of the GPU script at tiny sizes, in a child
+def test_the_gpu_script_runs_every_section_in_smoke_mode(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "gpu.py"), "--smoke",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["sections"]) == {"attention", "mfu", "decode", "sweep"}
+    for name, section in report["sections"].items():
+        assert "error" not in section, (name, section.get("traceback"))
+    assert (tmp_path / "gpu.md").read_text().startswith("Device:")
+    for pol in ("none", "dots", "full", "nested"):
+        assert report["sections"]["mfu"]["policies"][pol]["mfu"] > 0
