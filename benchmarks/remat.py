@@ -95,7 +95,11 @@ def measure(model, ids, policies=POLICIES, reps=3, precision="float32") -> dict:
     ref = None
     for pol in policies:
         t0 = time.perf_counter()
-        compiled, params = compile_policy(model, ids, pol, precision)
+        try:
+            compiled, params = compile_policy(model, ids, pol, precision)
+        except Exception as err:  # noqa: BLE001 - e.g. offload where unsupported
+            out[pol] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            continue
         compile_s = time.perf_counter() - t0
         m = compiled.memory_analysis()
         loss, grads = compiled(params, ids)
@@ -117,6 +121,7 @@ def measure(model, ids, policies=POLICIES, reps=3, precision="float32") -> dict:
             "max_grad_diff_vs_first": diff,
         }
         fns[pol] = (compiled, params)
+    policies = [p for p in policies if p in fns]
     times = {p: [] for p in policies}
     for _ in range(reps):
         for pol in policies:
@@ -152,6 +157,9 @@ def table(res: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for pol, r in res.items():
+        if "error" in r:
+            lines.append(f"| `{pol}` | {r['error']} | | | | |")
+            continue
         lines.append(
             f"| `{pol}` | {r['activation_bytes'] / mib:.1f} | "
             f"{100 * r['activation_saved']:.0f}% | {r['temp_bytes'] / mib:.1f} | "
