@@ -115,6 +115,21 @@ def test_a_checkpoint_policies_callable_reads_the_names():
     assert check_remat("t", policy) is policy
 
 
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_every_named_site_is_tagged_on_the_fast_attention_paths(impl):
+    sites = ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
+             "hook_attn_out", "mlp.hook_pre", "mlp.hook_post",
+             "hook_resid_post"]  # fmt: skip
+    stack = Stack(
+        lambda k: TransformerBlock(D, H, attention_impl=impl, key=k), 2,
+        remat="names:" + ",".join(sites), key=jax.random.key(0),
+    )  # fmt: skip
+    jaxpr = str(jax.make_jaxpr(jax.grad(_loss))(stack, _x()))
+    for site in sites:
+        assert f"name[name=blocks.*.{site}]" in jaxpr, site
+    assert "hook_pattern" not in jaxpr  # the reference path was not taken
+
+
 @pytest.mark.slow
 @pytest.mark.float64
 def test_dots_in_float32_against_none_in_float64():
