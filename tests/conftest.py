@@ -34,6 +34,12 @@ caller set is kept): XLA's HLO passes and fusions are the same, only LLVM
 optimises the generated machine code less. The suite then takes about 40 %
 less time on 2 CPU cores (718 s against 1239 s). Benchmarks never run under
 it (tests/test_suite_flags.py checks the rule).
+
+The `blocklab` command caches its compiled programs in the user's cache
+folder by default; the processes the tests start do not
+(`BLOCKLAB_COMPILE_CACHE=off`, unless the caller set it), so that a test run
+neither reads nor writes the user's cache and times the same on a clean
+machine. tests/test_cli_compile_cache.py turns it on for its own children.
 """
 
 import os
@@ -41,6 +47,8 @@ import os
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _FLAGS:
     os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+
+os.environ.setdefault("BLOCKLAB_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import jaxtyping  # noqa: E402
