@@ -35,7 +35,10 @@ def test_patchify_order_by_loop():
                 n += 1
 
 
-@pytest.mark.parametrize("C,p,d,H,W", [(3, 4, 8, 8, 12), (1, 2, 5, 6, 6)])
+@pytest.mark.parametrize(
+    "C,p,d,H,W",
+    [(3, 4, 8, 8, 12), pytest.param(1, 2, 5, 6, 6, marks=pytest.mark.slow)],
+)
 def test_patch_embed_equals_conv2d(C, p, d, H, W):
     torch = pytest.importorskip("torch")
     emb = PatchEmbed(C, p, d, key=jax.random.key(0))
@@ -45,7 +48,7 @@ def test_patch_embed_equals_conv2d(C, p, d, H, W):
     x = rng.normal(size=(2, C, H, W)).astype(np.float32)
     conv = torch.nn.functional.conv2d(
         torch.from_numpy(x),
-        torch.from_numpy(np.asarray(emb.weight)),
+        torch.from_numpy(np.array(emb.weight)),
         torch.from_numpy(bias),
         stride=p,
     )  # (B, d, H/p, W/p)
@@ -165,6 +168,7 @@ def test_bert_mlm_logits(seed):
     _close(got, want, mask)
 
 
+@pytest.mark.slow
 def test_bert_sequence_classification():
     torch = pytest.importorskip("torch")
     import blocklab
@@ -181,6 +185,7 @@ def test_bert_sequence_classification():
     _close(ours.classify(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want)
 
 
+@pytest.mark.slow
 def test_bert_folders_both_ways(tmp_path):
     """transformers' folder -> load_pretrained -> save_pretrained ->
     transformers: equal MLM logits at each step (tied decoder left out)."""
@@ -250,6 +255,7 @@ def test_vit_classification_logits(seed):
     _close(ours.classify(images=jnp.asarray(x)), want)
 
 
+@pytest.mark.slow
 def test_vit_folders_both_ways(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -334,7 +340,7 @@ def test_modernbert_mlm_logits(seed):
 
 
 @pytest.mark.parametrize(
-    "pooling", ["mean", pytest.param("cls", marks=pytest.mark.slow)]
+    "pooling", [pytest.param(p, marks=pytest.mark.slow) for p in ("mean", "cls")]
 )
 def test_modernbert_sequence_classification(pooling):
     torch = pytest.importorskip("torch")
@@ -354,6 +360,7 @@ def test_modernbert_sequence_classification(pooling):
     _close(ours.classify(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want)
 
 
+@pytest.mark.slow
 def test_modernbert_folders_both_ways(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -244,7 +244,7 @@ def _ragged(rng, B, T, vocab, lo=1):
 
 @pytest.mark.parametrize(
     "seed",
-    [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 8))],
+    [1, *(pytest.param(s, marks=pytest.mark.slow) for s in (0, *range(2, 8)))],
 )
 def test_t5_logits(seed):
     torch = pytest.importorskip("torch")

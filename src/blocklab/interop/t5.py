@@ -72,6 +72,10 @@ FIELDS = {
 
 
 def _token(hf: Any, name: str, default: int | None, vocab: int) -> int | None:
+    """The token id `name` of the config (`None` where it says none, e.g. no
+    end token); `default` where the config lacks it or it is not an id."""
+    if name == "eos_token_id" and hasattr(hf, name) and getattr(hf, name) is None:
+        return None
     v = getattr(hf, name, default)
     if isinstance(v, (list, tuple)):
         v = v[0] if v else None
