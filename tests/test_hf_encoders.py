@@ -422,3 +422,31 @@ def test_unimplemented_config_fields_refused_by_name(family, fields, name):
     fam.to_config(config_cls(**base), fam.classes[0])  # the base converts
     with pytest.raises(ConfigError, match=name):
         fam.to_config(config_cls(**base, **fields), fam.classes[0])
+
+
+def test_modernbert_legacy_config_json_reads_as_transformers():
+    """The original checkpoints' config.json (global_attn_every_n_layers,
+    global/local_rope_theta, unused legacy keys): the layer pattern, bases
+    and window transformers derives from it."""
+    import types
+
+    transformers = pytest.importorskip("transformers")
+    from blocklab.interop.modernbert import modernbert_config
+
+    raw = dict(
+        architectures=["ModernBertForMaskedLM"], model_type="modernbert",
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=7,
+        num_attention_heads=2, global_attn_every_n_layers=3, global_rope_theta=1000.0,
+        local_rope_theta=50.0, local_attention=6, layer_norm_eps=1e-5,
+        position_embedding_type="absolute", reference_compile=True,
+        gradient_checkpointing=False, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        cls_token_id=2, sep_token_id=1,
+    )  # fmt: skip
+    cfg = modernbert_config(types.SimpleNamespace(**raw), "ModernBertForMaskedLM")
+    hf = transformers.ModernBertConfig(**raw)
+    full = [i for i, t in enumerate(hf.layer_types) if t == "full_attention"]
+    assert list(cfg.global_layers) == full == [0, 3, 6]
+    assert cfg.block.window - 1 == hf.sliding_window == 3
+    thetas = cfg.layer_thetas()
+    for i, t in enumerate(hf.layer_types):
+        assert thetas[i] == hf.rope_parameters[t]["rope_theta"]

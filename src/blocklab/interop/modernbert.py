@@ -72,6 +72,11 @@ FIELDS = {
     "deterministic_flash_attn": False,
     "reference_compile": None,
     "repad_logits_with_grad": False,
+    # keys of the original checkpoints' config.json that no transformers 5
+    # code reads (the norms use norm_eps; the positions are RoPE)
+    "layer_norm_eps": None,
+    "position_embedding_type": None,
+    "gradient_checkpointing": False,
     # legacy keys folded into layer_types / rope_parameters, as transformers does
     "global_attn_every_n_layers": 3,
     "global_rope_theta": 160000.0,
