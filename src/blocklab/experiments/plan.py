@@ -610,12 +610,15 @@ class StepPlan:
         }
 
     def table(self) -> str:
-        head = ["remat", "microbatches", "GiB", "temp GiB", "est. s/step",
+        big = max(o.bytes for o in self.options) >= 2**30
+        unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+        head = ["remat", "microbatches", unit, f"temp {unit}", "est. s/step",
                 "from", "fits", ""]  # fmt: skip
         rows = [head]
         for o in self.options:
             rows.append([
-                o.remat, str(o.microbatches), _gib(o.bytes), _gib(o.temp_bytes),
+                o.remat, str(o.microbatches), f"{o.bytes / scale:.3f}",
+                f"{o.temp_bytes / scale:.3f}",
                 f"{o.seconds:.4g}", "compiled" if o.measured else "closed form",
                 "yes" if o.fits else "no", "<- chosen" if o == self.choice else "",
             ])  # fmt: skip
