@@ -85,7 +85,7 @@ print(f"Llama: {bl.count_params(model)} parameters, {layers} layers, width {d}")
 
 full, full_step = fine_tune(model, optax.adamw(1e-3), data)
 adapted = bl.lora(model, rank=8, alpha=16.0, targets=PROJECTIONS, key=jax.random.key(2))
-tuned, lora_step = fine_tune(adapted, lora_optimizer(optax.adamw(3e-3)), data)
+tuned, lora_step = fine_tune(adapted, lora_optimizer(optax.adamw(1e-2)), data)
 
 rows = [
     ("full fine-tuning", full, full_step),
@@ -120,10 +120,14 @@ with tempfile.TemporaryDirectory() as tmp:
         print("(transformers or peft not installed: the PEFT check is skipped)")
     else:
         peft_model = peft.PeftModel.from_pretrained(hf, folder).eval()
+        # blocklab.generate without eos_id never stops early; so that greedy
+        # decoding is the same rule on both sides, transformers must not stop
+        # at (or, with min_new_tokens, forbid) its eos id either
+        hf.generation_config.eos_token_id = None
         with torch.no_grad():
             theirs = peft_model.generate(
-                torch.tensor(prompt)[None], max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=0,
+                torch.tensor(prompt)[None], max_new_tokens=new, do_sample=False,
+                pad_token_id=0,
             )[0].numpy()  # fmt: skip
         print("PEFT's greedy tokens:    ", theirs[len(prompt) :].tolist())
         print("blocklab's greedy tokens:", ours[len(prompt) :].tolist())
