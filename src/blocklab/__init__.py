@@ -42,6 +42,10 @@ from .nn import (
     CharLM,
     DecoderConfig,
     DecoderLM,
+    EncoderConfig,
+    EncoderDecoderConfig,
+    EncoderDecoderLM,
+    EncoderModel,
     FeedForward,
     LayerNorm,
     MoEFeedForward,
@@ -53,6 +57,7 @@ from .nn import (
     layer_norm_,
     rms_norm_,
     with_attention_impl,
+    with_remat,
 )
 from .nn.functional import layer_norm, rms_norm, rope
 from .nn.lora import lora, merge_lora
@@ -84,6 +89,10 @@ __all__ = [
     "CharLM",
     "DecoderConfig",
     "DecoderLM",
+    "EncoderConfig",
+    "EncoderDecoderConfig",
+    "EncoderDecoderLM",
+    "EncoderModel",
     "FeedForward",
     "LayerNorm",
     "MoEFeedForward",
@@ -93,6 +102,7 @@ __all__ = [
     "TransformerBlock",
     "generate",
     "with_attention_impl",
+    "with_remat",
     # functions (blocklab.nn.functional, blocklab.nn.inplace)
     "layer_norm",
     "layer_norm_",
@@ -112,6 +122,7 @@ __all__ = [
     "make_train_step",
     "optimizer",
     "coord_check",
+    "plan_step",
     "save",
     "shard",
     "sharded_map",
@@ -153,7 +164,7 @@ _LAZY_PACKAGES = ("experiments", "cli")
 
 
 #: Public functions of lazy packages, imported on first use.
-_LAZY_NAMES = {"coord_check": "experiments.mup"}
+_LAZY_NAMES = {"coord_check": "experiments.mup", "plan_step": "experiments.plan"}
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@
 `functional` (norms, activations, RoPE, masked softmax), `normalization`,
 `config` (`BlockConfig`, the block's options, declared and checked once),
 `inplace` (donating norms), `attention` (+ `attention_impls`), `cache`, `ffn`,
-`moe`, `block`, `stack`, `charlm`, `decoder_config` and `decoder` (real
+`moe`, `block`, `stack` (+ `remat`, its policies), `charlm`, `decoder_config` and `decoder` (real
 architectures), `encoder_config`, `encoder` and `encoder_decoder` (BERT,
 ModernBERT, ViT, T5), `moe_decoder`, `generation` and `init` (re-initialization). It
 imports only the shared checks below it.
@@ -24,6 +24,7 @@ from .inplace import layer_norm_, rms_norm_
 from .moe import MoEFeedForward, MoEStats, MoETrace
 from .moe_decoder import MoEDecoderConfig
 from .normalization import NORMS, LayerNorm, RMSNorm
+from .remat import with_remat
 from .stack import Stack
 
 __all__ = [
@@ -56,4 +57,5 @@ __all__ = [
     "layer_norm_",
     "rms_norm_",
     "with_attention_impl",
+    "with_remat",
 ]
