@@ -188,6 +188,16 @@ def test_cli_json_of_a_tiny_run(tiny_run):
         np.testing.assert_allclose(
             rt.bits_per_byte(loss, tokens, data["val_bytes"]), final, rtol=1e-9
         )
+    for m in ("bpe", "char"):  # epochs: steps x batch x seq_len / training tokens
+        want = 12 * 8 * 32 / data["models"][m]["train_tokens"]
+        assert data["models"][m]["epochs"] == pytest.approx(want, rel=1e-12)
+        best = data["models"][m]["best_on_curve"]
+        i = data["probe_steps"].index(best["step"])
+        assert np.mean(curves[m][:, i]) == np.min(np.mean(curves[m], 0))
+    assert (
+        data["models"]["char"]["train_tokens"]
+        == len(rt.split_corpus(text, 0.1)[0].encode("utf-8")) + 2
+    )  # the bytes, the leading EOT and the closing one
     assert data["transformers_same"] is None
     assert data["greedy"].startswith(rt.EOT + TINY.prompt)
     assert data["folder"] == str(tmp / "model")
