@@ -139,7 +139,11 @@ def test_real_estimates_fit_the_cpu_budget():
     def total(**kw):
         return sum(s.estimate(**kw) for s in STUDIES)
 
-    assert 600 < total(quick=False, full=False) < 17 * 60
+    # What the report prints: measured section times where the timing run
+    # has them, the formulas elsewhere. The formulas alone are upper bounds.
+    printed, _ = report.estimate_sections(STUDIES, quick=False, full=False)
+    assert 600 < sum(printed.values()) < 17 * 60
+    assert sum(printed.values()) < total(quick=False, full=False) < 20 * 60
     assert total(quick=False, full=True) > 3600
     assert total(quick=True, full=False) < 8 * 60
 
