@@ -85,7 +85,7 @@ print(f"Llama: {bl.count_params(model)} parameters, {layers} layers, width {d}")
 
 full, full_step = fine_tune(model, optax.adamw(1e-3), data)
 adapted = bl.lora(model, rank=8, alpha=16.0, targets=PROJECTIONS, key=jax.random.key(2))
-tuned, lora_step = fine_tune(adapted, lora_optimizer(optax.adamw(1e-2)), data)
+tuned, lora_step = fine_tune(adapted, lora_optimizer(optax.adamw(3e-3)), data)
 
 rows = [
     ("full fine-tuning", full, full_step),
