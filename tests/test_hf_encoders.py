@@ -450,3 +450,32 @@ def test_modernbert_legacy_config_json_reads_as_transformers():
     thetas = cfg.layer_thetas()
     for i, t in enumerate(hf.layer_types):
         assert thetas[i] == hf.rope_parameters[t]["rope_theta"]
+
+
+def test_state_dicts_round_trip_and_constants_are_checked():
+    """to_huggingface_state_dict / load_huggingface_state_dict invert each
+    other for an encoder model; a parameter transformers lacks (ModernBERT's
+    LayerNorm bias) must hold its constant to export."""
+    transformers = pytest.importorskip("transformers")
+    from blocklab.interop import (
+        load_huggingface_state_dict,
+        to_huggingface_state_dict,
+    )
+    from blocklab.interop.modernbert import modernbert_config
+    from blocklab.nn.encoder import EncoderModel
+
+    hf = transformers.ModernBertConfig(
+        vocab_size=30, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=2, local_attention=4, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, cls_token_id=2, sep_token_id=1,
+    )  # fmt: skip
+    cfg = modernbert_config(hf, "ModernBertForMaskedLM")
+    model = EncoderModel(cfg, key=jax.random.key(0))
+    sd = to_huggingface_state_dict(model)
+    assert "decoder.weight" not in sd and "model.layers.0.attn_norm.weight" not in sd
+    back = load_huggingface_state_dict(cfg, sd)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    biased = eqx.tree_at(lambda m: m.emb_norm.bias, model, model.emb_norm.bias + 0.5)
+    with pytest.raises(ConfigError, match="emb_norm.bias"):
+        to_huggingface_state_dict(biased)

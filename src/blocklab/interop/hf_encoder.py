@@ -280,20 +280,45 @@ def _skeleton(fam: EncoderFamily, cfg: Any) -> Any:
     return eqx.filter_eval_shape(lambda k: fam.build(cfg, key=k), jax.random.key(0))
 
 
+def _family_of_config(owner: str, cfg: Any) -> EncoderFamily:
+    found = []
+    for fam in ENCODER_FAMILIES.values():
+        try:
+            if fam.owns(_skeleton(fam, cfg)):
+                found.append(fam)
+        except (ConfigError, TypeError, AttributeError):
+            continue
+    if len(found) != 1:
+        raise ConfigError(
+            f"{owner}: no single encoder family expresses this "
+            f"{type(cfg).__name__} (candidates: {[f.name for f in found]}); pass "
+            "family=."
+        )
+    return found[0]
+
+
 def load_encoder_state_dict(
-    cfg: Any, hf_state_dict: Mapping[str, Any], *, family: str, cls: str | None = None
+    cfg: Any,
+    hf_state_dict: Mapping[str, Any],
+    *,
+    family: str | None = None,
+    cls: str | None = None,
 ) -> Any:
     """The blocklab model of `cfg` with every weight from a `transformers`
-    state dict of the family `family` (class `cls`; default the family's
-    first). Tied tensors may be present (they must equal what they tie to).
+    state dict of the family `family` (default: the one family that
+    expresses `cfg`) and class `cls` (default: the class of `cfg`). Tied
+    tensors may be present (they must equal what they tie to).
 
     Raises:
         ConfigError: a missing or unexpected key, a wrong shape (named), a
             tied tensor that differs from its source.
     """
     owner = "load_huggingface_state_dict"
-    fam = ENCODER_FAMILIES.get(family) or encoder_family_for_class(family)
-    cls = cls or fam.classes[0]
+    if family:
+        fam = ENCODER_FAMILIES.get(family) or encoder_family_for_class(family)
+    else:
+        fam = _family_of_config(owner, cfg)
+    cls = cls or fam.model_class(cfg)
     given = {k: v for k, v in hf_state_dict.items() if k not in fam.ignored}
     for key, source in fam.tied(cfg, cls).items():
         if key in given:

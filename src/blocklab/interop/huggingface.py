@@ -37,6 +37,7 @@ import numpy as np
 from .._validate import ConfigError
 from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
+from ..nn.encoder_config import EncoderConfig, EncoderDecoderConfig
 from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     bert,
     gemma2,
@@ -63,7 +64,13 @@ from .hf_common import (
     register_family,
     resolve_family,
 )
-from .hf_encoder import encoder_from_huggingface, is_encoder_class
+from .hf_encoder import (
+    encoder_from_huggingface,
+    encoder_state_dict,
+    is_encoder_class,
+    is_encoder_model,
+    load_encoder_state_dict,
+)
 from .porting import check_keys, load_state_dict, param_shapes, state_dict
 
 __all__ = [
@@ -109,9 +116,13 @@ def hf_config_to_decoder(hf_config: Any, class_name: str) -> DecoderConfig:
 
 
 def to_huggingface_state_dict(
-    model: DecoderLM, *, family: str | None = None
+    model: Any, *, family: str | None = None
 ) -> dict[str, np.ndarray]:
     """The `transformers` state dict of `model`: `{key: numpy array}`.
+
+    A `DecoderLM`, or an encoder-family model (`interop.hf_encoder`: BERT,
+    ModernBERT, ViT, T5), whose tied tensors are left out as
+    `save_pretrained` of `transformers` leaves them out.
 
     Keys and layouts are those of the family's PyTorch model (`Conv1D`
     transposed and `c_attn` fused for GPT-2); a tied head has no
@@ -136,6 +147,8 @@ def to_huggingface_state_dict(
             family cannot express the model (naming each setting: a window,
             an attention scale, QK-norm, a norm placement, experts, ...).
     """
+    if is_encoder_model(model):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
+        return encoder_state_dict(model, family=family)
     if not isinstance(model, DecoderLM):
         raise ConfigError(
             f"to_huggingface_state_dict: model must be a DecoderLM, got "
@@ -162,12 +175,15 @@ def _to_numpy(value: Any) -> np.ndarray:
 
 
 def load_huggingface_state_dict(
-    model_or_config: DecoderLM | DecoderConfig,
+    model_or_config: Any,
     hf_state_dict: Mapping[str, Any],
     *,
     family: str | None = None,
-) -> DecoderLM:
+) -> Any:
     """A `DecoderLM` with every weight taken from a `transformers` state dict.
+
+    With an `EncoderConfig` or `EncoderDecoderConfig`, the encoder-family
+    model of that config instead (`interop.hf_encoder`).
 
     Args:
         model_or_config: a `DecoderLM` (its structure is kept, its weights
@@ -184,6 +200,8 @@ def load_huggingface_state_dict(
             (naming the key, and both shapes), or an `lm_head.weight` that
             differs from the tied embedding.
     """
+    if isinstance(model_or_config, (EncoderConfig, EncoderDecoderConfig)):
+        return load_encoder_state_dict(model_or_config, hf_state_dict, family=family)
     if isinstance(model_or_config, DecoderLM):
         model = model_or_config
     elif isinstance(model_or_config, DecoderConfig):
