@@ -89,3 +89,27 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused():
         _train(3)
     with pytest.raises(ConfigError, match="microbatches must lie in"):
         make_train_step(optax.sgd(0.1), _source, microbatches=0)
+
+
+@pytest.mark.slow
+def test_a_sweep_with_microbatches_takes_its_members_full_batch_steps():
+    from blocklab.training.sweep import train_sweep
+
+    def sweep(k):
+        return train_sweep(
+            _model(), _source, 2, data_keys=jax.random.split(jax.random.key(1), 2),
+            optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.5),
+            learning_rates=[0.5, 0.25], microbatches=k, progress=False,
+            steps_per_call=2,
+        )  # fmt: skip
+
+    full, two = sweep(1), sweep(2)
+    np.testing.assert_allclose(two.losses, full.losses, rtol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(two.state.model, eqx.is_inexact_array)),
+        jax.tree.leaves(eqx.filter(full.state.model, eqx.is_inexact_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigError, match="microbatches=3 does not divide"):
+        sweep(3)

@@ -60,7 +60,7 @@ from .nn import (
     with_remat,
 )
 from .nn.functional import layer_norm, rms_norm, rope
-from .nn.lora import lora, merge_lora
+from .nn.lora import lora, merge_lora, unmerge_lora
 from .training import (
     SweepResult,
     TrainResult,
@@ -152,6 +152,7 @@ __all__ = [
     # adapters (blocklab.nn.lora, blocklab.interop.peft)
     "lora",
     "merge_lora",
+    "unmerge_lora",
     "save_adapter",
     "load_adapter",
     # looking inside (blocklab.interp)

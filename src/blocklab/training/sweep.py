@@ -423,6 +423,7 @@ def train_sweep(
     loss_fn: Any = None,
     precision: str = "float32",
     batch_size: int | None = None,
+    microbatches: int = 1,
     steps_per_call: int = 25,
     probe: Callable[[Any], Any] | None = None,
     validate: bool = True,
@@ -473,6 +474,9 @@ def train_sweep(
         precision: `"float32"` or `"bf16"` (see `blocklab.training.step`).
         batch_size: sequences per step and member for a token dataset
             (default 64).
+        microbatches: each member's step accumulates the gradients of this
+            many microbatches (`make_train_step`), the full batch's update in
+            less activation memory; it must divide the batch.
         steps_per_call: steps fused per compiled call (also the probe period).
         probe: `probe(model) -> pytree of arrays`, evaluated on every member at
             step 0 and after every chunk (e.g. the largest attention logit on
@@ -576,8 +580,9 @@ def train_sweep(
     tx = _default_optimizer() if optimizer is None else optimizer
     values = _member_values(owner, hp, K)
     step = make_train_step(
-        tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision
-    )
+        tx, data, loss_fn=loss_fn, batch_size=batch_size, precision=precision,
+        microbatches=microbatches,
+    )  # fmt: skip
     has_validation = step.has_validation
     host = step.source if isinstance(step.source, HostSource) else None
     if host is not None and host._fn is not None:
