@@ -25,6 +25,8 @@ SLOW = {
     "convert_llama.py",
     "train_charlm.py",
     "lora_finetune.py",
+    "bert_mlm.py",
+    "t5_reverse.py",
     "02_charlm.ipynb",
     "03_signal_propagation.ipynb",
     "04_identities.ipynb",
