@@ -168,6 +168,98 @@ class ComparedByKey:
         return hash(self._key())
 
 
+class HoldsBlock(ComparedByKey):
+    """A model config that holds one `BlockConfig` as `block` and reads its
+    fields through (`cfg.num_hiddens` is `cfg.block.num_hiddens`)."""
+
+    def _key(self) -> tuple:
+        # Every field, and the block's per-layer data by value: two models
+        # differ when their windows or RoPE bases do (the block alone compares
+        # only their presence, so that the layers of one stack share it).
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return (type(self), *fields, self.block.window, self.block.rope_theta)
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names that are not the config's own: the block's
+        # fields read through (one value per field, no copies).
+        if name.startswith("_") or name == "block":
+            raise AttributeError(name)
+        block = self.__dict__.get("block")
+        if block is not None and name in {f.name for f in dataclasses.fields(block)}:
+            return getattr(block, name)
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r} (neither its own "
+            "field nor one of its block's)."
+        )
+
+    def _fields_dict(self) -> dict[str, Any]:
+        """The model's own fields, with `block` as a dict."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "block"
+        }
+        out["block"] = self.block.to_dict()
+        return out
+
+
+class LayerSchedule:
+    """Per-layer attention of a stack of one block: layer $i$ is global when
+    the block has no window or $i$ is in `global_layers`, local (window $w$,
+    RoPE base `local_rope_theta`) otherwise. Needs `block`, `num_blks`,
+    `global_layers`, `positions` and `local_rope_theta`."""
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer `layer` attends to every position (every earlier one
+        in a decoder)."""
+        if self.block.window is None:
+            return True
+        return self.global_layers is not None and layer in self.global_layers
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer window (0 = global attention)."""
+        w = self.block.window
+        return tuple(0 if self.is_global(i) else w for i in range(self.num_blks))
+
+    def layer_thetas(self) -> tuple[float, ...] | None:
+        """Per-layer RoPE base (`None` without RoPE, as with learned positions)."""
+        if self.positions != "rope":
+            return None
+        theta = self.block.rope_theta
+        local = theta if self.local_rope_theta is None else self.local_rope_theta
+        return tuple(
+            theta if self.is_global(i) else local for i in range(self.num_blks)
+        )
+
+
+def check_global_layers(
+    owner: str, layers: Any, window: int | None, num_blks: int
+) -> tuple[int, ...] | None:
+    """Return `global_layers` as a sorted tuple of unique layer indices in
+    $[0, N)$ (`None` stays `None`); it needs a window (the other layers are
+    local)."""
+    if layers is None:
+        return None
+    if window is None:
+        raise ConfigError(
+            f"{owner}: global_layers={layers!r} needs a window (the other "
+            "layers are local); set window or drop global_layers."
+        )
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ConfigError(
+            f"{owner}: global_layers must be a sequence of layer indices, "
+            f"got {layers!r}."
+        )
+    idx = tuple(
+        check_int(owner, "global_layers[i]", i, min=0, max=num_blks - 1) for i in layers
+    )
+    if list(idx) != sorted(set(idx)):
+        raise ConfigError(
+            f"{owner}: global_layers must be sorted and unique, got {layers!r}."
+        )
+    return idx
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockConfig(ComparedByKey):
     r"""Every option of a `TransformerBlock`, validated once, when built.

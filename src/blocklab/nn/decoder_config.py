@@ -22,7 +22,14 @@ from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from . import parametrization
-from .config import BlockConfig, ComparedByKey, check_option_names, ffn_width
+from .config import (
+    BlockConfig,
+    HoldsBlock,
+    LayerSchedule,
+    check_global_layers,
+    check_option_names,
+    ffn_width,
+)
 from .remat import check_remat
 
 __all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
@@ -43,7 +50,7 @@ CONFIG_CLASSES: dict[str, type] = {}
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
-class DecoderConfig(ComparedByKey):
+class DecoderConfig(LayerSchedule, HoldsBlock):
     r"""The hyperparameters of a `DecoderLM` (frozen, hashable, validated once).
 
     Two spellings build the same config:
@@ -228,28 +235,10 @@ class DecoderConfig(ComparedByKey):
         if block.window == 0:
             changes["window"] = None  # a window of 0 is global attention
         window = changes.get("window", block.window)
-        layers = self.global_layers
-        if layers is not None:
-            if window is None:
-                raise ConfigError(
-                    f"{_OWNER}: global_layers={layers!r} needs a window (the other "
-                    "layers are local); set window or drop global_layers."
-                )
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ConfigError(
-                    f"{_OWNER}: global_layers must be a sequence of layer indices, "
-                    f"got {layers!r}."
-                )
-            idx = tuple(
-                check_int(_OWNER, "global_layers[i]", i, min=0, max=self.num_blks - 1)
-                for i in layers
-            )
-            if list(idx) != sorted(set(idx)):
-                raise ConfigError(
-                    f"{_OWNER}: global_layers must be sorted and unique, got "
-                    f"{layers!r}."
-                )
-            put("global_layers", idx)
+        put(
+            "global_layers",
+            check_global_layers(_OWNER, self.global_layers, window, self.num_blks),
+        )
         if self.local_rope_theta is not None and window is None:
             raise ConfigError(
                 f"{_OWNER}: local_rope_theta={self.local_rope_theta!r} needs local "
@@ -306,26 +295,6 @@ class DecoderConfig(ComparedByKey):
                     f"object (json.dumps of generation_config.json), got {text!r:.80}."
                 )
 
-    def _key(self) -> tuple:
-        # Every field, and the block's per-layer data by value: two decoders
-        # differ when their windows or RoPE bases do (the block alone compares
-        # only their presence, so that the layers of one stack share it).
-        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return (type(self), *fields, self.block.window, self.block.rope_theta)
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only for names that are not the config's own: the block's
-        # fields read through (one value per field, no copies).
-        if name.startswith("_") or name == "block":
-            raise AttributeError(name)
-        block = self.__dict__.get("block")
-        if block is not None and name in {f.name for f in dataclasses.fields(block)}:
-            return getattr(block, name)
-        raise AttributeError(
-            f"{type(self).__name__} has no attribute {name!r} (neither its own "
-            "field nor one of its block's)."
-        )
-
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         CONFIG_CLASSES[cls.__name__] = cls
@@ -337,36 +306,10 @@ class DecoderConfig(ComparedByKey):
             self.parametrization, self.num_hiddens, self.base_width
         )
 
-    def is_global(self, layer: int) -> bool:
-        """Whether layer `layer` attends to every earlier position."""
-        if self.block.window is None:
-            return True
-        return self.global_layers is not None and layer in self.global_layers
-
-    def layer_windows(self) -> tuple[int, ...]:
-        """Per-layer window (0 = global attention)."""
-        w = self.block.window
-        return tuple(0 if self.is_global(i) else w for i in range(self.num_blks))
-
-    def layer_thetas(self) -> tuple[float, ...] | None:
-        """Per-layer RoPE base (`None` with learned positions)."""
-        if self.positions != "rope":
-            return None
-        theta = self.block.rope_theta
-        local = theta if self.local_rope_theta is None else self.local_rope_theta
-        return tuple(
-            theta if self.is_global(i) else local for i in range(self.num_blks)
-        )
-
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-friendly values (`block` as a dict, tuples as
         lists); `DecoderConfig(**d)` takes them back."""
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "block"
-        }
-        out["block"] = self.block.to_dict()
+        out = self._fields_dict()
         for name in ("global_layers", "eos_token_id"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])

@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
-from .config import ACTS, BlockConfig, ComparedByKey, check_option_names
+from .config import (
+    ACTS,
+    BlockConfig,
+    HoldsBlock,
+    LayerSchedule,
+    check_global_layers,
+    check_option_names,
+)
 
 __all__ = ["EncoderConfig", "EncoderDecoderConfig"]
 
@@ -52,7 +59,7 @@ def _block_from(owner, cls, num_hiddens, num_heads, block, options):
     return model, block
 
 
-class _ModelConfig(ComparedByKey):
+class _ModelConfig(HoldsBlock):
     """What both configs share: construction, block read-through, dicts."""
 
     def _init(self, vocab_size, num_hiddens, num_heads, num_blks, block, options):
@@ -75,30 +82,10 @@ class _ModelConfig(ComparedByKey):
     def _put(self, name, value):
         object.__setattr__(self, name, value)
 
-    def _key(self) -> tuple:
-        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return (type(self), *fields, self.block.window, self.block.rope_theta)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "block":
-            raise AttributeError(name)
-        block = self.__dict__.get("block")
-        if block is not None and name in {f.name for f in dataclasses.fields(block)}:
-            return getattr(block, name)
-        raise AttributeError(
-            f"{type(self).__name__} has no attribute {name!r} (neither its own "
-            "field nor one of its block's)."
-        )
-
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-friendly values (`block` as a dict, tuples as
         lists); `cls(**d)` takes them back."""
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "block"
-        }
-        out["block"] = self.block.to_dict()
+        out = self._fields_dict()
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     def _check_relative(self, owner):
@@ -115,7 +102,7 @@ class _ModelConfig(ComparedByKey):
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
-class EncoderConfig(_ModelConfig):
+class EncoderConfig(LayerSchedule, _ModelConfig):
     r"""The hyperparameters of an `EncoderModel` (frozen, hashable, validated once).
 
     `EncoderConfig(vocab_size, d, H, N, **options)` or
@@ -277,22 +264,10 @@ class EncoderConfig(_ModelConfig):
         if block.window == 0:
             changes["window"] = None
         window = changes.get("window", block.window)
-        layers = self.global_layers
-        if layers is not None:
-            if window is None:
-                raise ConfigError(
-                    f"{owner}: global_layers={layers!r} needs a window (the other "
-                    "layers are local)."
-                )
-            idx = tuple(
-                check_int(owner, "global_layers[i]", i, min=0, max=self.num_blks - 1)
-                for i in layers
-            )
-            if list(idx) != sorted(set(idx)):
-                raise ConfigError(
-                    f"{owner}: global_layers must be sorted and unique, got {layers!r}."
-                )
-            put("global_layers", idx)
+        put(
+            "global_layers",
+            check_global_layers(owner, self.global_layers, window, self.num_blks),
+        )
         if block.cross_attention:
             raise ConfigError(
                 f"{owner}: an encoder's blocks have no cross-attention, got "
@@ -300,26 +275,6 @@ class EncoderConfig(_ModelConfig):
             )
         if changes:
             put("block", dataclasses.replace(block, **changes))
-
-    def is_global(self, layer: int) -> bool:
-        if self.block.window is None:
-            return True
-        return self.global_layers is not None and layer in self.global_layers
-
-    def layer_windows(self) -> tuple[int, ...]:
-        """Per-layer window (0 = global attention)."""
-        w = self.block.window
-        return tuple(0 if self.is_global(i) else w for i in range(self.num_blks))
-
-    def layer_thetas(self) -> tuple[float, ...] | None:
-        """Per-layer RoPE base (`None` without RoPE)."""
-        if self.positions != "rope":
-            return None
-        theta = self.block.rope_theta
-        local = theta if self.local_rope_theta is None else self.local_rope_theta
-        return tuple(
-            theta if self.is_global(i) else local for i in range(self.num_blks)
-        )
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
