@@ -17,16 +17,21 @@ from typing import Any
 from ..nn.encoder import EncoderModel
 from ..nn.encoder_config import EncoderConfig
 from .hf_common import refuse, understood
-from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from .hf_encoder import (
+    BERT_ACTS,
+    HF_BERT_ACTS,
+    EncoderFamily,
+    EncRule,
+    layer_rules,
+    register_encoder_family,
+)
 
 __all__ = ["BERT", "bert_config", "bert_fields", "bert_rules"]
 
 _MLM, _SEQ = "BertForMaskedLM", "BertForSequenceClassification"
 
 #: `hidden_act` -> blocklab's `act` (BERT's "gelu" is the exact erf GELU).
-_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-         "relu": "relu"}  # fmt: skip
-_HF_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+_ACTS, _HF_ACTS = BERT_ACTS, HF_BERT_ACTS
 
 #: Every `BertConfig` field blocklab understands, with its default.
 FIELDS = {
@@ -156,24 +161,16 @@ def bert_rules(cfg: EncoderConfig, cls: str) -> list[EncRule]:
     for n in ("weight", "bias"):
         rules.append(EncRule(f"{p}embeddings.LayerNorm.{n}", (f"emb_norm.{n}",)))
     layer = [
-        ("attention.self.query", "attention.W_q"),
-        ("attention.self.key", "attention.W_k"),
-        ("attention.self.value", "attention.W_v"),
-        ("attention.output.dense", "attention.W_o"),
-        ("attention.output.LayerNorm", "norm1"),
-        ("intermediate.dense", "ffn.W_1"),
-        ("output.dense", "ffn.W_2"),
-        ("output.LayerNorm", "norm2"),
+        ("attention.self.query", "attention.W_q", True),
+        ("attention.self.key", "attention.W_k", True),
+        ("attention.self.value", "attention.W_v", True),
+        ("attention.output.dense", "attention.W_o", True),
+        ("attention.output.LayerNorm", "norm1", True),
+        ("intermediate.dense", "ffn.W_1", True),
+        ("output.dense", "ffn.W_2", True),
+        ("output.LayerNorm", "norm2", True),
     ]
-    for i in range(cfg.num_blks):
-        for hf, ours in layer:
-            for n in ("weight", "bias"):
-                rules.append(
-                    EncRule(
-                        f"{p}encoder.layer.{i}.{hf}.{n}",
-                        (f"stack.blocks.{i}.{ours}.{n}",),
-                    )
-                )
+    rules += layer_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
     if cls == _MLM:
         t = "cls.predictions."
         for hf, ours in (("transform.dense", "mlm_dense"),

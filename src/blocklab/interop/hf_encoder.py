@@ -68,6 +68,12 @@ __all__ = [
 #: ViT's `cls_token` `(1, 1, d)` and position table `(1, N + 1, d)`).
 ENC_RULE_KINDS = ("same", "T", "cat", "lead")
 
+#: BERT / ViT `hidden_act` -> blocklab's `act` (their `"gelu"` is the exact
+#: erf GELU, `"gelu_new"` the tanh one), and blocklab's `act` -> `hidden_act`.
+BERT_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
+             "relu": "relu"}  # fmt: skip
+HF_BERT_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+
 
 @dataclasses.dataclass(frozen=True)
 class EncRule:
@@ -114,6 +120,20 @@ class EncRule:
         if self.kind == "cat":
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return (1,) * self.lead + tuple(shapes[0])
+
+
+def layer_rules(
+    num_blks: int, hf_prefix: str, layer: Sequence[tuple[str, str, bool]]
+) -> list[EncRule]:
+    """The `EncRule`s of a stack's layers: for layer $i$ and each `(hf, ours,
+    biased)` of `layer`, `{hf_prefix}{i}.{hf}.weight` holds
+    `stack.blocks.{i}.{ours}.weight` (and `.bias` the bias when `biased`)."""
+    return [
+        EncRule(f"{hf_prefix}{i}.{hf}.{n}", (f"stack.blocks.{i}.{ours}.{n}",))
+        for i in range(num_blks)
+        for hf, ours, biased in layer
+        for n in (("weight", "bias") if biased else ("weight",))
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

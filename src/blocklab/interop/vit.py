@@ -20,14 +20,19 @@ from typing import Any
 from ..nn.encoder import EncoderModel
 from ..nn.encoder_config import EncoderConfig
 from .hf_common import refuse, understood
-from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from .hf_encoder import (
+    BERT_ACTS,
+    HF_BERT_ACTS,
+    EncoderFamily,
+    EncRule,
+    layer_rules,
+    register_encoder_family,
+)
 
 __all__ = ["VIT", "vit_config", "vit_fields", "vit_rules"]
 
 _CLS = "ViTForImageClassification"
-_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-         "relu": "relu"}  # fmt: skip
-_HF_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+_ACTS, _HF_ACTS = BERT_ACTS, HF_BERT_ACTS
 
 #: Every `ViTConfig` field blocklab understands, with its default.
 FIELDS = {
@@ -159,15 +164,7 @@ def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
         ("output.dense", "ffn.W_2", True),
         ("layernorm_after", "norm2", True),
     ]
-    for i in range(cfg.num_blks):
-        for hf, ours, biased in layer:
-            for n in ("weight", "bias") if biased else ("weight",):
-                rules.append(
-                    EncRule(
-                        f"vit.encoder.layer.{i}.{hf}.{n}",
-                        (f"stack.blocks.{i}.{ours}.{n}",),
-                    )
-                )
+    rules += layer_rules(cfg.num_blks, "vit.encoder.layer.", layer)
     for n in ("weight", "bias"):
         rules.append(EncRule(f"vit.layernorm.{n}", (f"norm.{n}",)))
         rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
