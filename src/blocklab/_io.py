@@ -20,7 +20,13 @@ from pathlib import Path
 
 from ._validate import ConfigError
 
-__all__ = ["atomic_dir", "atomic_path", "atomic_write", "check_writable"]
+__all__ = [
+    "atomic_dir",
+    "atomic_path",
+    "atomic_write",
+    "check_folder_target",
+    "check_writable",
+]
 
 
 @contextlib.contextmanager
@@ -95,13 +101,7 @@ def atomic_dir(
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{owner}: {path} exists and is not a folder.")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"{owner}: the folder {path} exists and is not empty; pass "
-            "overwrite=True to replace it."
-        )
+    check_folder_target(path, owner=owner, overwrite=overwrite)
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
     except FileNotFoundError:
@@ -154,6 +154,19 @@ def atomic_write(path: str | Path, data: bytes | str, *, owner: str = "write") -
     with atomic_path(path, owner=owner) as tmp:
         tmp.write_bytes(blob)
     return Path(path)
+
+
+def check_folder_target(path: str | Path, *, owner: str, overwrite: bool) -> None:
+    """Raise a `ConfigError` unless `path` can become a folder: it is absent,
+    an empty folder, or a folder and `overwrite` is set."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{owner}: {path} exists and is not a folder.")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{owner}: the folder {path} exists and is not empty; pass "
+            "overwrite=True to replace it."
+        )
 
 
 def check_writable(path: str | Path, *, owner: str, name: str) -> Path:

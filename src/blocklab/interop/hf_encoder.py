@@ -33,7 +33,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._io import atomic_dir, check_writable
+from .._io import atomic_dir, check_folder_target, check_writable
 from .._validate import ConfigError, check_bool, check_choice
 from ..training.checkpoint import CheckpointError
 from .porting import _non_finite, load_state_dict, param_shapes, state_dict
@@ -532,13 +532,7 @@ def save_encoder_pretrained(
     folder = Path(path)
     max_bytes = parse_size(owner, max_shard_size)
     overwrite = check_bool(owner, "overwrite", overwrite)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{owner}: {folder} exists and is not a folder.")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"{owner}: the folder {folder} exists and is not empty; pass "
-            "overwrite=True to replace it."
-        )
+    check_folder_target(folder, owner=owner, overwrite=overwrite)
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
     fam = _family(owner, model, family)
     cfg = model.cfg

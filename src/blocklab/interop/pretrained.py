@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._io import atomic_dir, check_writable
+from .._io import atomic_dir, check_folder_target, check_writable
 from .._validate import ConfigError, check_bool
 from ..nn.decoder import DecoderLM, set_layer_data
 from ..nn.decoder_config import DecoderConfig
@@ -920,13 +920,7 @@ def save_pretrained(
     folder = _folder(owner, path)
     max_bytes = parse_size(owner, max_shard_size)
     overwrite = check_bool(owner, "overwrite", overwrite)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{owner}: {folder} exists and is not a folder.")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"{owner}: the folder {folder} exists and is not empty; pass "
-            "overwrite=True to replace it."
-        )
+    check_folder_target(folder, owner=owner, overwrite=overwrite)
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
     fam = resolve_family(owner, model.cfg, family, check=True)
     ids, generation = _usage(
