@@ -597,6 +597,26 @@ def get_field(hf_config: Any, field: str, default: Any = None) -> Any:
     return getattr(hf_config, field, default)
 
 
+def eval_config(hf_model: Any, cls: str, dropout_fields: Sequence[str]) -> Any:
+    """The config of `hf_model` (of class `cls`); refuses a model without one,
+    or in training mode with a dropout rate of `dropout_fields` above 0."""
+    hf_config = getattr(hf_model, "config", None)
+    if hf_config is None:
+        raise ConfigError(f"from_huggingface: the {cls} has no config attribute.")
+    if getattr(hf_model, "training", False):
+        for field in dropout_fields:
+            rate = get_field(hf_config, field, 0.0) or 0.0
+            if rate > 0:
+                raise refuse(
+                    cls,
+                    field,
+                    rate,
+                    "the model is in training mode, so dropout is active; call "
+                    "hf_model.eval() first",
+                )
+    return hf_config
+
+
 def require(cls: str, hf_config: Any, field: str, allowed: Sequence[Any], why: str):
     """The field's value if it is one of `allowed`, else `refuse`."""
     value = get_field(hf_config, field)

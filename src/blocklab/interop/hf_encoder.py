@@ -36,6 +36,7 @@ import numpy as np
 from .._io import atomic_dir, check_folder_target, check_writable
 from .._validate import ConfigError, check_bool, check_choice
 from ..training.checkpoint import CheckpointError
+from .hf_common import eval_config
 from .porting import _non_finite, load_state_dict, param_shapes, state_dict
 from .safetensors_io import (
     CONFIG_NAME,
@@ -407,18 +408,7 @@ def encoder_from_huggingface(hf_model: Any) -> Any:
     (float32 weights); its outputs equal the PyTorch model's."""
     cls = type(hf_model).__name__
     fam = encoder_family_for_class(cls)
-    hf_config = getattr(hf_model, "config", None)
-    if hf_config is None:
-        raise ConfigError(f"from_huggingface: the {cls} has no config attribute.")
-    if getattr(hf_model, "training", False):
-        for field in fam.dropout_fields:
-            rate = getattr(hf_config, field, 0.0) or 0.0
-            if rate > 0:
-                raise ConfigError(
-                    f"from_huggingface: {cls} config field {field}={rate!r}: the "
-                    "model is in training mode, so dropout is active; call "
-                    "hf_model.eval() first."
-                )
+    hf_config = eval_config(hf_model, cls, fam.dropout_fields)
     cfg = fam.to_config(hf_config, cls)
     rename = fam.disk_name or (lambda k: k)
     sd = {rename(k): v.float() for k, v in hf_model.state_dict().items()}

@@ -58,9 +58,9 @@ from .hf_common import (
     FAMILIES,
     HFFamily,
     Rule,
+    eval_config,
     family_for_class,
     get_field,
-    refuse,
     register_family,
     resolve_family,
 )
@@ -350,20 +350,7 @@ def from_huggingface(hf_model: Any) -> Any:
     if is_encoder_class(cls):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
         return encoder_from_huggingface(hf_model)
     fam = family_for_class(cls)
-    hf_config = getattr(hf_model, "config", None)
-    if hf_config is None:
-        raise ConfigError(f"from_huggingface: the {cls} has no config attribute.")
-    if getattr(hf_model, "training", False):
-        for field in fam.dropout_fields:
-            rate = get_field(hf_config, field, 0.0) or 0.0
-            if rate > 0:
-                raise refuse(
-                    cls,
-                    field,
-                    rate,
-                    "the model is in training mode, so dropout is active; call "
-                    "hf_model.eval() first",
-                )
+    hf_config = eval_config(hf_model, cls, fam.dropout_fields)
     _check_model_matches_config(cls, hf_model, hf_config)
     cfg = fam.to_config(hf_config)
     sd = hf_model.state_dict()
