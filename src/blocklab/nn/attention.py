@@ -17,7 +17,7 @@ from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
 from . import init
 from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
-from .cache import AttentionCache, check_start, write_cache
+from .cache import AttentionCache, check_per_sequence, check_start, write_cache
 from .config import QK_NORMS, BlockConfig, as_config
 from .functional import (
     _check_int_array,
@@ -219,6 +219,23 @@ class MultiHeadAttention(eqx.Module):
         if self.window is None or self.window_mode == "causal":
             return None
         return self.window - 1
+
+    def _check_x(
+        self, owner: str, x: Any, what: str = "a sequence x", T: str = "T"
+    ) -> tuple[tuple[int, ...], int, int, int, int, int]:
+        """Check that `x` is a float array `(..., T, num_hiddens)`; return its
+        batch shape and length with the head sizes: `(lead, T, H, KV, p, G)`
+        ($G = H / KV$ query heads per key-value head)."""
+        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
+            raise ConfigError(
+                f"{owner} acts on {what} of shape ({T}, num_hiddens="
+                f"{self.num_hiddens}) (or a batch (..., {T}, num_hiddens)), got "
+                f"x.shape={tuple(x.shape)}."
+            )
+        check_float_input(x, owner)
+        *lead, length, _ = x.shape
+        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
+        return tuple(lead), length, H, KV, p, H // KV
 
     def _visible(self, valid_lens, lead, T, segment_ids=None, key_mask=None):
         """The `(..., Tq, Tk)` visibility mask, or None when every key is visible."""
@@ -517,16 +534,7 @@ class MultiHeadAttention(eqx.Module):
             the new keys and values alone).
         """
         owner = "MultiHeadAttention.step"
-        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ConfigError(
-                f"{owner}: x must have shape (..., Tq, num_hiddens="
-                f"{self.num_hiddens}), got x.shape={tuple(x.shape)}."
-            )
-        check_float_input(x, owner)
-        *lead, Tq, _ = x.shape
-        lead = tuple(lead)
-        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
-        G = H // KV
+        lead, Tq, H, KV, p, G = self._check_x(owner, x, "x", "Tq")
         L = cache.v.shape[-2] if cache.v.ndim >= 2 else 0
         want = {"k": (*lead, KV, p, L), "v": (*lead, KV, L, p)}
         for name, shape in want.items():
@@ -611,16 +619,7 @@ class MultiHeadAttention(eqx.Module):
         after the soft-cap. `weights` are the pattern after any edit of
         `hook_pattern` (or `hook_attn_scores`).
         """
-        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ConfigError(
-                f"MultiHeadAttention acts on a sequence x of shape (T, "
-                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
-                f"num_hiddens)), got x.shape={tuple(x.shape)}."
-            )
-        check_float_input(x, "MultiHeadAttention")
-        *lead, T, _ = x.shape
-        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
-        G = H // KV
+        lead, T, H, KV, p, G = self._check_x("MultiHeadAttention", x)
         visible = self._visible(valid_lens, lead, T, segment_ids, key_mask)
         score_bias = check_score_bias(
             "MultiHeadAttention", score_bias, tuple(lead), H, T, T
@@ -740,13 +739,7 @@ class MultiHeadAttention(eqx.Module):
             The shape and dtype of `x`.
         """
         owner = "MultiHeadAttention"
-        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ConfigError(
-                f"MultiHeadAttention acts on a sequence x of shape (T, "
-                f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
-                f"num_hiddens)), got x.shape={tuple(x.shape)}."
-            )
-        check_float_input(x, owner)
+        lead, T, H, KV, p, G = self._check_x(owner, x)
         dropout_on = key is not None and self.dropout > 0
         impl = self._impl(impl, x.shape[-2], x.dtype, dropout_on, owner)
         if impl == "reference" or (
@@ -756,10 +749,6 @@ class MultiHeadAttention(eqx.Module):
                 x, valid_lens, positions=positions, segment_ids=segment_ids,
                 key_mask=key_mask, score_bias=score_bias, key=key, hooks=hooks,
             ).output  # fmt: skip
-        *lead, T, _ = x.shape
-        lead = tuple(lead)
-        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
-        G = H // KV
 
         def rows(a):
             return impls.as_rows(a, lead, T)
@@ -893,16 +882,7 @@ class MultiHeadAttention(eqx.Module):
             The shape and dtype of `x`.
         """
         owner = "MultiHeadAttention.cross"
-        if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
-            raise ConfigError(
-                f"{owner} acts on x of shape (Tq, num_hiddens={self.num_hiddens}) "
-                f"(or a batch (..., Tq, num_hiddens)), got x.shape={tuple(x.shape)}."
-            )
-        check_float_input(x, owner)
-        *lead, Tq, _ = x.shape
-        lead = tuple(lead)
-        H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
-        G = H // KV
+        lead, Tq, H, KV, p, G = self._check_x(owner, x, "x", "Tq")
         if kv is None:
             context = self._check_context(owner, context)
             if tuple(context.shape[:-2]) != lead:
@@ -920,17 +900,10 @@ class MultiHeadAttention(eqx.Module):
         Tk = kv.v.shape[-2]
         visible = None  # (*lead, 1, Tk)
         if context_lens is not None:
-            lens = _check_int_array(owner, "context_lens", context_lens)
-            try:
-                ok = np.broadcast_shapes(lens.shape, lead) == lead
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ConfigError(
-                    f"{owner}: context_lens must be a scalar or have the batch "
-                    f"shape {lead} (one length per sequence), got shape "
-                    f"{tuple(lens.shape)}."
-                )
+            lens = check_per_sequence(
+                owner, "context_lens", context_lens, lead,
+                f"{lead} (one length per sequence)",
+            )  # fmt: skip
             visible = (jnp.arange(Tk) < jnp.asarray(lens)[..., None])[..., None, :]
         if context_mask is not None:
             m = check_key_mask(owner, "context_mask", context_mask, (*lead, Tk))

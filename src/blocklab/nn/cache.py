@@ -106,18 +106,27 @@ def write_cache(
     return AttentionCache(put_k(cache.k, rows.k), put_v(cache.v, rows.v))
 
 
-def check_start(owner: str, start: Any, lead: tuple, Tq: int, max_len: int) -> Array:
-    """`start` checked and broadcast to the batch shape `lead` (int32)."""
-    arr = _check_int_array(owner, "start", start)
+def check_per_sequence(
+    owner: str, name: str, value: Any, lead: tuple, shape: str
+) -> Array:
+    """`value` checked as integers that are a scalar or broadcast to the batch
+    shape `lead` (`shape` names it in the error); returned as an array."""
+    arr = _check_int_array(owner, name, value)
     try:
         ok = np.broadcast_shapes(arr.shape, lead) == lead
     except ValueError:
         ok = False
     if not ok:
         raise ConfigError(
-            f"{owner}: start must be a scalar or have the batch shape "
-            f"x.shape[:-2] = {lead}, got shape {tuple(arr.shape)}."
+            f"{owner}: {name} must be a scalar or have the batch shape "
+            f"{shape}, got shape {tuple(arr.shape)}."
         )
+    return arr
+
+
+def check_start(owner: str, start: Any, lead: tuple, Tq: int, max_len: int) -> Array:
+    """`start` checked and broadcast to the batch shape `lead` (int32)."""
+    arr = check_per_sequence(owner, "start", start, lead, f"x.shape[:-2] = {lead}")
     if not isinstance(start, jax.core.Tracer):
         top = int(np.max(np.asarray(start))) if np.size(start) else 0
         if top + Tq > max_len:
