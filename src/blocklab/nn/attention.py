@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -18,7 +16,7 @@ from . import attention_impls as impls
 from . import init
 from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
 from .cache import AttentionCache, check_per_sequence, check_start, write_cache
-from .config import QK_NORMS, BlockConfig, as_config
+from .config import QK_NORMS, BlockConfig, as_config, replace_static
 from .functional import (
     _check_int_array,
     _lengths,
@@ -996,32 +994,10 @@ def with_attention_impl(model: Any, impl: str) -> Any:
             f"a {type(model).__name__}; pass a layer, a block, a stack or a model."
         )
 
-    def is_module(node):
-        return isinstance(node, eqx.Module)
-
-    def walk(node):
-        if not is_module(node):
-            return node
-        new = copy.copy(node)
-        for f in dataclasses.fields(node):
-            if not hasattr(node, f.name):
-                continue
-            value = getattr(node, f.name)
-            if f.metadata.get("static", False):
-                if isinstance(node, MultiHeadAttention) and f.name == "attention_impl":
-                    value = impl
-                elif (
-                    dataclasses.is_dataclass(value)
-                    and not isinstance(value, type)
-                    and "attention_impl" in {g.name for g in dataclasses.fields(value)}
-                ):
-                    value = dataclasses.replace(value, attention_impl=impl)
-            else:
-                value = jax.tree_util.tree_map(walk, value, is_leaf=is_module)
-            object.__setattr__(new, f.name, value)
-        return new
-
-    return jax.tree_util.tree_map(walk, model, is_leaf=is_module)
+    out, _ = replace_static(
+        model, "attention_impl", impl, lambda n: isinstance(n, MultiHeadAttention)
+    )
+    return out
 
 
 def check_segment_ids(owner: str, segment_ids, shape) -> Array:

@@ -13,11 +13,14 @@ FFN width rule (`ffn_width`) sit here, below the modules that use them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
+import jax
 import numpy as np
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
@@ -505,3 +508,42 @@ def as_config(
     except ConfigError as err:  # name the module the user called
         message = str(err).removeprefix("BlockConfig: ")
         raise ConfigError(f"{owner}: {message}") from None
+
+
+def replace_static(
+    model: Any, name: str, value: Any, target: Callable[[Any], bool]
+) -> tuple[Any, list[Any]]:
+    """`model` with the static field `name` set to `value` on every module
+    that `target` accepts, and on every static config (a dataclass) that has
+    a field `name` (`BlockConfig`, `DecoderConfig`), so that a saved config
+    rebuilds the changed model; the arrays are shared, not copied. Returns
+    `(new_model, changed)`, `changed` the target modules (as found)."""
+    found: list[Any] = []
+
+    def is_module(node):
+        return isinstance(node, eqx.Module)
+
+    def walk(node):
+        if not is_module(node):
+            return node
+        new = copy.copy(node)
+        for f in dataclasses.fields(node):
+            if not hasattr(node, f.name):
+                continue
+            v = getattr(node, f.name)
+            if f.metadata.get("static", False):
+                if f.name == name and target(node):
+                    found.append(node)
+                    v = value
+                elif (
+                    dataclasses.is_dataclass(v)
+                    and not isinstance(v, type)
+                    and name in {g.name for g in dataclasses.fields(v)}
+                ):
+                    v = dataclasses.replace(v, **{name: value})
+            else:
+                v = jax.tree_util.tree_map(walk, v, is_leaf=is_module)
+            object.__setattr__(new, f.name, v)
+        return new
+
+    return jax.tree_util.tree_map(walk, model, is_leaf=is_module), found

@@ -47,7 +47,6 @@ compiles the policy and moves nothing), so it is refused there by name.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -59,6 +58,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .._validate import ConfigError
+from .config import replace_static
 from .hooks import STACKED, Hooks
 
 __all__ = [
@@ -304,36 +304,7 @@ def with_remat(model: Any, remat: Any) -> Any:
         ConfigError: a bad policy, or a model that holds no `Stack`.
     """
     value = check_remat("with_remat", remat)
-
-    def is_module(node):
-        return isinstance(node, eqx.Module)
-
-    found = []
-
-    def walk(node):
-        if not is_module(node):
-            return node
-        new = copy.copy(node)
-        for f in dataclasses.fields(node):
-            if not hasattr(node, f.name):
-                continue
-            v = getattr(node, f.name)
-            if f.metadata.get("static", False):
-                if f.name == "remat" and _static_remat(node):
-                    found.append(node)
-                    v = value
-                elif (
-                    dataclasses.is_dataclass(v)
-                    and not isinstance(v, type)
-                    and "remat" in {g.name for g in dataclasses.fields(v)}
-                ):
-                    v = dataclasses.replace(v, remat=value)
-            else:
-                v = jax.tree_util.tree_map(walk, v, is_leaf=is_module)
-            object.__setattr__(new, f.name, v)
-        return new
-
-    out = jax.tree_util.tree_map(walk, model, is_leaf=is_module)
+    out, found = replace_static(model, "remat", value, _static_remat)
     if not found:
         raise ConfigError(
             f"with_remat: model holds no Stack to set remat on, got a "
