@@ -91,7 +91,22 @@ def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
-class LoRALinear(eqx.Module):
+class _Adapted(eqx.Module):
+    """What both adapters share: a frozen `base` Linear and `delta(x)`, the
+    adapter's term (defined by each)."""
+
+    def frozen_base(self) -> eqx.nn.Linear:
+        """The base Linear behind `stop_gradient` (what `dense` applies)."""
+        return jax.lax.stop_gradient(self.base)
+
+    def add_delta(
+        self, x: Float[Array, "*batch n"], y: Float[Array, "*batch m"]
+    ) -> Float[Array, "*batch m"]:
+        """`y` (the base's product on `x`) plus the adapter's term, in `y`'s dtype."""
+        return (y + self.delta(x).astype(y.dtype)).astype(y.dtype)
+
+
+class LoRALinear(_Adapted):
     r"""An `eqx.nn.Linear` with a low-rank adapter:
     $y = x W^\top + b + s\,(x A^\top) B^\top$ (Hu et al., 2021).
 
@@ -114,16 +129,6 @@ class LoRALinear(eqx.Module):
         xa = linear(x.astype(jnp.float32), self.A.astype(jnp.float32))
         return linear(xa, self.B.astype(jnp.float32)) * self.scale
 
-    def frozen_base(self) -> eqx.nn.Linear:
-        """The base Linear behind `stop_gradient` (what `dense` applies)."""
-        return jax.lax.stop_gradient(self.base)
-
-    def add_delta(
-        self, x: Float[Array, "*batch n"], y: Float[Array, "*batch m"]
-    ) -> Float[Array, "*batch m"]:
-        """`y` (the base's product on `x`) plus the adapter's term, in `y`'s dtype."""
-        return (y + self.delta(x).astype(y.dtype)).astype(y.dtype)
-
     def merged(self) -> eqx.nn.Linear:
         """The plain Linear with $W + s BA$ (computed in float32, cast to W's dtype)."""
         W = self.base.weight
@@ -132,7 +137,7 @@ class LoRALinear(eqx.Module):
         return eqx.tree_at(lambda m: m.weight, self.base, new)
 
 
-class MaskedLoRALinear(eqx.Module):
+class MaskedLoRALinear(_Adapted):
     r"""A rank-$r$ adapter held at a larger rank $R$ (`mask_lora`):
     $y = x W^\top + b + s_r\,((x A^\top) \odot m) B^\top$, $m_j = [j < r]$.
 
@@ -169,16 +174,6 @@ class MaskedLoRALinear(eqx.Module):
         mask = jnp.arange(self.max_rank) < self.rank
         xa = jnp.where(mask, xa, 0.0)
         return linear(xa, self.B.astype(jnp.float32)) * self.scale()
-
-    def frozen_base(self) -> eqx.nn.Linear:
-        """The base Linear behind `stop_gradient` (what `dense` applies)."""
-        return jax.lax.stop_gradient(self.base)
-
-    def add_delta(
-        self, x: Float[Array, "*batch n"], y: Float[Array, "*batch m"]
-    ) -> Float[Array, "*batch m"]:
-        """`y` (the base's product on `x`) plus the adapter's term, in `y`'s dtype."""
-        return (y + self.delta(x).astype(y.dtype)).astype(y.dtype)
 
     def merged(self) -> eqx.nn.Linear:
         r"""The plain Linear with $W + s_r B\,\mathrm{diag}(m)\,A$."""
