@@ -28,7 +28,7 @@ from .._validate import ConfigError, check_ids, check_key
 from . import init
 from .attention import check_key_mask, check_segment_ids
 from .block import TransformerBlock
-from .encoder_config import EncoderConfig
+from .encoder_config import EncoderConfig, config_of
 from .functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
@@ -202,12 +202,7 @@ class EncoderModel(eqx.Module):
         cfg: an `EncoderConfig`, or the mapping of its fields.
         key: PRNG key for every weight.
         """
-        if isinstance(cfg, Mapping):
-            cfg = EncoderConfig(**cfg)
-        if not isinstance(cfg, EncoderConfig):
-            raise ConfigError(
-                f"EncoderModel: cfg must be an EncoderConfig, got {type(cfg).__name__}."
-            )
+        cfg = config_of("EncoderModel", cfg, EncoderConfig)
         check_key("EncoderModel", "key", key)
         self.cfg = cfg
         parts = _build(cfg, key)

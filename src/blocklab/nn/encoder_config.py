@@ -59,6 +59,18 @@ def _block_from(owner, cls, num_hiddens, num_heads, block, options):
     return model, block
 
 
+def config_of(owner: str, cfg: Any, cls: type) -> Any:
+    """`cfg` as a `cls` (`EncoderConfig` or `EncoderDecoderConfig`): the one
+    given, or built from the mapping of its fields."""
+    if isinstance(cfg, Mapping):
+        cfg = cls(**cfg)
+    if not isinstance(cfg, cls):
+        raise ConfigError(
+            f"{owner}: cfg must be an {cls.__name__}, got {type(cfg).__name__}."
+        )
+    return cfg
+
+
 class _ModelConfig(HoldsBlock):
     """What both configs share: construction, block read-through, dicts."""
 

@@ -29,7 +29,7 @@ from .._validate import ConfigError, check_ids, check_int, check_key
 from . import init
 from .block import TransformerBlock
 from .encoder import padding_mask
-from .encoder_config import EncoderDecoderConfig
+from .encoder_config import EncoderDecoderConfig, config_of
 from .functional import causal_lengths, linear
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
@@ -131,13 +131,7 @@ class EncoderDecoderLM(eqx.Module):
         cfg: an `EncoderDecoderConfig`, or the mapping of its fields.
         key: PRNG key for every weight.
         """
-        if isinstance(cfg, Mapping):
-            cfg = EncoderDecoderConfig(**cfg)
-        if not isinstance(cfg, EncoderDecoderConfig):
-            raise ConfigError(
-                "EncoderDecoderLM: cfg must be an EncoderDecoderConfig, got "
-                f"{type(cfg).__name__}."
-            )
+        cfg = config_of("EncoderDecoderLM", cfg, EncoderDecoderConfig)
         check_key("EncoderDecoderLM", "key", key)
         self.cfg = cfg
         (
