@@ -195,6 +195,55 @@ class HoldsBlock(ComparedByKey):
             "field nor one of its block's)."
         )
 
+    def _init(
+        self, vocab_size, num_hiddens, num_heads, num_blks, block, options, owner=None
+    ) -> None:
+        """Set the fields: split `options` into the model's own fields (those
+        of every dataclass of its class) and the block's; build the block
+        (`owner` names the config in the errors)."""
+        names_owner = type(self).__name__
+        owner = owner or names_owner
+        own = {
+            f.name
+            for c in type(self).__mro__
+            if dataclasses.is_dataclass(c)
+            for f in dataclasses.fields(c)
+        }
+        model = {k: v for k, v in options.items() if k in own}
+        block_options = {k: v for k, v in options.items() if k not in own}
+        if num_blks is None:
+            raise ConfigError(f"{owner}: num_blks is required (the depth).")
+        if isinstance(block, Mapping):
+            block = BlockConfig(**block)
+        if block is None:
+            if num_hiddens is None or num_heads is None:
+                raise ConfigError(
+                    f"{owner}: give num_hiddens and num_heads (the block's options "
+                    "as keywords), or block=BlockConfig(...)."
+                )
+            check_option_names(names_owner, block_options, beside=tuple(own))
+            block = BlockConfig(num_hiddens, num_heads, **block_options)
+        elif not isinstance(block, BlockConfig):
+            raise ConfigError(
+                f"{owner}: block must be a BlockConfig, got {type(block).__name__}."
+            )
+        else:
+            for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
+                if value is not None:
+                    block_options[name] = value
+            if block_options:
+                check_option_names(names_owner, block_options, beside=tuple(own))
+                block = dataclasses.replace(block, **block_options)
+        defaults = {
+            f.name: f.default
+            for f in dataclasses.fields(type(self))
+            if f.default is not dataclasses.MISSING
+        }
+        values = {**defaults, **model}
+        values.update(vocab_size=vocab_size, num_blks=num_blks, block=block)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
     def _fields_dict(self) -> dict[str, Any]:
         """The model's own fields, with `block` as a dict."""
         out = {

@@ -27,7 +27,6 @@ from .config import (
     HoldsBlock,
     LayerSchedule,
     check_global_layers,
-    check_option_names,
     ffn_width,
 )
 from .remat import check_remat
@@ -148,44 +147,7 @@ class DecoderConfig(LayerSchedule, HoldsBlock):
         block: a `BlockConfig` (or the mapping of its fields).
         **options: the fields above, and any field of `BlockConfig`.
         """
-        own = {f.name for f in dataclasses.fields(DecoderConfig)}
-        own |= {f.name for f in dataclasses.fields(type(self))}
-        model = {k: v for k, v in options.items() if k in own}
-        block_options = {k: v for k, v in options.items() if k not in own}
-        if num_blks is None:
-            raise ConfigError(f"{_OWNER}: num_blks is required (the depth).")
-        if isinstance(block, Mapping):
-            block = BlockConfig(**block)
-        if block is None:
-            if num_hiddens is None or num_heads is None:
-                raise ConfigError(
-                    f"{_OWNER}: give num_hiddens and num_heads (the block's "
-                    "options as keywords), or block=BlockConfig(...)."
-                )
-            check_option_names(type(self).__name__, block_options, beside=tuple(own))
-            block = BlockConfig(num_hiddens, num_heads, **block_options)
-        elif not isinstance(block, BlockConfig):
-            raise ConfigError(
-                f"{_OWNER}: block must be a BlockConfig, got {type(block).__name__}."
-            )
-        else:
-            for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
-                if value is not None:
-                    block_options[name] = value
-            if block_options:
-                check_option_names(
-                    type(self).__name__, block_options, beside=tuple(own)
-                )
-                block = dataclasses.replace(block, **block_options)
-        defaults = {
-            f.name: f.default
-            for f in dataclasses.fields(type(self))
-            if f.default is not dataclasses.MISSING
-        }
-        values = {**defaults, **model}
-        values.update(vocab_size=vocab_size, num_blks=num_blks, block=block)
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+        self._init(vocab_size, num_hiddens, num_heads, num_blks, block, options, _OWNER)
         self._check()
 
     def _check(self) -> None:

@@ -24,39 +24,9 @@ from .config import (
     HoldsBlock,
     LayerSchedule,
     check_global_layers,
-    check_option_names,
 )
 
 __all__ = ["EncoderConfig", "EncoderDecoderConfig"]
-
-
-def _block_from(owner, cls, num_hiddens, num_heads, block, options):
-    """Split `options` into the model's own fields and the block's; build the block."""
-    own = {f.name for f in dataclasses.fields(cls)}
-    model = {k: v for k, v in options.items() if k in own}
-    block_options = {k: v for k, v in options.items() if k not in own}
-    if isinstance(block, Mapping):
-        block = BlockConfig(**block)
-    if block is None:
-        if num_hiddens is None or num_heads is None:
-            raise ConfigError(
-                f"{owner}: give num_hiddens and num_heads (the block's options as "
-                "keywords), or block=BlockConfig(...)."
-            )
-        check_option_names(owner, block_options, beside=tuple(own))
-        block = BlockConfig(num_hiddens, num_heads, **block_options)
-    elif not isinstance(block, BlockConfig):
-        raise ConfigError(
-            f"{owner}: block must be a BlockConfig, got {type(block).__name__}."
-        )
-    else:
-        for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
-            if value is not None:
-                block_options[name] = value
-        if block_options:
-            check_option_names(owner, block_options, beside=tuple(own))
-            block = dataclasses.replace(block, **block_options)
-    return model, block
 
 
 def config_of(owner: str, cfg: Any, cls: type) -> Any:
@@ -73,23 +43,6 @@ def config_of(owner: str, cfg: Any, cls: type) -> Any:
 
 class _ModelConfig(HoldsBlock):
     """What both configs share: construction, block read-through, dicts."""
-
-    def _init(self, vocab_size, num_hiddens, num_heads, num_blks, block, options):
-        owner = type(self).__name__
-        if num_blks is None:
-            raise ConfigError(f"{owner}: num_blks is required (the depth).")
-        model, block = _block_from(
-            owner, type(self), num_hiddens, num_heads, block, options
-        )
-        defaults = {
-            f.name: f.default
-            for f in dataclasses.fields(type(self))
-            if f.default is not dataclasses.MISSING
-        }
-        values = {**defaults, **model}
-        values.update(vocab_size=vocab_size, num_blks=num_blks, block=block)
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
 
     def _put(self, name, value):
         object.__setattr__(self, name, value)
