@@ -22,6 +22,7 @@ from .hf_encoder import (
     HF_BERT_ACTS,
     EncoderFamily,
     EncRule,
+    label_fields,
     layer_rules,
     register_encoder_family,
 )
@@ -122,8 +123,7 @@ def bert_fields(cfg: EncoderConfig) -> dict[str, Any]:
         pad_token_id=cfg.pad_token_id,
     )
     if cfg.num_labels:
-        out["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
-        out["label2id"] = {f"LABEL_{i}": i for i in range(cfg.num_labels)}
+        out.update(label_fields(cfg.num_labels))
     return out
 
 

@@ -123,6 +123,15 @@ class EncRule:
         return (1,) * self.lead + tuple(shapes[0])
 
 
+def label_fields(num_labels: int) -> dict[str, dict]:
+    """`id2label` and `label2id` of a classifier of `num_labels` classes
+    (`transformers`' default names `LABEL_i`)."""
+    return {
+        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
+    }
+
+
 def layer_rules(
     num_blks: int, hf_prefix: str, layer: Sequence[tuple[str, str, bool]]
 ) -> list[EncRule]:

@@ -23,7 +23,12 @@ from typing import Any
 from ..nn.encoder import EncoderModel
 from ..nn.encoder_config import EncoderConfig
 from .hf_common import LAYER_TYPES, refuse, rope_theta, understood
-from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from .hf_encoder import (
+    EncoderFamily,
+    EncRule,
+    label_fields,
+    register_encoder_family,
+)
 
 __all__ = ["MODERNBERT", "modernbert_config", "modernbert_fields", "modernbert_rules"]
 
@@ -245,8 +250,7 @@ def modernbert_fields(cfg: EncoderConfig) -> dict[str, Any]:
     )
     del thetas
     if cfg.num_labels:
-        out["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
-        out["label2id"] = {f"LABEL_{i}": i for i in range(cfg.num_labels)}
+        out.update(label_fields(cfg.num_labels))
     return out
 
 

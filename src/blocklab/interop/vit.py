@@ -25,6 +25,7 @@ from .hf_encoder import (
     HF_BERT_ACTS,
     EncoderFamily,
     EncRule,
+    label_fields,
     layer_rules,
     register_encoder_family,
 )
@@ -124,8 +125,7 @@ def vit_fields(cfg: EncoderConfig) -> dict[str, Any]:
         patch_size=cfg.patch_size,
         num_channels=cfg.num_channels,
         qkv_bias=cfg.block.attn_bias,
-        id2label={str(i): f"LABEL_{i}" for i in range(n)},
-        label2id={f"LABEL_{i}": i for i in range(n)},
+        **label_fields(n),
     )
 
 
