@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 from _procs import run
 
 from blocklab.cli import _compile
@@ -33,6 +34,7 @@ def _blocklab(xdg: Path, *extra: str):
     return out
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_the_cache_folder_gets_entries_and_the_flag_leaves_it_empty(tmp_path):
     on, off = tmp_path / "on", tmp_path / "off"
     _blocklab(on)

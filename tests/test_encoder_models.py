@@ -89,6 +89,7 @@ def test_mlm_and_classification_heads_equal_numpy():
     np.testing.assert_allclose(m.classify(IDS, key_mask=MASK), want, atol=2e-5)
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_cached_cross_attention_equals_recomputation_on_ragged_sources():
     m = _perturbed(_t5())
     tgt = np.array([[0, 11, 12, 13, 14], [0, 21, 22, 23, 24]])

@@ -66,6 +66,7 @@ def _params(r):
     return jax.tree.leaves(eqx.filter(r.model, eqx.is_inexact_array))
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_train_model_takes_the_full_batch_steps_with_microbatches():
     full, four = _train(1), _train(4, remat="dots")
     np.testing.assert_allclose(four.losses, full.losses, rtol=1e-5)

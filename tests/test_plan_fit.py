@@ -45,6 +45,7 @@ def _compiled_bytes(remat, k):
     return m.argument_size_in_bytes + m.temp_size_in_bytes + out, m.temp_size_in_bytes
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_measured_bytes_agree_with_the_compiled_step():
     plan = plan_step(
         CFG, (B, T), "1GiB", policies=["none", "full"], microbatches=[2],

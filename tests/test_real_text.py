@@ -162,6 +162,7 @@ def tiny_run(tmp_path_factory):
     return strict_object(out.getvalue()), tmp
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_cli_json_of_a_tiny_run(tiny_run):
     data, tmp = tiny_run
     assert data["protocol"]["steps"] == 12 and data["seeds"] == [0, 1]
@@ -208,6 +209,7 @@ def test_cli_json_of_a_tiny_run(tiny_run):
     assert (tmp / "real_text_bpb.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_transformers_reads_the_saved_folder_with_equal_greedy_text(tiny_run):
     """`transformers` (AutoTokenizer, AutoModelForCausalLM) on the folder the
     run saved: the same ids on held-out strings, and greedy `generate` gives

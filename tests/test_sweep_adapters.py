@@ -176,6 +176,7 @@ def _small_batches(key):
     return ids[:, :-1], ids[:, 1:]
 
 
+@pytest.mark.slow  # CI time: the default suite keeps the cheaper checks of this feature
 def test_adapter_sweep_holds_the_base_once():
     """K = 8 adapters on a base of 6.3 MB (activations of 8 tokens are small
     beside it): the compiled chunk's arguments hold the base once (K copies

@@ -204,7 +204,10 @@ STUDIES: tuple[Study, ...] = (
     Study("mup", "μP: coordinate check and learning-rate transfer"),
     Study("proxies", "small-scale proxies: LR sensitivity per intervention"),
     Study("induction", "induction heads: find, ablate, patch, lenses"),
-    Study("real_text", "real text: byte-level BPE vs bytes in bits per byte; save, reload, generate"),
+    Study(
+        "real_text",
+        "real text: byte-level BPE vs bytes in bits per byte; save, reload, generate",
+    ),
 )
 
 #: The studies' names, in the order of `blocklab report`.

@@ -2,10 +2,12 @@
 
 `functional` (norms, activations, RoPE, masked softmax), `normalization`,
 `config` (`BlockConfig`, the block's options, declared and checked once),
-`inplace` (donating norms), `attention` (+ `attention_impls`), `cache`, `ffn`,
-`moe`, `block`, `stack` (+ `remat`, its policies), `charlm`, `decoder_config` and `decoder` (real
-architectures), `encoder_config`, `encoder` and `encoder_decoder` (BERT,
-ModernBERT, ViT, T5), `moe_decoder`, `generation` and `init` (re-initialization). It
+`inplace` (donating norms), `attention` (+ `attention_impls`), `cache`,
+`ffn`, `moe`, `block`, `stack` (+ `remat`, its policies), `charlm`,
+`decoder_config` and `decoder` (real architectures), `encoder_config`,
+`encoder` and `encoder_decoder` (BERT, ModernBERT, ViT, T5),
+`relative_position`, `patch_embed`, `moe_decoder`, `generation`, `lora` and
+`init` (re-initialization). It
 imports only the shared checks below it.
 """
 
