@@ -212,6 +212,23 @@ def test_bert_folders_both_ways(tmp_path):
     _close(hf_logits(back.eval()), got, mask)
 
 
+def test_a_bf16_bert_folder_loads(tmp_path):
+    """A folder stored in BF16 (as most shipped checkpoints are) loads, with
+    the logits of the BF16-rounded weights computed in float32."""
+    torch = pytest.importorskip("torch")
+    import blocklab
+
+    hf, rng = _bert("BertForMaskedLM", 7)
+    ids, mask = _ragged(rng, 2, 6, hf.config.vocab_size)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    rounded = hf.float().eval()  # the same BF16 values, run in float32
+    with torch.no_grad():
+        am = torch.tensor(mask.astype(np.int64))
+        want = rounded(input_ids=torch.tensor(ids), attention_mask=am).logits.numpy()
+    ours = blocklab.load_pretrained(tmp_path / "bf16", dtype=jnp.float32)
+    _close(ours(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want, mask)
+
+
 # ViT ---------------------------------------------------------------------------
 
 
