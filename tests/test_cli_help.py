@@ -45,7 +45,10 @@ def test_census_help_describes_its_options():
 
 
 #: The commands that run for minutes: each prints an estimate before it starts.
-LONG = ("activations", "check", "lr-sensitivity", "mup", "proxies", "induction")
+LONG = (
+    "activations", "check", "lr-sensitivity", "mup", "proxies", "induction",
+    "real-text", "signal",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", LONG)
@@ -55,6 +58,10 @@ def test_every_long_command_prints_an_estimate(name):
     line = cli._estimate_line(args)
     assert line.startswith(f"blocklab {name}: ") and "about " in line
     assert "2 CPU cores" in line
-    quiet = parser.parse_args([name, "--no-progress"]) if name != "check" else None
+    quiet = (
+        parser.parse_args([name, "--no-progress"])
+        if name not in ("check", "signal")
+        else None
+    )
     if quiet is not None:
         assert cli._estimate_line(quiet) is None  # --no-progress: no line

@@ -84,7 +84,7 @@ def estimate(args: argparse.Namespace) -> str:
     time = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
     return (
         f"protocol {p.name}, {p.steps} steps x {len(p.seeds)} seeds per model; "
-        f"about {time} on 2 idle CPU cores"
+        f"about {time} on 2 CPU cores"
     )
 
 

@@ -10,6 +10,7 @@ from ...experiments._render import dumps
 from ...interop.pretrained import pretrained_config
 from ...nn.block import PLACEMENTS
 from ...training.checkpoint import CheckpointError
+from .._format import minutes
 from . import add_num_seeds, add_out_dir, num_seeds_of
 
 NAME = "signal"
@@ -56,6 +57,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exercises", nargs="+", choices=study.EXERCISES, default=[],
         help="also run these chapter exercises",
     )  # fmt: skip
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The line `blocklab` prints before the run (stderr). Calibrated on 2
+    CPU cores (2026-12-01): 21.5 s at the defaults (3 seeds x 4 placements x
+    32 blocks, d = 256) and 30.1 s at 6 seeds, i.e. about 13 s of start-up
+    and compilation plus 0.022 s per seed, placement and block at d = 256,
+    scaled by (d / 256)^2."""
+    if args.arch is not None or args.pretrained is not None:
+        runs = 1
+    else:
+        runs = len(args.placements)
+    work = num_seeds_of(args, 3) * runs * args.blocks * (args.num_hiddens / 256) ** 2
+    line = f"about {minutes(13 + 0.022 * work)} on 2 CPU cores"
+    return line + (" (exercises not included)" if args.exercises else "")
 
 
 def validate(args: argparse.Namespace) -> None:
