@@ -31,7 +31,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._io import atomic_dir, check_folder_target, check_writable
@@ -486,13 +485,7 @@ def load_encoder_pretrained(
                     f"{owner}: {info.file}: tensor {key!r} has shape {info.shape}; "
                     f"the config.json model expects {shape}."
                 )
-            # jnp's floating includes BF16 and F8 (NumPy's does not)
-            if info.np_dtype is None or not jnp.issubdtype(info.np_dtype, jnp.floating):
-                raise CheckpointError(
-                    f"{owner}: {info.file}: tensor {key!r} is stored as {info.dtype}, "
-                    "which cannot be converted to parameters (floating point: F32, "
-                    "BF16, F16, F64; F8 with dtype=)."
-                )
+            info.check_float(owner, key)
         ours: dict[str, np.ndarray] = {}
         for r in rules:
             arr = catalog.read(r.hf)

@@ -496,12 +496,7 @@ def _match(
                     f"{owner}: {info.file}: tensor {key!r} has shape {info.shape}; "
                     f"the config.json model expects {shape}."
                 )
-            if info.np_dtype is None or not jnp.issubdtype(info.np_dtype, jnp.floating):
-                raise CheckpointError(
-                    f"{owner}: {info.file}: tensor {key!r} is stored as "
-                    f"{info.dtype}, which cannot be converted to parameters (floating "
-                    "point: F32, BF16, F16, F64; F8 with dtype=)."
-                )
+            info.check_float(owner, key)
     return cfg, sources
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 - safetensors' NumPy API reads BF16 only once imported
 import numpy as np
 
@@ -86,6 +87,18 @@ class TensorInfo:
     def np_dtype(self) -> np.dtype | None:
         """Its NumPy dtype, `None` when NumPy cannot hold it."""
         return DTYPES.get(self.dtype)
+
+    def check_float(self, owner: str, key: str) -> None:
+        """Refuse a tensor that cannot become parameters: floating point only
+        (F32, BF16, F16, F64; F8 with `dtype=`), JAX's sense of floating,
+        which includes BF16 and F8 (NumPy's does not)."""
+        dt = self.np_dtype
+        if dt is None or not jnp.issubdtype(dt, jnp.floating):
+            raise CheckpointError(
+                f"{owner}: {self.file}: tensor {key!r} is stored as {self.dtype}, "
+                "which cannot be converted to parameters (floating point: F32, "
+                "BF16, F16, F64; F8 with dtype=)."
+            )
 
     @property
     def nbytes(self) -> int:
