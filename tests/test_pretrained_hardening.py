@@ -414,3 +414,23 @@ def test_an_overflow_under_dtype_is_refused(tmp_path):
         r"1000000.0\); pass a wider dtype=",
     ):
         load_pretrained(folder, dtype="float16")
+
+
+def test_an_integer_weight_is_refused_and_a_bf16_one_loads(tmp_path):
+    """`TensorInfo.check_float`: a weight stored as I32 cannot become a
+    parameter (refused, naming the key and the stored type); BF16 can."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = DecoderConfig.llama(vocab_size=32, num_hiddens=16, num_heads=2, num_blks=1)
+    save_pretrained(DecoderLM(cfg, key=jax.random.key(0)), tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.norm.weight"
+    import ml_dtypes
+
+    save_file({**tensors, name: tensors[name].astype(ml_dtypes.bfloat16)}, path)
+    load_pretrained(tmp_path / "m")  # BF16 is floating point
+    save_file({**tensors, name: tensors[name].astype(np.int32)}, path)
+    refusal = rf"'{name}' is stored as I32, which cannot be converted"
+    with pytest.raises(CheckpointError, match=refusal):
+        load_pretrained(tmp_path / "m")
