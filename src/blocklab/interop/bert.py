@@ -1,4 +1,5 @@
-r"""BERT (`BertForMaskedLM`, `BertForSequenceClassification`): config and weights.
+r"""BERT (`BertModel`, `BertForMaskedLM`, `BertForSequenceClassification`):
+config and weights.
 
 BERT (Devlin et al., 2019) is the 2017 encoder: learned absolute positions
 and token types summed with the token embedding and layer-normed,
@@ -8,10 +9,18 @@ head is $\mathrm{LN}(\mathrm{gelu}(h W_t^\top + b_t))\, E^\top + b$ (decoder
 tied to the word embedding); sequence classification reads
 $\tanh(W_p h_0 + b_p)$, the pooled first (CLS) token, into a linear
 classifier. Position ids are $0, \ldots, T-1$ (not shifted by padding).
+
+`BertModel`, the base model, is an `EncoderModel` without heads: its last
+hidden state is `model(ids)`, and with its pooler (`add_pooling_layer=True`,
+`EncoderConfig(pooler="tanh")`) `pooler_output` is
+`model.pooler_output(h)`. `config.json` does not say whether a `BertModel`
+has its pooler; its tensors do (a folder or state dict without
+`pooler.dense.*` gives a model without the pooler).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..nn.encoder import EncoderModel
@@ -30,6 +39,7 @@ from .hf_encoder import (
 __all__ = ["BERT", "bert_config", "bert_fields", "bert_rules"]
 
 _MLM, _SEQ = "BertForMaskedLM", "BertForSequenceClassification"
+_BASE = "BertModel"
 
 #: `hidden_act` -> blocklab's `act` (BERT's "gelu" is the exact erf GELU).
 _ACTS, _HF_ACTS = BERT_ACTS, HF_BERT_ACTS
@@ -81,8 +91,10 @@ def bert_config(hf: Any, cls: str = _MLM) -> EncoderConfig:
         heads = dict(mlm_head=True, tie_embeddings=bool(hf.tie_word_embeddings))
     elif cls == _SEQ:
         heads = dict(num_labels=int(num_labels), pooler="tanh", pooling="cls")
+    elif cls == _BASE:  # the pooler: as the stored tensors say (`_from_keys`)
+        heads = dict(pooler="tanh", pooling="cls")
     else:
-        raise refuse(cls, "architectures", cls, f"supported: {[_MLM, _SEQ]}")
+        raise refuse(cls, "architectures", cls, f"supported: {[_MLM, _SEQ, _BASE]}")
     return EncoderConfig(
         hf.vocab_size,
         hf.hidden_size,
@@ -135,6 +147,9 @@ def _expressible(cfg: Any) -> bool:
     head_ok = (cfg.mlm_head and cfg.num_labels == 0) or (
         not cfg.mlm_head and cfg.num_labels > 0 and cfg.pooler == "tanh"
         and cfg.pooling == "cls"
+    ) or (
+        not cfg.mlm_head and cfg.num_labels == 0
+        and cfg.pooler in ("tanh", "none") and cfg.pooling == "cls"
     )  # fmt: skip
     return (
         head_ok
@@ -152,7 +167,7 @@ def _expressible(cfg: Any) -> bool:
 
 def bert_rules(cfg: EncoderConfig, cls: str) -> list[EncRule]:
     """Every stored tensor of the class `cls` and its blocklab parameter."""
-    p = "bert."
+    p = "" if cls == _BASE else "bert."
     rules = [
         EncRule(p + "embeddings.word_embeddings.weight", ("token_emb.weight",)),
         EncRule(p + "embeddings.position_embeddings.weight", ("pos_emb.weight",)),
@@ -180,11 +195,25 @@ def bert_rules(cfg: EncoderConfig, cls: str) -> list[EncRule]:
         rules.append(EncRule(t + "bias", ("mlm_bias",)))
         if not cfg.tie_embeddings:
             rules.append(EncRule(t + "decoder.weight", ("mlm_decoder.weight",)))
-    else:
+    elif cls == _SEQ:
         for n in ("weight", "bias"):
             rules.append(EncRule(f"{p}pooler.dense.{n}", (f"pooler_dense.{n}",)))
             rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+    elif cfg.pooler == "tanh":
+        for n in ("weight", "bias"):
+            rules.append(EncRule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
     return rules
+
+
+def _model_class(cfg: EncoderConfig) -> str:
+    return _MLM if cfg.mlm_head else _SEQ if cfg.num_labels else _BASE
+
+
+def _from_keys(cfg: EncoderConfig, cls: str, keys: frozenset) -> EncoderConfig:
+    """`BertModel` has its pooler iff `pooler.dense.weight` is stored."""
+    if cls == _BASE and "pooler.dense.weight" not in keys:
+        return dataclasses.replace(cfg, pooler="none")
+    return cfg
 
 
 def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
@@ -199,13 +228,13 @@ def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
 BERT = register_encoder_family(
     EncoderFamily(
         name="bert",
-        classes=(_MLM, _SEQ),
+        classes=(_MLM, _SEQ, _BASE),
         model_types=("bert",),
         to_config=bert_config,
         hf_fields=bert_fields,
         rules=bert_rules,
         build=lambda cfg, key: EncoderModel(cfg, key=key),
-        model_class=lambda cfg: _MLM if cfg.mlm_head else _SEQ,
+        model_class=_model_class,
         owns=lambda m: isinstance(m, EncoderModel) and _expressible(m.cfg),
         dropout_fields=(
             "hidden_dropout_prob",
@@ -213,6 +242,8 @@ BERT = register_encoder_family(
             "classifier_dropout",
         ),  # fmt: skip
         tied=_tied,
-        ignored=("bert.embeddings.position_ids",),
+        ignored=("bert.embeddings.position_ids", "embeddings.position_ids"),
+        base_prefix="bert.",
+        from_keys=_from_keys,
     )
 )

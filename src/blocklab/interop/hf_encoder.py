@@ -37,7 +37,14 @@ from .._io import atomic_dir, check_folder_target, check_writable
 from .._validate import ConfigError, check_bool, check_choice
 from ..training.checkpoint import CheckpointError
 from .hf_common import eval_config
-from .porting import _non_finite, load_state_dict, param_shapes, state_dict
+from .porting import (
+    _is_param,
+    _non_finite,
+    _walk,
+    load_state_dict,
+    param_shapes,
+    state_dict,
+)
 from .safetensors_io import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
@@ -182,6 +189,14 @@ class EncoderFamily:
         disk_name: `disk_name(key)`: the name on disk of an in-memory
             state-dict key, for a family that `transformers` renames on load
             (ViT); `None`: the same names.
+        base_prefix: the prefix of the base model's tensors in the head
+            classes (`"bert."`; the base class, `BertModel`, has none). A
+            stored key is read with or without it, as `transformers` reads a
+            base folder into a head class and a head folder into the base.
+        from_keys: `from_keys(cfg, cls, keys) -> cfg`: the config as the
+            stored tensors settle what `config.json` does not say (`BertModel`,
+            `ViTModel`: the pooler is there iff its tensors are; `keys` are the
+            stored names with `base_prefix` removed).
     """
 
     name: str
@@ -199,6 +214,8 @@ class EncoderFamily:
     untie: Callable[[Any], Any] | None = None
     disk_name: Callable[[str], str] | None = None
     constants: Callable[[Any, str], Mapping[str, float]] = lambda cfg, cls: {}
+    base_prefix: str = ""
+    from_keys: Callable[[Any, str, frozenset], Any] = lambda cfg, cls, keys: cfg
 
 
 #: Registered encoder families by short name.
@@ -293,17 +310,93 @@ def _to_numpy(value: Any) -> np.ndarray:
 
 
 def _complete(model: Any, fam: EncoderFamily, cfg: Any) -> Any:
-    """A model whose every leaf is concrete: abstract integer leaves (per-layer
-    windows, RoPE bases) of a skeleton come from a model built for `cfg`."""
-    abstract = [
-        leaf
-        for leaf in jax.tree_util.tree_leaves(model)
-        if isinstance(leaf, jax.ShapeDtypeStruct)
-    ]
-    if not abstract:
+    """A model whose every leaf is concrete: the abstract leaves of a skeleton
+    (per-layer windows, RoPE bases: integers) come from a model built for
+    `cfg` in one compiled program that returns only them (its random weights
+    are never computed), so the loaded parameters keep their placement."""
+
+    def is_none(x):
+        return x is None
+
+    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_none)
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         return model
-    full = fam.build(cfg, key=jax.random.key(0))
-    return load_state_dict(full, state_dict(model))
+
+    @eqx.filter_jit
+    def data(key):
+        return eqx.filter(fam.build(cfg, key=key), lambda x: not _is_param(x))
+
+    built = jax.tree_util.tree_leaves(data(jax.random.key(0)), is_leaf=is_none)
+    return treedef.unflatten(
+        [b if isinstance(x, jax.ShapeDtypeStruct) else x
+         for x, b in zip(leaves, built, strict=True)]
+    )  # fmt: skip
+
+
+def _path(names: Any) -> str:
+    """The path `sharding=` is asked for: a parameter's dotted name, or for
+    an array stacked over a `Stack`'s layers its name without the layer
+    index (`stack.blocks.attention.W_q.weight`), as for the decoders."""
+    if isinstance(names, str):
+        return names
+    return names.head + names[0][len(names.head) :].split(".", 1)[1]
+
+
+def _placed(
+    skeleton: Any,
+    ours: Mapping[str, np.ndarray],
+    dtype: Any,
+    sharding_of: Callable[[str], Any],
+) -> Any:
+    """`skeleton` with every parameter from `ours` (`{state-dict name: array}`),
+    in `dtype` (`None`: the skeleton's), each put straight onto the devices of
+    `sharding_of(path)` (`None`: the default device)."""
+
+    def take(names, leaf):
+        path = _path(names)
+        if isinstance(names, str):
+            array = np.asarray(ours[names])
+        else:
+            array = np.stack([np.asarray(ours[n]) for n in names])
+        target = np.dtype(leaf.dtype if dtype is None else dtype)
+        if array.dtype != target:
+            with np.errstate(over="ignore", invalid="ignore"):
+                cast = array.astype(target)
+            if _non_finite(cast) is not None:
+                raise ConfigError(
+                    f"load_pretrained: parameter {path!r} overflows dtype="
+                    f"{target.name} (its largest magnitude is "
+                    f"{float(np.abs(array).max())!r}); pass a wider dtype=."
+                )
+            array = cast
+        sharding = sharding_of(path)
+        if sharding is None:
+            return jax.numpy.asarray(array)
+        return jax.device_put(array, sharding)
+
+    return _walk(skeleton, take)
+
+
+def _base_keys(keys: Any, prefix: str) -> frozenset:
+    """The stored names with the base model's `prefix` removed."""
+    if not prefix:
+        return frozenset(keys)
+    return frozenset(k[len(prefix) :] if k.startswith(prefix) else k for k in keys)
+
+
+def _sources(expected: Any, stored: set[str], prefix: str) -> dict[str, str]:
+    """`{expected key: its stored key}`: the key itself, else the key with the
+    base model's `prefix` removed or added (a base folder read into a head
+    class, a head folder read into the base class)."""
+    out = {}
+    for key in expected:
+        if key in stored:
+            out[key] = key
+        elif prefix and key.startswith(prefix) and key[len(prefix) :] in stored:
+            out[key] = key[len(prefix) :]
+        elif prefix and not key.startswith(prefix) and prefix + key in stored:
+            out[key] = prefix + key
+    return out
 
 
 def _skeleton(fam: EncoderFamily, cfg: Any) -> Any:
@@ -421,6 +514,7 @@ def encoder_from_huggingface(hf_model: Any) -> Any:
     cfg = fam.to_config(hf_config, cls)
     rename = fam.disk_name or (lambda k: k)
     sd = {rename(k): v.float() for k, v in hf_model.state_dict().items()}
+    cfg = fam.from_keys(cfg, cls, _base_keys(sd, fam.base_prefix))
     return load_encoder_state_dict(cfg, sd, family=fam.name, cls=cls)
 
 
@@ -428,13 +522,32 @@ def encoder_from_huggingface(hf_model: Any) -> Any:
 
 
 def load_encoder_pretrained(
-    folder: Path, raw: Mapping[str, Any], fam: EncoderFamily, cls: str, *, dtype=None
+    folder: Path,
+    raw: Mapping[str, Any],
+    fam: EncoderFamily,
+    cls: str,
+    *,
+    dtype=None,
+    sharding_of: Callable[[str], Any] | None = None,
+    model_class: str | None = None,
 ) -> Any:
     """The model of a checkpoint folder of an encoder family (`raw`: its
-    `config.json`). Keys and shapes are checked before any tensor is read.
+    `config.json`, `cls` the class it names). Keys and shapes are checked
+    before any tensor is read; each parameter goes straight onto the devices
+    of `sharding_of(path)` (as `load_pretrained`'s `sharding=`).
+
+    `model_class`, another class of the family, reads the folder as
+    `transformers`' `model_class.from_pretrained` does where that is exact:
+    the tensors it has must all be stored (with or without the base
+    model's prefix); stored tensors it lacks (the folder's heads) are left
+    out. A tensor it has that the folder lacks is refused by name, where
+    `transformers` would draw it at random; a base model's pooler is then
+    left out instead (`BertModel`, `ViTModel`: the pooler is there iff its
+    tensors are stored).
 
     Raises:
-        ConfigError: a config field blocklab does not implement (named).
+        ConfigError: a config field blocklab does not implement (named), a
+            `model_class` of another family.
         CheckpointError: a missing or left-over key, a wrong shape, a
             non-floating dtype, a NaN or infinity (named with its file).
     """
@@ -442,6 +555,15 @@ def load_encoder_pretrained(
 
     owner = "load_pretrained"
     where = folder / CONFIG_NAME
+    stored_cls = cls
+    if model_class is not None:
+        if model_class not in fam.classes:
+            raise ConfigError(
+                f"{owner}: model_class={model_class!r} is not a class of the "
+                f"{fam.name} family of {where} (architectures {stored_cls}); its "
+                f"classes are {list(fam.classes)}."
+            )
+        cls = model_class
     try:
         cfg = fam.to_config(types.SimpleNamespace(**raw), cls)
     except AttributeError as err:
@@ -453,6 +575,7 @@ def load_encoder_pretrained(
         raise ConfigError(f"{owner}: {where}: {err}") from None
     with open_catalog(folder) as catalog:
         stored = set(catalog.keys())
+        cfg = fam.from_keys(cfg, cls, _base_keys(stored, fam.base_prefix))
         for key, source in fam.tied(cfg, cls).items():
             if key in stored:
                 a = catalog.read(key)
@@ -471,32 +594,43 @@ def load_encoder_pretrained(
         shapes = param_shapes(skeleton)
         stored -= set(fam.ignored)
         expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
-        missing = [k for k in expected if k not in stored]
-        leftover = sorted(stored - set(expected))
+        sources = _sources(expected, stored, fam.base_prefix)
+        missing = [k for k in expected if k not in sources]
+        # reading another class of the family leaves the folder's heads out
+        leftover = sorted(stored - set(sources.values())) if cls == stored_cls else []
         if missing or leftover:
+            whose = "its config.json" if cls == stored_cls else "model_class"
+            note = (
+                f" (transformers' {cls}.from_pretrained would draw them at random; "
+                "blocklab loads only stored weights)"
+                if cls != stored_cls and missing
+                else ""
+            )
             raise CheckpointError(
                 f"{owner}: {folder}: the stored tensors do not match the {cls} of "
-                f"its config.json: missing keys {missing}; left-over keys {leftover}."
+                f"{whose}: missing keys {missing}{note}; left-over keys {leftover}."
             )
         for key, shape in expected.items():
-            info = catalog.infos[key]
+            info = catalog.infos[sources[key]]
             if info.shape != shape:
                 raise CheckpointError(
-                    f"{owner}: {info.file}: tensor {key!r} has shape {info.shape}; "
-                    f"the config.json model expects {shape}."
+                    f"{owner}: {info.file}: tensor {sources[key]!r} has shape "
+                    f"{info.shape}; the config.json model expects {shape}."
                 )
-            info.check_float(owner, key)
+            info.check_float(owner, sources[key])
         ours: dict[str, np.ndarray] = {}
         for r in rules:
-            arr = catalog.read(r.hf)
+            arr = catalog.read(sources[r.hf])
             bad = _non_finite(arr)
             if bad is not None:
                 raise CheckpointError(
-                    f"{owner}: {catalog.infos[r.hf].file}: tensor {r.hf!r} {bad}."
+                    f"{owner}: {catalog.infos[sources[r.hf]].file}: tensor "
+                    f"{sources[r.hf]!r} {bad}."
                 )
             ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+            del arr
     ours.update(_constants(fam, cfg, cls, shapes))
-    model = load_state_dict(skeleton, ours, dtype=dtype)
+    model = _placed(skeleton, ours, dtype, sharding_of or (lambda path: None))
     return _complete(model, fam, cfg)
 
 

@@ -1,4 +1,5 @@
-r"""ModernBERT (`ModernBertForMaskedLM`, `ModernBertForSequenceClassification`).
+r"""ModernBERT (`ModernBertModel`, `ModernBertForMaskedLM`,
+`ModernBertForSequenceClassification`).
 
 ModernBERT (Warner et al., 2024) is a pre-norm encoder without biases (its
 LayerNorms too, unless `norm_bias`): a layer-normed token embedding (no
@@ -12,7 +13,9 @@ a/2$ for `local_attention` $a$ (blocklab: a bidirectional window $w = a/2 +
 embedding's norm stands in for it). The MLM head is
 $\mathrm{LN}(\mathrm{gelu}(h W_t^\top))\, E^\top + b$; classification pools
 the CLS token or the mean over unmasked tokens and applies the same
-transform before a linear classifier.
+transform before a linear classifier. `ModernBertModel`, the base model,
+is an `EncoderModel` without heads: `model(ids)` is its last hidden state
+(after the final norm).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .hf_encoder import (
 __all__ = ["MODERNBERT", "modernbert_config", "modernbert_fields", "modernbert_rules"]
 
 _MLM, _SEQ = "ModernBertForMaskedLM", "ModernBertForSequenceClassification"
+_BASE = "ModernBertModel"
 _ACTS = {"gelu": "geglu_exact", "gelu_new": "geglu", "gelu_pytorch_tanh": "geglu",
          "silu": "swiglu", "relu": "reglu"}  # fmt: skip
 _HF_ACTS = {v: k for k, v in _ACTS.items() if k != "gelu_pytorch_tanh"}
@@ -182,8 +186,10 @@ def modernbert_config(hf: Any, cls: str = _MLM) -> EncoderConfig:
             pooler="transform",
             pooling=hf.classifier_pooling,
         )
+    elif cls == _BASE:
+        heads = {}
     else:
-        raise refuse(cls, "architectures", cls, f"supported: {[_MLM, _SEQ]}")
+        raise refuse(cls, "architectures", cls, f"supported: {[_MLM, _SEQ, _BASE]}")
     return EncoderConfig(
         hf.vocab_size,
         hf.hidden_size,
@@ -258,8 +264,10 @@ def _expressible(cfg: Any) -> bool:
     if not isinstance(cfg, EncoderConfig) or cfg.image_size is not None:
         return False
     b = cfg.block
-    head_ok = (cfg.mlm_head and cfg.num_labels == 0) or (
-        not cfg.mlm_head and cfg.num_labels > 0 and cfg.pooler == "transform"
+    head_ok = (
+        (cfg.mlm_head and cfg.num_labels == 0)
+        or (not cfg.mlm_head and cfg.num_labels > 0 and cfg.pooler == "transform")
+        or (not cfg.mlm_head and cfg.num_labels == 0 and cfg.pooler == "none")
     )
     return (
         head_ok and b.norm == "layer" and b.placement == "pre" and b.act in _HF_ACTS
@@ -276,7 +284,7 @@ def _expressible(cfg: Any) -> bool:
 def modernbert_rules(cfg: EncoderConfig, cls: str = _MLM) -> list[EncRule]:
     """Every stored tensor and its blocklab parameter."""
     b = cfg.block
-    m = "model."
+    m = "" if cls == _BASE else "model."
     rules = [
         EncRule(m + "embeddings.tok_embeddings.weight", ("token_emb.weight",)),
         EncRule(m + "embeddings.norm.weight", ("emb_norm.weight",)),
@@ -301,6 +309,8 @@ def modernbert_rules(cfg: EncoderConfig, cls: str = _MLM) -> list[EncRule]:
             rules.append(EncRule(h + "mlp.Wi.bias", wi_b, "cat"))
             rules.append(EncRule(h + "mlp.Wo.bias", (o + "ffn.W_2.bias",)))
     rules.append(EncRule(m + "final_norm.weight", ("norm.weight",)))
+    if cls == _BASE:
+        return rules
     dense, norm = ("mlm_dense", "mlm_norm") if cls == _MLM else (
         "pooler_dense", "pooler_norm"
     )  # fmt: skip
@@ -322,7 +332,9 @@ def modernbert_rules(cfg: EncoderConfig, cls: str = _MLM) -> list[EncRule]:
 def _constants(cfg: EncoderConfig, cls: str) -> dict[str, float]:
     """The bias-free LayerNorms' biases (0) and layer 0's unused attention
     norm (gain 1, bias 0)."""
-    norms = ["emb_norm", "norm", "mlm_norm" if cls == _MLM else "pooler_norm"]
+    norms = ["emb_norm", "norm"]
+    if cls != _BASE:
+        norms.append("mlm_norm" if cls == _MLM else "pooler_norm")
     norms += [f"stack.blocks.{i}.{n}" for i in range(cfg.num_blks)
               for n in ("norm1", "norm2")]  # fmt: skip
     out = {f"{n}.bias": 0.0 for n in norms}
@@ -339,13 +351,15 @@ def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
 MODERNBERT = register_encoder_family(
     EncoderFamily(
         name="modernbert",
-        classes=(_MLM, _SEQ),
+        classes=(_MLM, _SEQ, _BASE),
         model_types=("modernbert",),
         to_config=modernbert_config,
         hf_fields=modernbert_fields,
         rules=modernbert_rules,
         build=lambda cfg, key: EncoderModel(cfg, key=key),
-        model_class=lambda cfg: _MLM if cfg.mlm_head else _SEQ,
+        model_class=lambda cfg: (
+            _MLM if cfg.mlm_head else _SEQ if cfg.num_labels else _BASE
+        ),
         owns=lambda m: isinstance(m, EncoderModel) and _expressible(m.cfg),
         dropout_fields=(
             "attention_dropout",
@@ -355,5 +369,6 @@ MODERNBERT = register_encoder_family(
         ),  # fmt: skip
         tied=_tied,
         constants=_constants,
+        base_prefix="model.",
     )
 )

@@ -88,6 +88,7 @@ from .hf_common import (
     rope_fields,
 )
 from .hf_encoder import (
+    ENCODER_FAMILIES,
     encoder_family_of_config,
     is_encoder_model,
     load_encoder_pretrained,
@@ -348,7 +349,11 @@ class _Slot:
 
 
 def load_pretrained(
-    path: str | os.PathLike, *, dtype: Any = None, sharding: Any = None
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    sharding: Any = None,
+    model_class: str | None = None,
 ) -> Any:
     r"""The `DecoderLM` of a checkpoint folder written by `transformers`.
 
@@ -371,11 +376,19 @@ def load_pretrained(
             `"token_emb.weight"`, `"stack.blocks.attention.W_q.weight"` for
             the stacked per-layer array with the layer axis first) returning
             a `Sharding` or `None`. Each tensor goes straight onto its devices.
+        model_class: encoder families only: read the folder as this
+            `transformers` class of its family (default: its
+            `architectures`), e.g. `"BertModel"` for the encoder of a
+            `BertForMaskedLM` folder, its head left out (see
+            `interop.hf_encoder.load_encoder_pretrained`); a tensor the class
+            has and the folder lacks is refused by name.
 
     Returns:
         A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral); for the
         encoder families (`interop.hf_encoder`: BERT, ModernBERT, ViT, T5) an
-        `EncoderModel` or `EncoderDecoderLM`, read whole (no `sharding=`).
+        `EncoderModel` or `EncoderDecoderLM` (for a base class such as
+        `BertModel`, one without heads: `model(ids)` is the last hidden
+        state, `model.pooler_output(h)` the pooled output).
 
     Raises:
         ConfigError: a bad argument, an unknown `architectures` class, a
@@ -395,12 +408,15 @@ def load_pretrained(
     raw = read_config(folder)
     encoder = encoder_family_of_config(raw)
     if encoder is not None:  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
-        if sharding is not None:
-            raise ConfigError(
-                f"{owner}: sharding= is not implemented for the encoder families "
-                f"({encoder[0].name}); load, then blocklab.shard the model."
-            )
-        return load_encoder_pretrained(folder, raw, *encoder, dtype=target_dtype)
+        return load_encoder_pretrained(
+            folder, raw, *encoder, dtype=target_dtype, sharding_of=sharding_of,
+            model_class=model_class,
+        )  # fmt: skip
+    if model_class is not None:
+        raise ConfigError(
+            f"{owner}: model_class= is for the encoder families' folders "
+            f"({list(ENCODER_FAMILIES)}); {folder} holds a decoder."
+        )
     fam, cfg = _config(raw, folder / CONFIG_NAME)
     cfg = _with_usage(owner, cfg, raw, folder)
     with open_catalog(folder) as catalog:

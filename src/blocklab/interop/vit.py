@@ -1,10 +1,14 @@
-r"""ViT (`ViTForImageClassification`): config and weights.
+r"""ViT (`ViTForImageClassification`, `ViTModel`): config and weights.
 
 A Vision Transformer (Dosovitskiy et al., 2021) embeds an image's patches
 (`nn.patch_embed.ViTEmbedding`: a stride-$p$ convolution, a CLS token,
 learned positions), runs pre-norm LayerNorm blocks ($\epsilon = 10^{-12}$)
 with biases and the exact GELU, layer-norms the output and classifies the
 CLS token's final state linearly (no pooler in the classification model).
+`ViTModel`, the base model, is an `EncoderModel` without heads: its last
+hidden state is `model(images=x)`; with its pooler (`add_pooling_layer=True`,
+stored as `pooler.dense.*`) `pooler_output` $= \tanh(W y_0 + b)$ is
+`model.pooler_output(h)`.
 
 `transformers` 5 renames ViT's tensors in memory (`layers.0.attention.q_proj`)
 and keeps the legacy names on disk (`encoder.layer.0.attention.attention.
@@ -14,6 +18,7 @@ in-memory state dict first (`_disk_name`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -32,7 +37,7 @@ from .hf_encoder import (
 
 __all__ = ["VIT", "vit_config", "vit_fields", "vit_rules"]
 
-_CLS = "ViTForImageClassification"
+_CLS, _BASE = "ViTForImageClassification", "ViTModel"
 _ACTS, _HF_ACTS = BERT_ACTS, HF_BERT_ACTS
 
 #: Every `ViTConfig` field blocklab understands, with its default.
@@ -57,7 +62,7 @@ FIELDS = {
 
 #: In-memory name pieces of transformers 5 -> the names on disk.
 _RENAMES = (
-    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
+    (r"^(vit\.)?layers\.(\d+)\.", r"\1encoder.layer.\2."),
     (r"\.attention\.q_proj\.", ".attention.attention.query."),
     (r"\.attention\.k_proj\.", ".attention.attention.key."),
     (r"\.attention\.v_proj\.", ".attention.attention.value."),
@@ -75,8 +80,8 @@ def _disk_name(key: str) -> str:
 
 def vit_config(hf: Any, cls: str = _CLS) -> EncoderConfig:
     """The `EncoderConfig` of a `ViTConfig`; refuses what blocklab lacks."""
-    if cls != _CLS:
-        raise refuse(cls, "architectures", cls, f"supported: {[_CLS]}")
+    if cls not in (_CLS, _BASE):
+        raise refuse(cls, "architectures", cls, f"supported: {[_CLS, _BASE]}")
     labels = getattr(hf, "id2label", None)
     num_labels = getattr(hf, "num_labels", None) or (len(labels) if labels else 2)
     hf = understood(cls, hf, FIELDS)
@@ -87,6 +92,18 @@ def vit_config(hf: Any, cls: str = _CLS) -> EncoderConfig:
             raise refuse(
                 cls, field, getattr(hf, field), "blocklab takes square images (an int)"
             )
+    if cls == _BASE:  # the pooler: as the stored tensors say (`_from_keys`)
+        size = hf.pooler_output_size
+        if size is not None and size != hf.hidden_size:
+            raise refuse(
+                cls, "pooler_output_size", size,
+                f"blocklab's pooler keeps the width (hidden_size={hf.hidden_size})",
+            )  # fmt: skip
+        if hf.pooler_act != "tanh":
+            raise refuse(cls, "pooler_act", hf.pooler_act, "supported: ['tanh']")
+        heads = dict(num_labels=0, pooler="tanh")
+    else:
+        heads = dict(num_labels=int(num_labels), pooler="none")
     return EncoderConfig(
         0,
         hf.hidden_size,
@@ -105,16 +122,15 @@ def vit_config(hf: Any, cls: str = _CLS) -> EncoderConfig:
         patch_size=hf.patch_size,
         num_channels=hf.num_channels,
         final_norm=True,
-        num_labels=int(num_labels),
         pooling="cls",
-        pooler="none",
+        **heads,
     )
 
 
 def vit_fields(cfg: EncoderConfig) -> dict[str, Any]:
     """The `ViTConfig` fields of `cfg` (the inverse of `vit_config`)."""
     n = cfg.num_labels
-    return dict(
+    out = dict(
         hidden_size=cfg.num_hiddens,
         num_hidden_layers=cfg.num_blks,
         num_attention_heads=cfg.num_heads,
@@ -125,8 +141,10 @@ def vit_fields(cfg: EncoderConfig) -> dict[str, Any]:
         patch_size=cfg.patch_size,
         num_channels=cfg.num_channels,
         qkv_bias=cfg.block.attn_bias,
-        **label_fields(n),
     )
+    if n:
+        out.update(label_fields(n))
+    return out
 
 
 def _expressible(cfg: Any) -> bool:
@@ -139,14 +157,19 @@ def _expressible(cfg: Any) -> bool:
         and b.head_dim * b.num_heads == b.num_hiddens
         and b.attn_scale in (None, b.head_dim**-0.5) and b.window is None
         and not b.qk_norm and b.attn_softcap is None and cfg.final_norm
-        and cfg.first_attn_norm and not cfg.embed_norm and cfg.num_labels > 0
-        and cfg.pooling == "cls" and cfg.pooler == "none"
+        and cfg.first_attn_norm and not cfg.embed_norm and cfg.pooling == "cls"
+        and (
+            (cfg.num_labels > 0 and cfg.pooler == "none")
+            or (cfg.num_labels == 0 and cfg.pooler in ("tanh", "none")
+                and cfg.head_bias)
+        )
     )  # fmt: skip
 
 
 def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
     """Every stored tensor (names on disk) and its blocklab parameter."""
-    e = "vit.embeddings."
+    p = "" if cls == _BASE else "vit."
+    e = p + "embeddings."
     rules = [
         EncRule(e + "cls_token", ("vit_emb.cls_token",), "lead", 2),
         EncRule(e + "position_embeddings", ("vit_emb.pos_emb",), "lead", 1),
@@ -164,25 +187,37 @@ def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
         ("output.dense", "ffn.W_2", True),
         ("layernorm_after", "norm2", True),
     ]
-    rules += layer_rules(cfg.num_blks, "vit.encoder.layer.", layer)
+    rules += layer_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
     for n in ("weight", "bias"):
-        rules.append(EncRule(f"vit.layernorm.{n}", (f"norm.{n}",)))
-        rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+        rules.append(EncRule(f"{p}layernorm.{n}", (f"norm.{n}",)))
+        if cls == _CLS:
+            rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+        elif cfg.pooler == "tanh":
+            rules.append(EncRule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
     return rules
+
+
+def _from_keys(cfg: EncoderConfig, cls: str, keys: frozenset) -> EncoderConfig:
+    """`ViTModel` has its pooler iff `pooler.dense.weight` is stored."""
+    if cls == _BASE and "pooler.dense.weight" not in keys:
+        return dataclasses.replace(cfg, pooler="none")
+    return cfg
 
 
 VIT = register_encoder_family(
     EncoderFamily(
         name="vit",
-        classes=(_CLS,),
+        classes=(_CLS, _BASE),
         model_types=("vit",),
         to_config=vit_config,
         hf_fields=vit_fields,
         rules=vit_rules,
         build=lambda cfg, key: EncoderModel(cfg, key=key),
-        model_class=lambda cfg: _CLS,
+        model_class=lambda cfg: _CLS if cfg.num_labels else _BASE,
         owns=lambda m: isinstance(m, EncoderModel) and _expressible(m.cfg),
         dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         disk_name=_disk_name,
+        base_prefix="vit.",
+        from_keys=_from_keys,
     )
 )

@@ -167,6 +167,11 @@ class EncoderModel(eqx.Module):
     RoPE and T5's relative bias act inside the attention). No causal mask:
     query $i$ sees every unmasked key, within $|i - j| < w$ in local layers.
 
+    Without a head (no `mlm_head`, `num_labels=0`) the model is a feature
+    extractor, as `transformers`' `BertModel`, `ModernBertModel` and
+    `ViTModel`: `model(ids)` is the last hidden state $y$, and
+    `pooler_output(y)` the pooled output of a config with a `pooler`.
+
     Heads:
 
     - masked LM (`mlm_head`): $\mathrm{logits} = \mathrm{Norm}_t(\phi(y
@@ -381,6 +386,37 @@ class EncoderModel(eqx.Module):
         m = jnp.broadcast_to(key_mask, h.shape[:-1])[..., None].astype(h.dtype)
         return jnp.sum(h * m, axis=-2) / jnp.maximum(jnp.sum(m, axis=-2), 1)
 
+    def pooler_output(
+        self,
+        h: Float[Array, "*batch T d"],
+        key_mask: ArrayLike | None = None,
+        *,
+        hooks: Hooks | None = None,
+    ) -> Float[Array, "*batch d"]:
+        r"""The pooled output of encoder states `h` (`transformers`'
+        `pooler_output`): the pooled state $p$ (`pool`), then the pooler:
+        $\tanh(W_p p + b_p)$ (`"tanh"`: `BertModel`, `ViTModel`),
+        $\mathrm{Norm}_p(\phi(W_p p + b_p))$ (`"transform"`: ModernBERT's
+        classifier) or $p$ itself (`"none"`).
+
+        Args:
+            h: the states `hidden` (or `__call__` without an MLM head) returns.
+            key_mask: booleans `(..., T)`, True at real tokens (read by
+                `pooling="mean"` only).
+            hooks: site `pooler.ln.hook_normalized` (`"transform"`).
+
+        Returns:
+            `(..., d)`, the dtype of `h`.
+        """
+        p = self.pool(h, key_mask)
+        if self.cfg.pooler == "tanh":
+            p = jnp.tanh(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
+        elif self.cfg.pooler == "transform":
+            act = ACTIVATIONS[self.cfg.head_act]
+            p = act(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
+            p = self.pooler_norm(p, hooks=scope(hooks, "pooler.ln"))
+        return p
+
     def classify(
         self,
         ids: Int[ArrayLike, "*batch T"] | None = None,
@@ -400,13 +436,7 @@ class EncoderModel(eqx.Module):
             ids, key_mask=key_mask, valid_lens=valid_lens, hooks=hooks, **kwargs
         )
         mask = padding_mask("EncoderModel", h.shape[:-1], key_mask, valid_lens)
-        p = self.pool(h, mask)
-        if self.cfg.pooler == "tanh":
-            p = jnp.tanh(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
-        elif self.cfg.pooler == "transform":
-            act = ACTIVATIONS[self.cfg.head_act]
-            p = act(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
-            p = self.pooler_norm(p, hooks=scope(hooks, "pooler.ln"))
+        p = self.pooler_output(h, mask, hooks=hooks)
         z = linear(
             p, self.classifier.weight, self.classifier.bias, out_dtype=jnp.float32
         )

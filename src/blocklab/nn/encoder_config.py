@@ -104,9 +104,14 @@ class EncoderConfig(LayerSchedule, _ModelConfig):
         decoder_bias: the MLM head's vocabulary bias $b$.
         tie_embeddings: the MLM decoder is the token embedding $E$.
         num_labels: classes of the sequence-classification head (0: none).
+            Without `mlm_head` and classifier the model is a feature
+            extractor (`BertModel`, `ModernBertModel`, `ViTModel`): it returns
+            the final states and, with a `pooler`, `pooler_output`.
         pooling: `"cls"` (the first token) or `"mean"` (over unmasked tokens).
-        pooler: `"none"` (ViT), `"tanh"` (BERT: $\tanh(W p + b)$) or
-            `"transform"` (ModernBERT: $\mathrm{Norm}(\phi(W p))$).
+        pooler: `"none"` (ViT's classifier), `"tanh"` (BERT, `ViTModel`:
+            $\tanh(W p + b)$) or `"transform"` (ModernBERT:
+            $\mathrm{Norm}(\phi(W p))$), read by the classifier and by
+            `EncoderModel.pooler_output`.
         pad_token_id: metadata.
     """
 
@@ -205,10 +210,6 @@ class EncoderConfig(LayerSchedule, _ModelConfig):
             raise ConfigError(
                 f"{owner}: vocab_size must be >= 1 for token input (0 only with "
                 "image_size and patch_size)."
-            )
-        if self.num_labels == 0 and self.pooler != "none":
-            raise ConfigError(
-                f"{owner}: pooler={self.pooler!r} needs a classifier (num_labels >= 1)."
             )
         changes: dict[str, Any] = {}
         rope = self.positions == "rope"
