@@ -134,3 +134,42 @@ def test_positions_reach_every_block(x):
     out, _ = stack.scan(x, CAUSAL, positions=packed)
     np.testing.assert_allclose(out, h, rtol=1e-5, atol=1e-6)
     assert not np.allclose(stack(x, CAUSAL), h, atol=1e-4)  # default arange(T)
+
+
+def test_layer_inputs_reach_their_own_block_in_one_scan(x):
+    """`layer_inputs` gives block i slice i (an array, or a `PerLayer`'s
+    `fn(layers_i, shared)`), equal to a loop over the blocks, in one scan."""
+    from blocklab._validate import ConfigError
+    from blocklab.nn.stack import PerLayer
+
+    stack = make_stack()
+    bias = jax.random.normal(jax.random.key(4), (N, H, T, T), jnp.float32)
+    tables = jax.random.normal(jax.random.key(5), (N, 4, H), jnp.float32)
+    grid = jnp.arange(T * T).reshape(T, T) % 4
+
+    def gather(w, g):
+        return jnp.moveaxis(w[g], -1, -3)
+
+    @jax.jit
+    def run(stack, bias, tables):
+        out = []
+        for per, each in (
+            (bias, list(bias)),
+            (PerLayer(tables, grid, gather), [gather(t, grid) for t in tables]),
+        ):
+            h = x
+            for i in range(N):
+                h = stack.block(i)(h, CAUSAL, score_bias=each[i])
+            out.append((stack(x, CAUSAL, layer_inputs={"score_bias": per}), h))
+        return out, stack(x, CAUSAL, score_bias=bias[0])
+
+    pairs, first = run(stack, bias, tables)
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(first, pairs[0][1], atol=1e-4)
+    jaxpr = jax.make_jaxpr(
+        lambda s, b: s(x, CAUSAL, layer_inputs={"score_bias": b})
+    )(stack, bias)
+    assert str(jaxpr).count("scan[") == 1
+    with pytest.raises(ConfigError, match="leading axis of size num_blks=3"):
+        stack(x, CAUSAL, layer_inputs={"score_bias": bias[:2]})

@@ -257,8 +257,12 @@ class EncoderDecoderConfig(_ModelConfig):
         num_blks: encoder depth; num_decoder_blks: decoder depth (default
             `num_blks`).
         block: the encoder's `BlockConfig` (the decoder's is `decoder_block`).
-        positions: `"relative"` (T5: one bucketed bias table per stack,
-            bidirectional in the encoder, causal in the decoder) or `"none"`.
+        positions: `"relative"` (T5: bucketed bias tables, bidirectional in
+            the encoder, causal in the decoder) or `"none"`.
+        relative_bias: `"shared"` (T5, mT5: one table per stack, added by
+            every layer) or `"per_layer"` (umT5: every self-attention layer
+            has its own; the tables are stacked `(N, buckets, H)` and scanned
+            with the stack).
         relative_num_buckets, relative_max_distance: T5's buckets.
         max_len: the longest target a decoding cache holds.
         tie_embeddings: the head is the token embedding.
@@ -273,6 +277,7 @@ class EncoderDecoderConfig(_ModelConfig):
     block: BlockConfig
     num_decoder_blks: int | None = None
     positions: str = "relative"
+    relative_bias: str = "shared"
     relative_num_buckets: int = 32
     relative_max_distance: int = 128
     max_len: int = 512
@@ -302,6 +307,17 @@ class EncoderDecoderConfig(_ModelConfig):
             "positions",
             check_choice(owner, "positions", self.positions, ("relative", "none")),
         )
+        put(
+            "relative_bias",
+            check_choice(
+                owner, "relative_bias", self.relative_bias, ("shared", "per_layer")
+            ),
+        )
+        if self.relative_bias == "per_layer" and self.positions != "relative":
+            raise ConfigError(
+                f"{owner}: relative_bias='per_layer' needs positions='relative', "
+                f"got positions={self.positions!r}."
+            )
         self._check_relative(owner)
         put("tie_embeddings", check_bool(owner, "tie_embeddings", self.tie_embeddings))
         put(

@@ -7,7 +7,10 @@ encoder's output. One token embedding is shared by both stacks (and by the
 head when tied). T5's relative position bias is one table per stack
 (`RelativePositionBias`: both directions in the encoder, causal in the
 decoder), computed once per call and added to every layer's self-attention
-scores; the cross-attention has none.
+scores; the cross-attention has none. umT5's (`relative_bias="per_layer"`)
+is one table per self-attention layer, held as a `Stack` of tables
+(`(N, buckets, H)`): the buckets are computed once per call and each layer
+gathers its own bias inside the stack's scan (a `PerLayer` input).
 
 Generation (`greedy`, `init_cache`, `decode_step`) computes the
 cross-attention keys and values of every decoder layer once, from the
@@ -34,7 +37,7 @@ from .functional import causal_lengths, linear
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
 from .relative_position import RelativePositionBias
-from .stack import Stack
+from .stack import PerLayer, Stack
 
 __all__ = ["EncoderDecoderLM", "EncoderDecoderCache"]
 
@@ -54,21 +57,49 @@ def _build(cfg: EncoderDecoderConfig, key):
         lambda k: TransformerBlock(dec_block, key=k), cfg.num_decoder_blks, key=k_dec
     )
 
-    def rel(bidirectional, k):
+    def rel(bidirectional, num_blks, k):
         if cfg.positions != "relative":
             return None
-        return RelativePositionBias(
-            cfg.num_heads, num_buckets=cfg.relative_num_buckets,
-            max_distance=cfg.relative_max_distance, bidirectional=bidirectional,
-            key=k,
-        )  # fmt: skip
+
+        def table(k):
+            return RelativePositionBias(
+                cfg.num_heads, num_buckets=cfg.relative_num_buckets,
+                max_distance=cfg.relative_max_distance,
+                bidirectional=bidirectional, key=k,
+            )  # fmt: skip
+
+        if cfg.relative_bias == "per_layer":
+            return Stack(table, num_blks, key=k)
+        return table(k)
 
     head = (
         None
         if cfg.tie_embeddings
         else init.linear(d, cfg.vocab_size, bias=False, key=k_head)
     )
-    return emb, encoder, decoder, rel(True, k_rel_e), rel(False, k_rel_d), head
+    return (
+        emb, encoder, decoder, rel(True, cfg.num_blks, k_rel_e),
+        rel(False, cfg.num_decoder_blks, k_rel_d), head,
+    )  # fmt: skip
+
+
+def _bias_inputs(
+    rel: RelativePositionBias | Stack | None, Tq: int, Tk: int, offset: Any = 0
+) -> dict[str, Any]:
+    """The stack keywords of a relative position bias (none without one):
+    a shared table's bias, `(..., H, Tq, Tk)` float32, the same for every
+    layer; or, for per-layer tables (a `Stack` of them), the buckets once and
+    each layer's gather inside the scan (`layer_inputs`)."""
+    if rel is None:
+        return {}
+    if isinstance(rel, Stack):
+        grid = rel.block(0).grid(Tq, Tk, offset=offset)
+        return {"layer_inputs": {"score_bias": PerLayer(rel.blocks, grid, _gather)}}
+    return {"score_bias": rel(Tq, Tk, offset=offset).astype(jnp.float32)}
+
+
+def _gather(table: RelativePositionBias, grid: Array) -> Array:
+    return table.gather(grid).astype(jnp.float32)
 
 
 class EncoderDecoderCache(eqx.Module):
@@ -109,7 +140,9 @@ class EncoderDecoderLM(eqx.Module):
         encoder, decoder: the two `Stack`s (the decoder's blocks have
             `cross_attn` and `norm_cross`).
         enc_norm, dec_norm: the final norms.
-        enc_rel_bias, dec_rel_bias: `RelativePositionBias` tables, or `None`.
+        enc_rel_bias, dec_rel_bias: `RelativePositionBias` tables (one per
+            stack), a `Stack` of them (one per layer: `relative_bias=
+            "per_layer"`), or `None`.
         head: the untied `(vocab, d)` head, or `None` (tied).
         cfg: the `EncoderDecoderConfig` (static).
     """
@@ -117,10 +150,10 @@ class EncoderDecoderLM(eqx.Module):
     token_emb: eqx.nn.Embedding
     encoder: Stack
     enc_norm: RMSNorm | LayerNorm
-    enc_rel_bias: RelativePositionBias | None
+    enc_rel_bias: RelativePositionBias | Stack | None
     decoder: Stack
     dec_norm: RMSNorm | LayerNorm
-    dec_rel_bias: RelativePositionBias | None
+    dec_rel_bias: RelativePositionBias | Stack | None
     head: eqx.nn.Linear | None
     cfg: EncoderDecoderConfig = eqx.field(static=True)
 
@@ -184,12 +217,10 @@ class EncoderDecoderLM(eqx.Module):
         src_ids = self._ids("src_ids", src_ids)
         mask = padding_mask("EncoderDecoderLM", src_ids.shape, src_mask, src_lens)
         h = at(hooks, "hook_embed", self.token_emb.weight[src_ids])
-        inputs: dict[str, Any] = {}
+        S = h.shape[-2]
+        inputs = _bias_inputs(self.enc_rel_bias, S, S)
         if mask is not None:
             inputs["key_mask"] = mask
-        if self.enc_rel_bias is not None:
-            S = h.shape[-2]
-            inputs["score_bias"] = self.enc_rel_bias(S, S).astype(jnp.float32)
         h = self.encoder(h, key=key, hooks=hooks, **inputs)
         return self.enc_norm(h, hooks=scope(hooks, "ln_final"))
 
@@ -239,11 +270,10 @@ class EncoderDecoderLM(eqx.Module):
         mask = padding_mask(owner, enc.shape[:-1], src_mask, src_lens)
         h = at(hooks, "hook_embed", self.token_emb.weight[tgt_ids])
         T = h.shape[-2]
-        inputs: dict[str, Any] = {"context": enc}
+        inputs = _bias_inputs(self.dec_rel_bias, T, T)
+        inputs["context"] = enc
         if mask is not None:
             inputs["context_mask"] = mask
-        if self.dec_rel_bias is not None:
-            inputs["score_bias"] = self.dec_rel_bias(T, T).astype(jnp.float32)
         h = self.decoder(
             h, causal_lengths(h.shape[:-1]), key=key, hooks=hooks, **inputs
         )
@@ -344,12 +374,9 @@ class EncoderDecoderLM(eqx.Module):
         Tq = ids.shape[-1]
         start = cache.length
         h = at(hooks, "hook_embed", self.token_emb.weight[ids])
-        inputs: dict[str, Any] = {}
+        inputs = _bias_inputs(self.dec_rel_bias, Tq, cache.max_len, offset=start)
         if cache.src_mask is not None:
             inputs["context_mask"] = cache.src_mask
-        if self.dec_rel_bias is not None:
-            bias = self.dec_rel_bias(Tq, cache.max_len, offset=start)
-            inputs["score_bias"] = bias.astype(jnp.float32)
         h, layers = self.decoder.step(
             h, cache.layers, start, hooks=hooks, cross_kv=cache.cross, **inputs
         )

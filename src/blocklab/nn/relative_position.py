@@ -136,7 +136,9 @@ class RelativePositionBias(eqx.Module):
     bias of the attention logits for query positions $p^q$ and key positions
     $p^k$ (T5 adds it to the unscaled logits $q^\top k$, before the mask).
     In T5 only the first layer of each stack owns a table; every layer of the
-    stack adds the same bias. Cross-attention has none.
+    stack adds the same bias. In umT5 every self-attention layer owns one
+    (the model holds them stacked, a `Stack` of these, and gathers layer
+    $i$'s bias inside the stack's scan: `gather`). Cross-attention has none.
     """
 
     weight: Float[Array, "buckets heads"]
@@ -210,13 +212,25 @@ class RelativePositionBias(eqx.Module):
         Returns:
             `(..., heads, num_queries, num_keys)` in the table's dtype.
         """
+        return self.gather(self.grid(num_queries, num_keys, offset=offset))
+
+    def grid(
+        self,
+        num_queries: int,
+        num_keys: int,
+        *,
+        offset: Int[ArrayLike, "*batch"] | int = 0,
+    ) -> Int[Array, "*batch Tq Tk"]:
+        """The buckets of `__call__`'s (query, key) pairs, `(..., Tq, Tk)`:
+        they depend on the buckets' settings only, not on the table, so one
+        grid serves every layer of a stack (`gather`)."""
         owner = "RelativePositionBias"
         num_queries = check_int(owner, "num_queries", num_queries, min=1)
         num_keys = check_int(owner, "num_keys", num_keys, min=1)
         off = jnp.asarray(offset)
         q = off[..., None] + jnp.arange(num_queries)
         k = jnp.broadcast_to(jnp.arange(num_keys), (*off.shape, num_keys))
-        return self.from_positions(q, k)
+        return self.buckets(q, k)
 
     def from_positions(
         self,
@@ -224,5 +238,11 @@ class RelativePositionBias(eqx.Module):
         key_positions: Int[ArrayLike, "*#batch Tk"],
     ) -> Float[Array, "*batch heads Tq Tk"]:
         """The bias for explicit positions: `(..., heads, Tq, Tk)`."""
-        b = self.buckets(query_positions, key_positions)
-        return jnp.moveaxis(self.weight[b], -1, -3)
+        return self.gather(self.buckets(query_positions, key_positions))
+
+    def gather(
+        self, buckets: Int[Array, "*batch Tq Tk"]
+    ) -> Float[Array, "*batch heads Tq Tk"]:
+        r"""$B_{h,i,j} = W[\beta_{ij}, h]$ for given buckets (from `buckets`):
+        `(..., heads, Tq, Tk)`, in the table's dtype."""
+        return jnp.moveaxis(self.weight[buckets], -1, -3)

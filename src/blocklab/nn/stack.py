@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -18,7 +18,52 @@ from .cache import write_cache
 from .hooks import Hooks
 from .remat import NamedSites, check_remat, nested_groups, parse_remat
 
-__all__ = ["Stack"]
+__all__ = ["PerLayer", "Stack"]
+
+
+class PerLayer(eqx.Module):
+    r"""A block input that differs per layer, computed inside the stack's scan.
+
+    Block $i$ receives $f(\ell_i, s)$: `layers` is a pytree whose array
+    leaves have a leading axis of size N, scanned with the blocks (block $i$
+    reads its slice $\ell_i$), and `shared` is the same for every block.
+    umT5's relative position bias is one: $\ell_i$ is layer $i$'s bias
+    table, $s$ the buckets of the (query, key) pairs, $f$ the gather.
+    """
+
+    layers: Any
+    shared: Any
+    fn: Callable[[Any, Any], Any] = eqx.field(static=True)
+
+
+def _layer_xs(owner: str, num_blks: int, layer_inputs: Any):
+    """`(xs, make)`: the scanned part of `layer_inputs` and `make(xs_i)`, the
+    block keywords of one layer from its slice."""
+    layer_inputs = {k: v for k, v in (layer_inputs or {}).items() if v is not None}
+    if not layer_inputs:
+        return None, lambda _: {}
+    names = tuple(layer_inputs)
+    parts = tuple(
+        v.layers if isinstance(v, PerLayer) else v for v in layer_inputs.values()
+    )
+    for name, part in zip(names, parts, strict=True):
+        for leaf in jax.tree_util.tree_leaves(part):
+            if eqx.is_array(leaf) and (leaf.ndim < 1 or leaf.shape[0] != num_blks):
+                raise ConfigError(
+                    f"{owner}: layer input {name!r} must have a leading axis of "
+                    f"size num_blks={num_blks} (one slice per block), got a leaf "
+                    f"of shape {tuple(leaf.shape)}."
+                )
+    dynamic, static = eqx.partition(parts, eqx.is_array)
+    given = tuple(layer_inputs.values())
+
+    def make(xs_i):
+        out = {}
+        for name, v, part in zip(names, given, eqx.combine(xs_i, static), strict=True):
+            out[name] = v.fn(part, v.shared) if isinstance(v, PerLayer) else part
+        return out
+
+    return dynamic, make
 
 
 class Stack(eqx.Module):
@@ -147,17 +192,18 @@ class Stack(eqx.Module):
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
         hooks: Hooks | None = None,
+        layer_inputs: Mapping[str, Any] | None = None,
         **inputs: Any,
     ) -> tuple[Float[Array, "*batch T d"], Any]:
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, segment_ids, key, hooks, inputs: as
-                for `__call__`.
+            x, valid_lens, positions, segment_ids, key, hooks, layer_inputs,
+                inputs: as for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing. Not with
-                `hooks`.
+                `hooks` or `layer_inputs`.
 
         Returns:
             `(h_N, stats)` with a leading axis of size N on every leaf of `stats`.
@@ -170,7 +216,10 @@ class Stack(eqx.Module):
         extra.update({k: v for k, v in inputs.items() if v is not None})
         if hooks is not None and collect is not None:
             raise ConfigError("Stack.scan: pass collect or hooks, not both.")
+        if layer_inputs and collect is not None:
+            raise ConfigError("Stack.scan: pass collect or layer_inputs, not both.")
         layers = None if hooks is None else jnp.arange(self.num_blks, dtype=jnp.int32)
+        per_xs, per_layer = _layer_xs("Stack", self.num_blks, layer_inputs)
 
         constrain = self.constrain
         policy = parse_remat("Stack", self.remat)
@@ -178,22 +227,24 @@ class Stack(eqx.Module):
         named, seen = policy.tags and collect is None, set()
 
         def step(h, xs):
-            blk_params, k, i = xs
+            blk_params, k, i, per_i = xs
             blk = eqx.combine(blk_params, static)
+            kw = {**extra, **per_layer(per_i)}
             if constrain is not None:
                 h = constrain(h)
             if hooks is not None or named:
                 mine = None if hooks is None else hooks.stacked(i)
                 mine = NamedSites(mine, seen) if named else mine
-                out = blk(h, valid_lens, key=k, hooks=mine, **extra)
+                out = blk(h, valid_lens, key=k, hooks=mine, **kw)
                 return out, (None if hooks is None else mine.values)
             if collect is None:
-                return blk(h, valid_lens, key=k, **extra), None
+                return blk(h, valid_lens, key=k, **kw), None
             return collect(blk, h, k)
 
         h, stats = _remat_scan(
-            policy, step, x, (dynamic, keys, layers), self.num_blks, self.unroll
-        )
+            policy, step, x, (dynamic, keys, layers, per_xs), self.num_blks,
+            self.unroll,
+        )  # fmt: skip
         missing = [n for n in policy.full_names if named and n not in seen]
         if missing:
             raise ConfigError(
@@ -214,6 +265,7 @@ class Stack(eqx.Module):
         segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
+        layer_inputs: Mapping[str, Any] | None = None,
         **inputs: Any,
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
@@ -222,7 +274,10 @@ class Stack(eqx.Module):
         `segment_ids` (packed sequences) too when given, and so are the
         other block inputs given as keywords (`inputs`, e.g. `key_mask`,
         `score_bias`, an encoder's `context`: the same for every block,
-        not scanned over); `key` (dropout) is
+        not scanned over). `layer_inputs` maps block keywords to inputs
+        that differ per block, scanned with the blocks: a pytree whose
+        arrays have a leading axis of size N (block i gets slice i), or a
+        `PerLayer` (block i gets `fn(layers_i, shared)`). `key` (dropout) is
         split into one subkey per block. `hooks` (`blocklab.nn.hooks`) sees
         the blocks' sites as `blocks.*.<site>` (`TransformerBlock.__call__`),
         with the block index as the edits' `layer`; what it records comes
@@ -230,7 +285,7 @@ class Stack(eqx.Module):
         """
         return self.scan(
             x, valid_lens, positions=positions, segment_ids=segment_ids, key=key,
-            hooks=hooks, **inputs,
+            hooks=hooks, layer_inputs=layer_inputs, **inputs,
         )[0]  # fmt: skip
 
     def step(
@@ -241,6 +296,7 @@ class Stack(eqx.Module):
         *,
         hooks: Hooks | None = None,
         cross_kv: Any = None,
+        layer_inputs: Mapping[str, Any] | None = None,
         **inputs: Any,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the N blocks to new tokens against their key/value caches.
@@ -259,6 +315,8 @@ class Stack(eqx.Module):
             hooks: as for `__call__` (the sites of `TransformerBlock.step`).
             cross_kv: cross-attention blocks' cached encoder keys and values,
                 stacked over the blocks like `caches` (scanned with them).
+            layer_inputs: keywords of `TransformerBlock.step` that differ per
+                block, scanned with them (as for `__call__`).
             inputs: other keywords of `TransformerBlock.step`, the same for
                 every block (`context_lens`, `score_bias`, ...).
 
@@ -268,9 +326,11 @@ class Stack(eqx.Module):
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         steps = jnp.arange(self.num_blks, dtype=jnp.int32)
         given = {k: v for k, v in inputs.items() if v is not None}
+        per_xs, per_layer = _layer_xs("Stack.step", self.num_blks, layer_inputs)
 
-        def run(blk, h, cache, i, ckv=None, **kw):
+        def run(blk, h, cache, i, ckv, per_i, **kw):
             kw.update(given)
+            kw.update(per_layer(per_i))
             if ckv is not None:
                 kw["cross_kv"] = ckv
             if hooks is None:
@@ -282,31 +342,32 @@ class Stack(eqx.Module):
             # Decoding: the caches are read in the layer loop and written once
             # after it (`defer_write`); written inside it, XLA copies them.
             def read_only(h, xs):
-                blk_params, i, ckv = xs
+                blk_params, i, ckv, per_i = xs
                 cache = jax.tree.map(
                     lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False),
                     caches,
                 )
                 blk = eqx.combine(blk_params, static)
-                (h, rows), seen = run(blk, h, cache, i, ckv, defer_write=True)
+                (h, rows), seen = run(blk, h, cache, i, ckv, per_i, defer_write=True)
                 return h, (rows, seen)
 
             h, (rows, seen) = jax.lax.scan(
-                read_only, x, (dynamic, steps, cross_kv), unroll=self.unroll
+                read_only, x, (dynamic, steps, cross_kv, per_xs), unroll=self.unroll
             )
             new = write_cache(caches, rows, start, stacked=True)
         else:
 
             def body(h, xs):
-                blk_params, cache, i, ckv = xs
+                blk_params, cache, i, ckv, per_i = xs
                 blk = eqx.combine(blk_params, static)
-                (h, cache), seen = run(blk, h, cache, i, ckv)
+                (h, cache), seen = run(blk, h, cache, i, ckv, per_i)
                 return h, (cache, seen)
 
             layers = None if hooks is None else steps
             h, (new, seen) = jax.lax.scan(
-                body, x, (dynamic, caches, layers, cross_kv), unroll=self.unroll
-            )
+                body, x, (dynamic, caches, layers, cross_kv, per_xs),
+                unroll=self.unroll,
+            )  # fmt: skip
         if hooks is not None:
             hooks.values.update(seen)
         return h, new
