@@ -197,9 +197,17 @@ def _close(got, want, where=None):
     assert err <= 1e-5 * scale, f"max |diff| {err:.3g} > 1e-5 x scale {scale:.3g}"
 
 
-def _t5(seed, **fields):
-    """A random tiny T5ForConditionalGeneration: widths, heads, d_kv (not
-    d_model / heads), depths, buckets drawn from `seed`; random weights."""
+_FAMILIES = {
+    "t5": ("T5Config", "T5ForConditionalGeneration"),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration"),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration"),
+}
+
+
+def _t5(seed, family="t5", **fields):
+    """A random tiny T5ForConditionalGeneration (or umT5's, mT5's): widths,
+    heads, d_kv (not d_model / heads), depths, buckets drawn from `seed`;
+    random weights."""
     transformers = pytest.importorskip("transformers")
     from hf_models import randomize
 
@@ -222,8 +230,9 @@ def _t5(seed, **fields):
         dropout_rate=0.1,
     )
     cfg.update(fields)
-    config = transformers.T5Config(**cfg)
-    model = transformers.T5ForConditionalGeneration(config)
+    config_cls, model_cls = _FAMILIES[family]
+    config = getattr(transformers, config_cls)(**cfg)
+    model = getattr(transformers, model_cls)(config)
     model = randomize(model, seed=seed, matrices=0.3, embeddings=1.0)
     if not cfg["tie_word_embeddings"] and rng.integers(0, 2):
         import torch
@@ -242,15 +251,28 @@ def _ragged(rng, B, T, vocab, lo=1):
     return ids, np.arange(T)[None, :] < lens[:, None]
 
 
+def _cases(default, slow):
+    """`(family, seed)` parameters: `default` in the default run, `slow` slow."""
+    return [
+        *(pytest.param(f, s, id=f"{f}-{s}") for f, s in default),
+        *(pytest.param(f, s, id=f"{f}-{s}", marks=pytest.mark.slow) for f, s in slow),
+    ]
+
+
 @pytest.mark.parametrize(
-    "seed",
-    [1, *(pytest.param(s, marks=pytest.mark.slow) for s in (0, *range(2, 8)))],
+    "family,seed",
+    _cases(
+        [("t5", 1), ("umt5", 2)],
+        [*(("t5", s) for s in (0, *range(2, 8))), *(("umt5", s) for s in range(3, 9))],
+    ),
 )
-def test_t5_logits(seed):
+def test_t5_logits(family, seed):
+    """Encoder states and logits of T5 and umT5 (a bias table per layer)
+    against transformers, on a ragged batch."""
     torch = pytest.importorskip("torch")
     import blocklab
 
-    hf, rng = _t5(seed)
+    hf, rng = _t5(seed, family)
     c = hf.config
     B, S, T = 3, int(rng.integers(1, 12)), int(rng.integers(1, 9))
     src, mask = _ragged(rng, B, S, c.vocab_size)
@@ -264,6 +286,8 @@ def test_t5_logits(seed):
     ours = blocklab.from_huggingface(hf)
     untied = hf.lm_head.weight.data_ptr() != hf.shared.weight.data_ptr()
     assert ours.cfg.tie_embeddings is not untied
+    per_layer = {"t5": "shared", "umt5": "per_layer"}[family]
+    assert ours.cfg.relative_bias == per_layer
     enc = ours.encode(jnp.asarray(src), src_mask=jnp.asarray(mask))
     _close(enc, out.encoder_last_hidden_state.numpy(), mask)
     got = ours(jnp.asarray(src), jnp.asarray(tgt), src_mask=jnp.asarray(mask))
@@ -271,9 +295,13 @@ def test_t5_logits(seed):
 
 
 @pytest.mark.parametrize(
-    "seed", [10, *(pytest.param(s, marks=pytest.mark.slow) for s in (11, 12, 13))]
+    "family,seed",
+    _cases(
+        [("t5", 10), ("umt5", 14)],
+        [("t5", 11), ("t5", 12), ("t5", 13), ("umt5", 15), ("umt5", 16)],
+    ),
 )
-def test_t5_greedy_equals_generate(seed):
+def test_t5_greedy_equals_generate(family, seed):
     """20 greedy tokens on a ragged batch, token for token (after eos: pad).
 
     The decoder is not deeper than the encoder: transformers 5.24's generate
@@ -281,7 +309,7 @@ def test_t5_greedy_equals_generate(seed):
     torch = pytest.importorskip("torch")
     import blocklab
 
-    hf, rng = _t5(seed, num_decoder_layers=None)
+    hf, rng = _t5(seed, family, num_decoder_layers=None)
     c = hf.config
     S = int(rng.integers(3, 12))
     src, mask = _ragged(rng, 4, S, c.vocab_size)
@@ -299,8 +327,16 @@ def test_t5_greedy_equals_generate(seed):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_t5_folders_both_ways(tmp_path, tied):
+@pytest.mark.parametrize(
+    "family,tied",
+    [
+        ("t5", False),
+        ("umt5", True),
+        pytest.param("t5", True, marks=pytest.mark.slow),
+        pytest.param("umt5", False, marks=pytest.mark.slow),
+    ],
+)
+def test_t5_folders_both_ways(tmp_path, family, tied):
     """transformers' save_pretrained -> load_pretrained (no torch on that
     path), and save_pretrained -> transformers' from_pretrained: equal logits
     both ways; v1.1's layout (an untied head, no output rescale) and v1.0's
@@ -310,7 +346,7 @@ def test_t5_folders_both_ways(tmp_path, tied):
     import blocklab
 
     proj = "relu" if tied else "gated-gelu"
-    hf, rng = _t5(4, tie_word_embeddings=tied, feed_forward_proj=proj)
+    hf, rng = _t5(4, family, tie_word_embeddings=tied, feed_forward_proj=proj)
     if not tied:
         with torch.no_grad():  # v1.1: an lm_head of its own
             w = torch.randn(hf.lm_head.weight.shape)
@@ -334,6 +370,7 @@ def test_t5_folders_both_ways(tmp_path, tied):
     _close(got, hf_logits(hf))
     blocklab.save_pretrained(ours, tmp_path / "ours")
     back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours")
+    assert type(back) is type(hf)
     _close(hf_logits(back.eval()), got)
     again = blocklab.load_pretrained(tmp_path / "ours")
     np.testing.assert_array_equal(
@@ -363,15 +400,39 @@ def test_t5_unimplemented_fields_refused_by_name(fields, name):
         t5_config(transformers.T5Config(**base, **fields))
 
 
-def test_umt5_refused_by_name():
-    transformers = pytest.importorskip("transformers")
+def test_mt5_is_t5_v1_1_without_the_output_rescale(tmp_path):
+    """MT5ForConditionalGeneration is T5's mathematics, but never rescales the
+    decoder output, whatever tie_word_embeddings says: transformers' logits,
+    from the model and from its folder (mT5's defaults fill what the
+    config.json leaves out)."""
+    torch = pytest.importorskip("torch")
     import blocklab
 
-    cfg = transformers.UMT5Config(
-        vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2
-    )
-    with pytest.raises(ConfigError, match="UMT5ForConditionalGeneration"):
-        blocklab.from_huggingface(transformers.UMT5ForConditionalGeneration(cfg))
+    hf, rng = _t5(5, "mt5", tie_word_embeddings=True, num_heads=6, d_ff=1024)
+    src, mask = _ragged(rng, 2, 6, hf.config.vocab_size)
+    tgt = rng.integers(0, hf.config.vocab_size, size=(2, 4))
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            decoder_input_ids=torch.tensor(tgt),
+        ).logits.numpy()
+    ours = blocklab.from_huggingface(hf)
+    assert ours.cfg.head_scale is None and ours.cfg.relative_bias == "shared"
+    _close(ours(src, tgt, src_mask=mask), want)
+    hf.save_pretrained(tmp_path)
+    folder = blocklab.load_pretrained(tmp_path)
+    assert folder.cfg.num_heads == 6 and folder.cfg.block.ffn_width == 1024
+    _close(folder(src, tgt, src_mask=mask), want)
+
+
+def test_t5_family_classes_refused_by_name():
+    """A class of the family blocklab does not convert is named."""
+    pytest.importorskip("transformers")
+    from blocklab.interop.t5 import t5_config
+
+    with pytest.raises(ConfigError, match="T5ForQuestionAnswering"):
+        t5_config(object(), "T5ForQuestionAnswering")
 
 
 def test_t5_training_mode_refused():
@@ -381,3 +442,136 @@ def test_t5_training_mode_refused():
     hf, _ = _t5(0)
     with pytest.raises(ConfigError, match="dropout_rate"):
         blocklab.from_huggingface(hf.train())
+
+
+# umT5's per-layer tables in the model ----------------------------------------------
+
+
+def _umt5(**kw):
+    from blocklab.nn.encoder_config import EncoderDecoderConfig
+    from blocklab.nn.encoder_decoder import EncoderDecoderLM
+
+    fields = dict(
+        num_decoder_blks=3, attn_scale=1.0, act="geglu", relative_num_buckets=8,
+        relative_max_distance=20, relative_bias="per_layer", eos_token_id=1,
+    )  # fmt: skip
+    m = EncoderDecoderLM(
+        EncoderDecoderConfig(40, 16, 4, 2, **{**fields, **kw}), key=jax.random.key(0)
+    )
+    # tables large enough that a wrong layer's bias shows in the outputs
+    return jax.tree_util.tree_map(
+        lambda a: a * 30 if eqx.is_inexact_array(a) and a.ndim == 3 else a, m
+    )
+
+
+_SRC = np.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+_TGT = np.array([[0, 11, 12, 13], [0, 21, 22, 23]])
+
+
+def test_per_layer_tables_are_stacked_and_each_stack_is_one_scan():
+    """The tables are `(N, buckets, H)`; encode, decode and a cached decode
+    step are one scan each (the tables scanned with the blocks). Traced on
+    the abstract model: nothing is built or compiled."""
+    from blocklab.nn.encoder_config import EncoderDecoderConfig
+    from blocklab.nn.encoder_decoder import EncoderDecoderLM
+
+    cfg = EncoderDecoderConfig(
+        40, 16, 4, 2, num_decoder_blks=3, relative_num_buckets=8,
+        relative_max_distance=20, relative_bias="per_layer",
+    )  # fmt: skip
+    m = eqx.filter_eval_shape(EncoderDecoderLM, cfg, key=jax.random.key(0))
+    assert m.enc_rel_bias.blocks.weight.shape == (2, 8, 4)
+    assert m.dec_rel_bias.blocks.weight.shape == (3, 8, 4)
+    mask = _SRC > 0
+    enc = jnp.zeros((2, 6, 16))
+    for fn in (
+        lambda m: m.encode(_SRC, src_mask=mask),
+        lambda m: m.decode(_TGT, enc, src_mask=mask),
+        lambda m: m.decode_step(_TGT[:, :1], m.init_cache(enc, src_mask=mask)),
+    ):
+        assert str(jax.make_jaxpr(fn)(m)).count("scan[") == 1
+
+
+@pytest.mark.slow
+def test_per_layer_tables_equal_a_loop_over_the_layers():
+    """Encoder states and logits equal a loop over the layers in which layer
+    i adds the bias of its own table i."""
+    m = _umt5()
+    mask = _SRC > 0
+
+    @jax.jit
+    def both(m):
+        enc = m.encode(_SRC, src_mask=mask)
+        return enc, m.decode(_TGT, enc, src_mask=mask)
+
+    @jax.jit
+    def loop(m):
+        h = m.token_emb.weight[_SRC]
+        for i in range(2):
+            bias = m.enc_rel_bias.block(i)(6, 6)
+            h = m.encoder.block(i)(h, key_mask=mask, score_bias=bias)
+        enc = m.enc_norm(h)
+        y = m.token_emb.weight[_TGT]
+        for i in range(3):
+            bias = m.dec_rel_bias.block(i)(4, 4)
+            y = m.decoder.block(i)(
+                y, jnp.arange(1, 5), context=enc, context_mask=mask, score_bias=bias
+            )
+        return enc, m.logits(m.dec_norm(y))
+
+    for got, want in zip(both(m), loop(m), strict=True):
+        _close(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "dots", "nested"])
+def test_per_layer_tables_under_hooks_remat_and_cache(remat):
+    """Hooks see every layer and change nothing; a remat policy gives the
+    same loss and table gradients; cached decoding equals teacher forcing."""
+    from blocklab.nn.hooks import Hooks
+    from blocklab.nn.remat import with_remat
+    from blocklab.training.losses import seq2seq_loss
+
+    m = _umt5()
+    mask = _SRC > 0
+    tgt_out = np.where(_TGT > 0, _TGT, 3)
+
+    def loss(m):
+        return seq2seq_loss(m, _SRC, _TGT, tgt_out, src_mask=mask)
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    (l0, g0), (l1, g1) = grad(m), grad(with_remat(m, remat))
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in (
+        (g1.enc_rel_bias, g0.enc_rel_bias),
+        (g1.dec_rel_bias, g0.dec_rel_bias),
+    ):
+        a, b = a.blocks.weight, b.blocks.weight
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()))
+        assert np.all(np.abs(b).reshape(len(b), -1).max(-1) > 0)  # every table learns
+    if remat != "full":
+        return
+    hooks = Hooks(record=["blocks.*.attn.hook_attn_scores"])
+    enc = m.encode(_SRC, src_mask=mask)
+    full = m.decode(_TGT, enc, src_mask=mask, hooks=hooks)
+    _close(full, m.decode(_TGT, enc, src_mask=mask))
+    scores = hooks.values["blocks.*.attn.hook_attn_scores"]
+    assert scores.shape == (3, 2, 4, 4, 4)
+    cache = m.init_cache(enc, src_mask=mask, max_len=4)
+    step = eqx.filter_jit(lambda m, t, c: m.decode_step(t, c))
+    outs = []
+    for t in range(4):
+        out, cache = step(m, _TGT[:, t : t + 1], cache)
+        outs.append(out)
+    _close(jnp.concatenate(outs, axis=1), full)
+
+
+def test_relative_bias_option_refused_by_name():
+    from blocklab.nn.encoder_config import EncoderDecoderConfig
+
+    with pytest.raises(
+        ConfigError, match=r"relative_bias.*'shared', 'per_layer'.*'layer'"
+    ):
+        EncoderDecoderConfig(40, 16, 4, 2, relative_bias="layer")
+    with pytest.raises(ConfigError, match="positions='relative'"):
+        EncoderDecoderConfig(40, 16, 4, 2, relative_bias="per_layer", positions="none")

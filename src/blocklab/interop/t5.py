@@ -1,4 +1,4 @@
-r"""T5 (`T5ForConditionalGeneration`, v1.0 and v1.1): config and weights.
+r"""T5 (`T5ForConditionalGeneration`, v1.0 and v1.1), mT5 and umT5: config and weights.
 
 T5 (Raffel et al., 2020) is an encoder–decoder of pre-norm blocks with
 RMSNorm without mean subtraction or bias ($\epsilon = 10^{-6}$), no biases,
@@ -14,8 +14,17 @@ is multiplied by $d^{-1/2}$ first.
 
 `transformers` 5 forces `tie_word_embeddings=True` in the config object and
 keeps `lm_head` untied when a stored `lm_head.weight` differs from the shared
-embedding; so does the conversion. umT5 (a table in every layer) is not
-converted: its class is refused by name.
+embedding; so does the conversion.
+
+mT5 (`MT5ForConditionalGeneration`) is T5 v1.1's mathematics with other
+config defaults, and its `transformers` model never rescales the decoder
+output (no `scale_decoder_outputs`): it converts to the same
+`EncoderDecoderConfig` with `head_scale=None` (and is written back as a T5
+of that layout). umT5 (`UMT5ForConditionalGeneration`) differs from T5 in one
+place: every self-attention layer of both stacks owns a relative position bias
+table (`encoder.block.{i}.layer.0.SelfAttention.relative_attention_bias`),
+blocklab's `relative_bias="per_layer"`; the buckets, the masks, the missing
+bias of the cross-attention and the head's rescaling are T5's.
 """
 
 from __future__ import annotations
@@ -27,9 +36,11 @@ from ..nn.encoder_decoder import EncoderDecoderLM
 from .hf_common import Derived, refuse, understood
 from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
 
-__all__ = ["T5", "t5_config", "t5_fields", "t5_rules"]
+__all__ = ["MT5", "T5", "UMT5", "t5_config", "t5_fields", "t5_rules"]
 
 _CLS = "T5ForConditionalGeneration"
+_MT5 = "MT5ForConditionalGeneration"
+_UMT5 = "UMT5ForConditionalGeneration"
 
 #: `feed_forward_proj` -> blocklab's `act` (`"gated-gelu"` is tanh GELU in
 #: `transformers`, whereas a plain `"gelu"` is the exact one).
@@ -70,6 +81,18 @@ FIELDS = {
     "gradient_checkpointing": False,
 }
 
+#: The fields of `MT5Config` and `UMT5Config`: T5's, with their defaults
+#: (what a `config.json` that leaves a field out means).
+_MT5_DEFAULTS = dict(
+    vocab_size=250112, d_ff=1024, num_layers=8, num_heads=6,
+    feed_forward_proj="gated-gelu",
+)  # fmt: skip
+_CLASS_FIELDS = {
+    _CLS: FIELDS,
+    _MT5: {**FIELDS, **_MT5_DEFAULTS},
+    _UMT5: {**FIELDS, **_MT5_DEFAULTS},
+}
+
 
 def _token(hf: Any, name: str, default: int | None, vocab: int) -> int | None:
     """The token id `name` of the config (`None` where it says none, e.g. no
@@ -83,17 +106,19 @@ def _token(hf: Any, name: str, default: int | None, vocab: int) -> int | None:
 
 
 def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
-    """The `EncoderDecoderConfig` of a `T5Config`; refuses (by name) what
-    blocklab does not implement."""
-    if cls != _CLS:
-        raise refuse(cls, "architectures", cls, f"supported: {[_CLS]}")
-    vocab = getattr(hf, "vocab_size", FIELDS["vocab_size"])
+    """The `EncoderDecoderConfig` of a `T5Config` (`MT5Config`, `UMT5Config`
+    for `cls` their model class); refuses (by name) what blocklab does not
+    implement."""
+    if cls not in _CLASS_FIELDS:
+        raise refuse(cls, "architectures", cls, f"supported: {list(_CLASS_FIELDS)}")
+    fields = _CLASS_FIELDS[cls]
+    vocab = getattr(hf, "vocab_size", fields["vocab_size"])
     ids = dict(
         decoder_start_token_id=_token(hf, "decoder_start_token_id", 0, vocab),
         eos_token_id=_token(hf, "eos_token_id", 1, vocab),
         pad_token_id=_token(hf, "pad_token_id", 0, vocab),
     )
-    hf = understood(cls, hf, FIELDS)
+    hf = understood(cls, hf, fields)
     proj = hf.feed_forward_proj
     if proj not in _ACTS:
         raise refuse(cls, "feed_forward_proj", proj, f"implemented: {sorted(_ACTS)}")
@@ -102,6 +127,8 @@ def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
     scale = hf.scale_decoder_outputs
     if scale is None:  # transformers reads it from tie_word_embeddings
         scale = hf.tie_word_embeddings is not False
+    if cls == _MT5:  # MT5ForConditionalGeneration never rescales
+        scale = False
     return EncoderDecoderConfig(
         hf.vocab_size,
         hf.d_model,
@@ -117,6 +144,7 @@ def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
         bias=False,
         attn_scale=1.0,
         positions="relative",
+        relative_bias="per_layer" if cls == _UMT5 else "shared",
         relative_num_buckets=hf.relative_attention_num_buckets,
         relative_max_distance=hf.relative_attention_max_distance,
         tie_embeddings=True,
@@ -150,8 +178,9 @@ def t5_fields(cfg: EncoderDecoderConfig) -> dict[str, Any]:
     )
 
 
-def _expressible(cfg: Any) -> bool:
-    """Whether `cfg` is a T5: what `t5_config` builds, at any sizes."""
+def _expressible(cfg: Any, relative_bias: str = "shared") -> bool:
+    """Whether `cfg` is a T5 (`"shared"`) or a umT5 (`"per_layer"`): what
+    `t5_config` builds, at any sizes."""
     if not isinstance(cfg, EncoderDecoderConfig):
         return False
     b = cfg.block
@@ -161,6 +190,7 @@ def _expressible(cfg: Any) -> bool:
         and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
         and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
         and not b.qk_norm and b.attn_softcap is None and cfg.positions == "relative"
+        and cfg.relative_bias == relative_bias
         and (scale is None or abs(scale - cfg.num_hiddens**-0.5) < 1e-12)
     )  # fmt: skip
 
@@ -180,6 +210,18 @@ def _attn(hf: str, ours: str) -> list[EncRule]:
     return [EncRule(f"{hf}.{n}.weight", (f"{ours}.W_{n}.weight",)) for n in "qkvo"]
 
 
+def _rel(cfg: EncoderDecoderConfig, stack: str, num_blks: int) -> list[EncRule]:
+    """The relative position bias tables of a stack: layer 0's (T5, mT5), or
+    every layer's (umT5)."""
+    hf = f"{stack}.block.{{}}.layer.0.SelfAttention.relative_attention_bias.weight"
+    ours = "enc_rel_bias" if stack == "encoder" else "dec_rel_bias"
+    if cfg.relative_bias == "shared":
+        return [EncRule(hf.format(0), (f"{ours}.weight",))]
+    return [
+        EncRule(hf.format(i), (f"{ours}.blocks.{i}.weight",)) for i in range(num_blks)
+    ]
+
+
 def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
     """Every stored tensor and its blocklab parameter."""
     rules = [EncRule("shared.weight", ("token_emb.weight",))]
@@ -189,12 +231,7 @@ def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
         rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
         rules += _ffn(cfg, f"{e}.1", o)
         rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
-    rules.append(
-        EncRule(
-            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-            ("enc_rel_bias.weight",),
-        )
-    )
+    rules += _rel(cfg, "encoder", cfg.num_blks)
     rules.append(EncRule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
     for i in range(cfg.num_decoder_blks):
         e, o = f"decoder.block.{i}.layer", f"decoder.blocks.{i}"
@@ -204,12 +241,7 @@ def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
         rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm_cross.weight",)))
         rules += _ffn(cfg, f"{e}.2", o)
         rules.append(EncRule(f"{e}.2.layer_norm.weight", (f"{o}.norm2.weight",)))
-    rules.append(
-        EncRule(
-            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-            ("dec_rel_bias.weight",),
-        )
-    )
+    rules += _rel(cfg, "decoder", cfg.num_decoder_blks)
     rules.append(EncRule("decoder.final_layer_norm.weight", ("dec_norm.weight",)))
     if not cfg.tie_embeddings:
         rules.append(EncRule("lm_head.weight", ("head.weight",)))
@@ -232,22 +264,37 @@ def _untie(cfg: EncoderDecoderConfig) -> EncoderDecoderConfig:
     return dataclasses.replace(cfg, tie_embeddings=False)
 
 
-T5 = register_encoder_family(
-    EncoderFamily(
-        name="t5",
-        classes=(_CLS,),
-        model_types=("t5",),
-        to_config=t5_config,
-        hf_fields=t5_fields,
-        rules=t5_rules,
-        build=lambda cfg, key: EncoderDecoderLM(cfg, key=key),
-        model_class=lambda cfg: _CLS,
-        owns=lambda m: isinstance(m, EncoderDecoderLM) and _expressible(m.cfg),
-        dropout_fields=("dropout_rate", "classifier_dropout"),
-        tied=_tied,
-        ignored=(
-            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
-        ),
-        untie=_untie,
+def _family(name: str, cls: str, owns: Any) -> EncoderFamily:
+    return register_encoder_family(
+        EncoderFamily(
+            name=name,
+            classes=(cls,),
+            model_types=(name,),
+            to_config=t5_config,
+            hf_fields=t5_fields,
+            rules=t5_rules,
+            build=lambda cfg, key: EncoderDecoderLM(cfg, key=key),
+            model_class=lambda cfg: cls,
+            owns=owns,
+            dropout_fields=("dropout_rate", "classifier_dropout"),
+            tied=_tied,
+            ignored=(
+                "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias."
+                "weight",
+            ),
+            untie=_untie,
+        )
     )
-)
+
+
+def _owns(relative_bias: str) -> Any:
+    return lambda m: (
+        isinstance(m, EncoderDecoderLM) and _expressible(m.cfg, relative_bias)
+    )
+
+
+T5 = _family("t5", _CLS, _owns("shared"))
+UMT5 = _family("umt5", _UMT5, _owns("per_layer"))
+#: mT5 converts from `transformers` only; blocklab writes its models as T5
+#: (the same mathematics), so this family exports nothing.
+MT5 = _family("mt5", _MT5, lambda m: False)
