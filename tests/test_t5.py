@@ -459,8 +459,10 @@ def _umt5(**kw):
         EncoderDecoderConfig(40, 16, 4, 2, **{**fields, **kw}), key=jax.random.key(0)
     )
     # tables large enough that a wrong layer's bias shows in the outputs
-    return jax.tree_util.tree_map(
-        lambda a: a * 30 if eqx.is_inexact_array(a) and a.ndim == 3 else a, m
+    return eqx.tree_at(
+        lambda m: (m.enc_rel_bias.blocks.weight, m.dec_rel_bias.blocks.weight),
+        m,
+        (m.enc_rel_bias.blocks.weight * 30, m.dec_rel_bias.blocks.weight * 30),
     )
 
 
