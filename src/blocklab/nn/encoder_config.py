@@ -1,5 +1,5 @@
 r"""`EncoderConfig` and `EncoderDecoderConfig`: what an encoder (BERT, ModernBERT,
-ViT) or an encoder–decoder (T5) adds to its block.
+ViT) or an encoder–decoder (T5, Whisper) adds to its block.
 
 As `DecoderConfig`, each holds one `BlockConfig` as `block` (declared, checked
 and documented there once) and forwards its fields for reading
@@ -243,9 +243,14 @@ class EncoderConfig(LayerSchedule, _ModelConfig):
             put("block", dataclasses.replace(block, **changes))
 
 
+#: `EncoderDecoderConfig.positions`: T5's relative buckets, none, or
+#: Whisper's learned decoder positions.
+_ED_POSITIONS = ("relative", "none", "learned")
+
+
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
 class EncoderDecoderConfig(_ModelConfig):
-    r"""The hyperparameters of an `EncoderDecoderLM` (T5; frozen, validated once).
+    r"""The hyperparameters of an `EncoderDecoderLM` (T5, Whisper; frozen, validated).
 
     `EncoderDecoderConfig(vocab_size, d, H, N, num_decoder_blks=M, **options)`:
     the block options (T5 v1.1: `norm="rms"`, `act="geglu"`, `attn_scale=1.0`,
@@ -270,6 +275,18 @@ class EncoderDecoderConfig(_ModelConfig):
             head (T5 with `scale_decoder_outputs`: $d^{-1/2}$); `None`: 1.
         decoder_start_token_id, eos_token_id, pad_token_id: generation's
             first decoder input, stop token, and the fill after it.
+        src_input: `"tokens"` (T5: source ids through the shared embedding)
+            or `"audio"` (Whisper: log-mel features `(..., num_mel_bins,
+            2 max_source_len)` through `AudioEmbedding`'s two convolutions
+            and its fixed sinusoidal positions; fixed length, no padding).
+        num_mel_bins, max_source_len: the audio input's mel channels $M$ and
+            the encoder's length $S$ (the input has $2S$ frames); `None`
+            with tokens.
+
+    `positions="learned"` (Whisper) gives the decoder a learned table of
+    `max_len` positions added to its token embedding (offset by the cache
+    length when decoding); the encoder's positions are then its audio
+    input's.
     """
 
     vocab_size: int
@@ -286,6 +303,9 @@ class EncoderDecoderConfig(_ModelConfig):
     decoder_start_token_id: int = 0
     eos_token_id: int | None = None
     pad_token_id: int = 0
+    src_input: str = "tokens"
+    num_mel_bins: int | None = None
+    max_source_len: int | None = None
 
     def __init__(
         self,
@@ -305,7 +325,7 @@ class EncoderDecoderConfig(_ModelConfig):
         put("num_decoder_blks", check_int(owner, "num_decoder_blks", dec, min=1))
         put(
             "positions",
-            check_choice(owner, "positions", self.positions, ("relative", "none")),
+            check_choice(owner, "positions", self.positions, _ED_POSITIONS),
         )
         put(
             "relative_bias",
@@ -335,6 +355,7 @@ class EncoderDecoderConfig(_ModelConfig):
                 "eos_token_id",
                 check_int(owner, "eos_token_id", self.eos_token_id, min=0, max=V - 1),
             )
+        self._check_source(owner)
         block = self.block
         for name, bad in (
             ("rope_theta", block.rope_theta is not None),
@@ -353,3 +374,35 @@ class EncoderDecoderConfig(_ModelConfig):
     def decoder_block(self) -> BlockConfig:
         """The decoder's `BlockConfig`: the block with `cross_attention=True`."""
         return dataclasses.replace(self.block, cross_attention=True)
+
+    def _check_source(self, owner: str) -> None:
+        """The source's fields: audio takes `num_mel_bins`, `max_source_len`
+        and an even width >= 4 (its sinusoids), tokens neither; learned
+        positions are the decoder's, beside an audio encoder's own."""
+        put = self._put
+        kinds = ("tokens", "audio")
+        put("src_input", check_choice(owner, "src_input", self.src_input, kinds))
+        if self.src_input == "audio":
+            for name in ("num_mel_bins", "max_source_len"):
+                put(name, check_int(owner, name, getattr(self, name), min=1))
+            d = self.block.num_hiddens
+            if d % 2 or d < 4:
+                raise ConfigError(
+                    f"{owner}: src_input='audio' needs an even num_hiddens >= 4 "
+                    "(its sinusoidal positions are half sines, half cosines), got "
+                    f"num_hiddens={d}."
+                )
+        else:
+            for name in ("num_mel_bins", "max_source_len"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"{owner}: {name}={getattr(self, name)!r} is a field of "
+                        "the audio input (src_input='audio'); a token source "
+                        "takes none."
+                    )
+        if self.positions == "learned" and self.src_input != "audio":
+            raise ConfigError(
+                f"{owner}: positions='learned' (the decoder's table) needs "
+                "src_input='audio', whose input carries the encoder's positions; "
+                "a token encoder with learned positions is not implemented."
+            )

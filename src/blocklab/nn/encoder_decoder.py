@@ -1,4 +1,4 @@
-r"""An encoder–decoder language model, `EncoderDecoderLM` (T5; `EncoderDecoderConfig`).
+r"""An encoder–decoder language model, `EncoderDecoderLM` (T5, Whisper).
 
 Two scanned stacks of the same `TransformerBlock`: the encoder's attend
 bidirectionally over the source (with its padding mask), the decoder's
@@ -11,6 +11,13 @@ scores; the cross-attention has none. umT5's (`relative_bias="per_layer"`)
 is one table per self-attention layer, held as a `Stack` of tables
 (`(N, buckets, H)`): the buckets are computed once per call and each layer
 gathers its own bias inside the stack's scan (a `PerLayer` input).
+
+Whisper (`src_input="audio"`, `positions="learned"`) reads log-mel features
+through `AudioEmbedding` (two convolutions and fixed sinusoidal positions)
+instead of source ids, and adds a learned position table to the decoder's
+token embedding; its blocks are pre-LayerNorm with biases (the key
+projection's is zero in `transformers`, which has none: a key bias adds the
+same $q \cdot b$ to every score of a query and cancels in the softmax).
 
 Generation (`greedy`, `init_cache`, `decode_step`) computes the
 cross-attention keys and values of every decoder layer once, from the
@@ -30,6 +37,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_int, check_key
 from . import init
+from .audio_embed import AudioEmbedding
 from .block import TransformerBlock
 from .encoder import padding_mask
 from .encoder_config import EncoderDecoderConfig, config_of
@@ -40,6 +48,9 @@ from .relative_position import RelativePositionBias
 from .stack import PerLayer, Stack
 
 __all__ = ["EncoderDecoderLM", "EncoderDecoderCache"]
+
+#: The encoder's input: source ids, or log-mel features (`src_input="audio"`).
+Source = Int[ArrayLike, "*batch S"] | Float[ArrayLike, "*batch M L"]
 
 
 @eqx.filter_jit
@@ -102,6 +113,22 @@ def _gather(table: RelativePositionBias, grid: Array) -> Array:
     return table.gather(grid).astype(jnp.float32)
 
 
+def _build_inputs(cfg: EncoderDecoderConfig, key):
+    """The audio front-end and the decoder's learned positions (`None` where
+    the config has none)."""
+    k_audio, k_pos = jax.random.split(key)
+    audio = None
+    if cfg.src_input == "audio":
+        audio = AudioEmbedding(
+            cfg.num_mel_bins, cfg.num_hiddens, cfg.max_source_len, key=k_audio
+        )
+    pos = None
+    if cfg.positions == "learned":
+        table = 0.02 * jax.random.normal(k_pos, (cfg.max_len, cfg.num_hiddens))
+        pos = eqx.nn.Embedding(weight=table.astype(jnp.float32))
+    return audio, pos
+
+
 class EncoderDecoderCache(eqx.Module):
     """What decoding keeps between steps (a pytree).
 
@@ -130,7 +157,9 @@ class EncoderDecoderLM(eqx.Module):
     $$c = \mathrm{Norm}_e\big(\mathrm{Enc}(E[u];\ m,\ B_e)\big),\qquad
     y = \mathrm{Norm}_d\big(\mathrm{Dec}(E[t];\ \text{causal},\ B_d;\ c, m)\big),
     \qquad \text{logits} = \gamma\, y\, W^\top,$$
-    where $B_e$, $B_d$ are the relative position biases of the two stacks
+    (with audio, $E[u]$ is `AudioEmbedding`'s output; with learned positions
+    the decoder reads $E[t] + P_d[\text{position}]$), where $B_e$, $B_d$
+    are the relative position biases of the two stacks
     (`positions="relative"`), each decoder block attends to $c$ through its
     cross-attention (keys $j$ with $m_j$), $\gamma$ is `head_scale` (T5:
     $d^{-1/2}$ with a tied head) and $W$ is the head or, tied, $E$.
@@ -144,6 +173,9 @@ class EncoderDecoderLM(eqx.Module):
             stack), a `Stack` of them (one per layer: `relative_bias=
             "per_layer"`), or `None`.
         head: the untied `(vocab, d)` head, or `None` (tied).
+        audio_emb: the `AudioEmbedding` (`src_input="audio"`), or `None`.
+        dec_pos_emb: the decoder's `(max_len, d)` learned positions
+            (`positions="learned"`), or `None`.
         cfg: the `EncoderDecoderConfig` (static).
     """
 
@@ -155,6 +187,8 @@ class EncoderDecoderLM(eqx.Module):
     dec_norm: RMSNorm | LayerNorm
     dec_rel_bias: RelativePositionBias | Stack | None
     head: eqx.nn.Linear | None
+    audio_emb: AudioEmbedding | None
+    dec_pos_emb: eqx.nn.Embedding | None
     cfg: EncoderDecoderConfig = eqx.field(static=True)
 
     def __init__(
@@ -173,6 +207,9 @@ class EncoderDecoderLM(eqx.Module):
         ) = _build(cfg, key)  # fmt: skip
         self.enc_norm = make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
         self.dec_norm = make_norm(cfg.norm, cfg.num_hiddens, cfg.norm_eps)
+        self.audio_emb, self.dec_pos_emb = _build_inputs(
+            cfg, jax.random.fold_in(key, 1)
+        )
 
     def init_args(self) -> dict[str, Any]:
         """`EncoderDecoderLM(**m.init_args(), key=k)` rebuilds this structure."""
@@ -200,7 +237,7 @@ class EncoderDecoderLM(eqx.Module):
 
     def encode(
         self,
-        src_ids: Int[ArrayLike, "*batch S"],
+        src_ids: Source,
         *,
         src_mask: ArrayLike | None = None,
         src_lens: ArrayLike | None = None,
@@ -209,20 +246,55 @@ class EncoderDecoderLM(eqx.Module):
     ) -> Float[Array, "*batch S d"]:
         """The encoder's output $c$ (final-normed), `(..., S, d)`.
 
+        With `src_input="audio"`, `src_ids` are log-mel features `(...,
+        num_mel_bins, 2 max_source_len)` (fixed length: no mask).
+
         `src_mask` (True at real tokens, `transformers`' `attention_mask`)
         and/or `src_lens` (one length per sequence) hide the padding. `hooks`
         sees the encoder's sites (`hook_embed`, `blocks.*.<site>`,
         `ln_final.hook_normalized`) in a call of their own.
         """
-        src_ids = self._ids("src_ids", src_ids)
-        mask = padding_mask("EncoderDecoderLM", src_ids.shape, src_mask, src_lens)
-        h = at(hooks, "hook_embed", self.token_emb.weight[src_ids])
+        h, mask = self._source(src_ids, src_mask, src_lens)
+        h = at(hooks, "hook_embed", h)
         S = h.shape[-2]
         inputs = _bias_inputs(self.enc_rel_bias, S, S)
         if mask is not None:
             inputs["key_mask"] = mask
         h = self.encoder(h, key=key, hooks=hooks, **inputs)
         return self.enc_norm(h, hooks=scope(hooks, "ln_final"))
+
+    def _source(self, src, src_mask, src_lens):
+        """The encoder's input embedding and key mask: source ids through
+        the token embedding, or audio features through `audio_emb` (fixed
+        length: a mask or lengths are refused)."""
+        if self.audio_emb is None:
+            src_ids = self._ids("src_ids", src)
+            mask = padding_mask("EncoderDecoderLM", src_ids.shape, src_mask, src_lens)
+            return self.token_emb.weight[src_ids], mask
+        if src_mask is not None or src_lens is not None:
+            raise ConfigError(
+                "EncoderDecoderLM: an audio encoder (src_input='audio') reads "
+                "fixed-length features and takes no src_mask or src_lens."
+            )
+        return self.audio_emb(src), None
+
+    def _positions(self, h, start, hooks):
+        """`h` plus the decoder's learned positions `start + i` (`start`: a
+        scalar or one per sequence); `h` itself without a table."""
+        if self.dec_pos_emb is None:
+            return h
+        T, L = h.shape[-2], self.cfg.max_len
+        if T > L:
+            raise ConfigError(
+                f"EncoderDecoderLM: the decoder's learned positions hold "
+                f"max_len={L} tokens, got a target of {T}."
+            )
+        pos = jnp.asarray(start)[..., None] + jnp.arange(T)
+        pos = eqx.error_if(
+            pos, pos >= L, f"EncoderDecoderLM: target positions beyond max_len={L}."
+        )
+        p = self.dec_pos_emb.weight[pos].astype(h.dtype)
+        return h + at(hooks, "hook_pos_embed", p)
 
     def _check_enc(self, owner, enc, lead):
         if enc is None:
@@ -269,6 +341,7 @@ class EncoderDecoderLM(eqx.Module):
         self._check_enc(owner, enc, tgt_ids.shape[:-1])
         mask = padding_mask(owner, enc.shape[:-1], src_mask, src_lens)
         h = at(hooks, "hook_embed", self.token_emb.weight[tgt_ids])
+        h = self._positions(h, 0, hooks)
         T = h.shape[-2]
         inputs = _bias_inputs(self.dec_rel_bias, T, T)
         inputs["context"] = enc
@@ -282,7 +355,7 @@ class EncoderDecoderLM(eqx.Module):
 
     def __call__(
         self,
-        src_ids: Int[ArrayLike, "*batch S"],
+        src_ids: Source,
         tgt_ids: Int[ArrayLike, "*batch T"] | None = None,
         *,
         src_mask: ArrayLike | None = None,
@@ -331,6 +404,11 @@ class EncoderDecoderLM(eqx.Module):
         max_len = check_int(
             owner, "max_len", self.cfg.max_len if max_len is None else max_len, min=1
         )
+        if self.dec_pos_emb is not None and max_len > self.cfg.max_len:
+            raise ConfigError(
+                f"{owner}: max_len={max_len} exceeds the decoder's learned "
+                f"positions (max_len={self.cfg.max_len})."
+            )
         mask = padding_mask(owner, enc.shape[:-1], src_mask, src_lens)
         dynamic, static = eqx.partition(self.decoder.blocks, eqx.is_array)
 
@@ -374,6 +452,7 @@ class EncoderDecoderLM(eqx.Module):
         Tq = ids.shape[-1]
         start = cache.length
         h = at(hooks, "hook_embed", self.token_emb.weight[ids])
+        h = self._positions(h, start, hooks)
         inputs = _bias_inputs(self.dec_rel_bias, Tq, cache.max_len, offset=start)
         if cache.src_mask is not None:
             inputs["context_mask"] = cache.src_mask
@@ -388,40 +467,55 @@ class EncoderDecoderLM(eqx.Module):
 
     def greedy(
         self,
-        src_ids: Int[ArrayLike, "*batch S"],
+        src_ids: Source,
         max_new_tokens: int,
         *,
         src_mask: ArrayLike | None = None,
         src_lens: ArrayLike | None = None,
+        prompt_ids: Int[ArrayLike, "*batch P"] | None = None,
     ) -> Int[Array, "*batch max_new_tokens"]:
-        """Greedy decoding: `max_new_tokens` ids per sequence, starting from
-        `decoder_start_token_id`; after `eos_token_id` a sequence emits
-        `pad_token_id` (as `transformers`' `generate`). The encoder runs
-        once, the cross-attention keys and values are computed once, and
-        every step is one cached `decode_step` (one compiled loop)."""
-        n = check_int(
-            "EncoderDecoderLM.greedy", "max_new_tokens", max_new_tokens, min=1
-        )
-        return _greedy(self, jnp.asarray(src_ids), n, src_mask, src_lens)
+        """Greedy decoding: `max_new_tokens` ids per sequence after the
+        decoder's prompt `prompt_ids` `(..., P)` (default: the one token
+        `decoder_start_token_id`; Whisper: its start, language and task
+        tokens); after `eos_token_id` a sequence emits `pad_token_id` (as
+        `transformers`' `generate`). The encoder runs once, the
+        cross-attention keys and values are computed once, the prompt is one
+        cached `decode_step` and every further token one more (one compiled
+        loop). With audio, `src_ids` are the features."""
+        owner = "EncoderDecoderLM.greedy"
+        n = check_int(owner, "max_new_tokens", max_new_tokens, min=1)
+        if prompt_ids is not None:
+            prompt_ids = self._ids("prompt_ids", prompt_ids)
+        return _greedy(self, jnp.asarray(src_ids), n, src_mask, src_lens, prompt_ids)
 
 
 @eqx.filter_jit
-def _greedy(model, src_ids, n, src_mask, src_lens):
+def _greedy(model, src_ids, n, src_mask, src_lens, prompt):
     cfg = model.cfg
     enc = model.encode(src_ids, src_mask=src_mask, src_lens=src_lens)
-    cache = model.init_cache(enc, src_mask=src_mask, src_lens=src_lens, max_len=n)
-    lead = src_ids.shape[:-1]
-    tok = jnp.full((*lead, 1), cfg.decoder_start_token_id, jnp.int32)
-    done = jnp.zeros(lead, bool)
+    lead = enc.shape[:-2]
+    if prompt is None:
+        prompt = jnp.full((*lead, 1), cfg.decoder_start_token_id, jnp.int32)
+    model._check_enc("EncoderDecoderLM.greedy", enc, prompt.shape[:-1])
+    cache = model.init_cache(
+        enc, src_mask=src_mask, src_lens=src_lens, max_len=prompt.shape[-1] + n - 1
+    )
 
-    def body(carry, _):
-        tok, cache, done = carry
-        logits, cache = model.decode_step(tok, cache)
+    def pick(logits, done):
         nxt = jnp.argmax(logits[..., -1, :], axis=-1).astype(jnp.int32)
         nxt = jnp.where(done, cfg.pad_token_id, nxt)
         if cfg.eos_token_id is not None:
             done = done | (nxt == cfg.eos_token_id)
-        return (nxt[..., None], cache, done), nxt
+        return nxt, done
 
-    _, out = jax.lax.scan(body, (tok, cache, done), None, length=n)
-    return jnp.moveaxis(out, 0, -1)
+    logits, cache = model.decode_step(prompt, cache)
+    first, done = pick(logits, jnp.zeros(lead, bool))
+
+    def body(carry, _):
+        tok, cache, done = carry
+        logits, cache = model.decode_step(tok[..., None], cache)
+        nxt, done = pick(logits, done)
+        return (nxt, cache, done), nxt
+
+    _, rest = jax.lax.scan(body, (first, cache, done), None, length=n - 1)
+    return jnp.concatenate([first[..., None], jnp.moveaxis(rest, 0, -1)], axis=-1)
