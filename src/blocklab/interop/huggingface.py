@@ -53,6 +53,7 @@ from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     qwen3,
     t5,
     vit,
+    whisper,
 )
 from .hf_common import (
     FAMILIES,
