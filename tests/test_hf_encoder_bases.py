@@ -277,3 +277,29 @@ def test_vit_model_pooler_fields_refused_by_name(fields, name):
     vit_config(transformers.ViTConfig(**base), "ViTModel")  # the base converts
     with pytest.raises(ConfigError, match=name):
         vit_config(transformers.ViTConfig(**base, **fields), "ViTModel")
+
+
+def test_bad_inputs_refused_by_name(base_bert, plain_python):
+    """Per-token inputs of another shape, positions past the learned table,
+    images to a token model, and pooler_output without a pooler are refused
+    (ConfigError naming the argument), not broadcast or clamped; without the
+    suite's type checker, as users run."""
+    import dataclasses
+
+    import equinox as eqx
+
+    from blocklab.nn.encoder import EncoderModel
+
+    ids = np.zeros((2, 7), np.int32)
+    with pytest.raises(ConfigError, match=r"token_type_ids must have .*\(2, 5\)"):
+        base_bert(ids, token_type_ids=np.zeros((2, 5), np.int32))
+    with pytest.raises(ConfigError, match=r"positions must have .*\(5,\)"):
+        base_bert(ids, positions=np.arange(5))
+    with pytest.raises(ConfigError, match=r"positions must lie in \[0, max_len=16\)"):
+        base_bert(ids, positions=np.arange(7) + 10)
+    with pytest.raises(ConfigError, match="images"):
+        base_bert(ids, images=np.zeros((2, 3, 8, 8), np.float32))
+    cfg = dataclasses.replace(base_bert.cfg, pooler="none")
+    bare = eqx.filter_eval_shape(lambda k: EncoderModel(cfg, key=k), jax.random.key(0))
+    with pytest.raises(ConfigError, match="no pooler"):
+        bare.pooler_output(jnp.zeros((7, 8)))

@@ -97,6 +97,22 @@ def padding_mask(
     return mask
 
 
+def _check_fits(owner: str, name: str, value: Any, shape: tuple[int, ...]) -> None:
+    """Refuse per-token integers (`positions`, `token_type_ids`) whose shape
+    does not broadcast to the ids' `shape` (a shorter sequence would
+    otherwise fail inside the sum, or broadcast to a wrong one)."""
+    got = tuple(jnp.shape(value))
+    try:
+        fits = np.broadcast_shapes(got, shape) == tuple(shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ConfigError(
+            f"{owner}: {name} must have the ids' shape {tuple(shape)} or one "
+            f"broadcasting to it (e.g. (T,) = ({shape[-1]},)), got shape {got}."
+        )
+
+
 @eqx.filter_jit
 def _build(cfg: EncoderConfig, key):
     """Every random array of an `EncoderModel`, drawn in one compiled program."""
@@ -247,6 +263,11 @@ class EncoderModel(eqx.Module):
             return at(hooks, "hook_embed", h), None
         if ids is None:
             raise ConfigError(f"{owner}: pass token ids (..., T).")
+        if images is not None:
+            raise ConfigError(
+                f"{owner}: this encoder reads token ids (image_size=None), got "
+                "images= as well."
+            )
         ids = jnp.asarray(ids)
         if (
             ids.ndim < 1
@@ -263,9 +284,14 @@ class EncoderModel(eqx.Module):
         T = ids.shape[-1]
         h = at(hooks, "hook_embed", self.token_emb.weight[ids])
         pos = jnp.arange(T) if positions is None else jnp.asarray(positions)
+        _check_fits(owner, "positions", pos, ids.shape)
+        if self.pos_emb is not None and positions is not None:
+            pos = check_ids(owner, "positions", pos, cfg.max_len, what="max_len")
         if self.pos_emb is not None:
             h = h + at(hooks, "hook_pos_embed", self.pos_emb.weight[pos])
         if self.type_emb is not None:
+            if token_type_ids is not None:
+                _check_fits(owner, "token_type_ids", token_type_ids, ids.shape)
             types = (
                 jnp.zeros_like(ids)
                 if token_type_ids is None
@@ -397,7 +423,8 @@ class EncoderModel(eqx.Module):
         `pooler_output`): the pooled state $p$ (`pool`), then the pooler:
         $\tanh(W_p p + b_p)$ (`"tanh"`: `BertModel`, `ViTModel`),
         $\mathrm{Norm}_p(\phi(W_p p + b_p))$ (`"transform"`: ModernBERT's
-        classifier) or $p$ itself (`"none"`).
+        classifier). A config without a pooler (`"none"`) is refused:
+        `transformers` gives no `pooler_output` there.
 
         Args:
             h: the states `hidden` (or `__call__` without an MLM head) returns.
@@ -408,6 +435,15 @@ class EncoderModel(eqx.Module):
         Returns:
             `(..., d)`, the dtype of `h`.
         """
+        if self.cfg.pooler == "none":
+            raise ConfigError(
+                "EncoderModel: this config has no pooler (pooler='none'; a "
+                "BertModel or ViTModel stored without pooler.dense.*); the pooled "
+                "state without one is pool(h)."
+            )
+        return self._pooled(h, key_mask, hooks)
+
+    def _pooled(self, h, key_mask, hooks):
         p = self.pool(h, key_mask)
         if self.cfg.pooler == "tanh":
             p = jnp.tanh(linear(p, self.pooler_dense.weight, self.pooler_dense.bias))
@@ -436,7 +472,7 @@ class EncoderModel(eqx.Module):
             ids, key_mask=key_mask, valid_lens=valid_lens, hooks=hooks, **kwargs
         )
         mask = padding_mask("EncoderModel", h.shape[:-1], key_mask, valid_lens)
-        p = self.pooler_output(h, mask, hooks=hooks)
+        p = self._pooled(h, mask, hooks)
         z = linear(
             p, self.classifier.weight, self.classifier.bias, out_dtype=jnp.float32
         )
