@@ -335,3 +335,19 @@ def test_audio_model_refuses_masks_and_long_targets():
         model.decode(jnp.zeros(5, int), jnp.zeros((3, 8)))
     with pytest.raises(ConfigError, match="max_len"):
         model.init_cache(jnp.zeros((3, 8)), max_len=5)
+
+
+def test_logical_axes_cover_the_audio_front_end_and_decoder_positions():
+    """Every array of a Whisper-shaped model has logical axes, and the fsdp
+    and tp presets lay them out (no mesh axis used twice by one array)."""
+    from blocklab.training.placement import logical_axes, param_shardings
+
+    cfg = EncoderDecoderConfig(20, 8, 2, 1, positions="learned", max_len=4, **_AUDIO)
+    model = EncoderDecoderLM(cfg, key=jax.random.key(0))
+    axes = logical_axes(model)
+    assert tuple(axes.audio_emb.conv1_weight) == ("embed", None, None)
+    assert tuple(axes.audio_emb.conv2_weight) == ("embed", None, None)
+    assert tuple(axes.audio_emb.pos_emb) == ("position", "embed")
+    assert tuple(axes.dec_pos_emb.weight) == ("position", "embed")
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    param_shardings(model, mesh, "fsdp+tp")

@@ -71,6 +71,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._validate import ConfigError
 from ..nn.attention import MultiHeadAttention
+from ..nn.audio_embed import AudioEmbedding
 from ..nn.block import TransformerBlock
 from ..nn.charlm import CharLM
 from ..nn.decoder import DecoderLM
@@ -243,6 +244,17 @@ class _Walk:
             for name in ("enc_norm", "dec_norm"):
                 self.norm(getattr(node, name), f"{path}.{name}", lead, "embed")
             self.linear(node.head, f"{path}.head", lead, "vocab", "embed")
+            self.module(node.audio_emb, f"{path}.audio_emb", lead)
+            self.embedding(node.dec_pos_emb, f"{path}.dec_pos_emb", lead, "position")
+        elif isinstance(node, AudioEmbedding):
+            # conv2 maps embed -> embed: one of its axes is named (a mesh axis
+            # cannot split two dimensions of one array)
+            for name in ("conv1", "conv2"):
+                w = getattr(node, f"{name}_weight")
+                self.leaf(w, f"{path}.{name}_weight", lead, ("embed", None, None))
+                b = getattr(node, f"{name}_bias")
+                self.leaf(b, f"{path}.{name}_bias", lead, ("embed",))
+            self.leaf(node.pos_emb, f"{path}.pos_emb", lead, ("position", "embed"))
         elif isinstance(node, RelativePositionBias):
             self.leaf(node.weight, f"{path}.weight", lead, (None, None))  # small
         elif isinstance(node, ViTEmbedding):
@@ -273,6 +285,7 @@ class _Walk:
             f"logical_axes: no logical axes for {type(node).__name__} at "
             f"{path or 'the root'}; known modules: DecoderLM, CharLM, "
             "EncoderModel, EncoderDecoderLM, RelativePositionBias, ViTEmbedding, "
+            "AudioEmbedding, "
             "Stack, "
             "TransformerBlock, MultiHeadAttention, FeedForward, MoEFeedForward, "
             "RMSNorm, LayerNorm."
