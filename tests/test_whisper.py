@@ -20,6 +20,7 @@ from blocklab._validate import ConfigError
 from blocklab.nn.audio_embed import AudioEmbedding, conv1d, sinusoids
 from blocklab.nn.encoder_config import EncoderDecoderConfig
 from blocklab.nn.encoder_decoder import EncoderDecoderLM
+from blocklab.training.losses import seq2seq_loss
 
 
 def _close(got, want):
@@ -157,6 +158,14 @@ def test_whisper_logits(seed):
     assert ours.cfg.num_decoder_blks == c.decoder_layers
     _close(ours.encode(jnp.asarray(x)), out.encoder_last_hidden_state.numpy())
     _close(ours(jnp.asarray(x), jnp.asarray(tgt)), out.logits.numpy())
+    if seed == 1:  # the loss of transformers' labels (shifted behind the start)
+        labels = tgt.copy()
+        labels[0, -1] = -100  # ignored
+        with torch.no_grad():
+            want = hf(input_features=torch.tensor(x), labels=torch.tensor(labels))
+        tgt_in = np.concatenate([np.full((3, 1), 1), tgt[:, :-1]], axis=1)
+        got = seq2seq_loss(ours, jnp.asarray(x), tgt_in, labels)
+        _close(got, want.loss.numpy())
 
 
 def _argmax_loop(hf, x, prompt, n):

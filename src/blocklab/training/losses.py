@@ -286,7 +286,7 @@ def mask_tokens(
 
 def seq2seq_loss(
     model: Any,
-    src_ids: Int[ArrayLike, "B S"],
+    src_ids: Int[ArrayLike, "B S"] | Float[ArrayLike, "B M L"],
     tgt_in: Int[ArrayLike, "B T"],
     tgt_out: Int[ArrayLike, "B T"],
     *,
@@ -300,7 +300,8 @@ def seq2seq_loss(
     with `tgt_in` the decoder's input (the target shifted right behind the
     start token) and `tgt_out` = $y$ the target, negative at padding.
     `model(src_ids, tgt_in, src_mask=..., key=...)` returns `(B, T, vocab)`
-    logits (an `EncoderDecoderLM`). Log-softmax in float32.
+    logits (an `EncoderDecoderLM`; with an audio encoder `src_ids` are its
+    log-mel features). Log-softmax in float32.
     """
     _check_not_empty("seq2seq_loss", tgt_out)
     logits = model(src_ids, tgt_in, src_mask=src_mask, key=key)
