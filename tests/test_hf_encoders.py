@@ -212,6 +212,45 @@ def test_bert_folders_both_ways(tmp_path):
     _close(hf_logits(back.eval()), got, mask)
 
 
+def test_a_pretraining_checkpoint_loads_as_its_mlm_class(tmp_path):
+    """`bert-base-uncased`'s case: a BertForPreTraining state (pooler and
+    next-sentence head included) stored under `architectures`
+    BertForMaskedLM loads as transformers loads it (those two left out),
+    with equal logits; a tensor of no BERT class is still refused."""
+    import json
+
+    from blocklab.training.checkpoint import CheckpointError
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+
+    pre, rng = _bert("BertForPreTraining", 11)
+    pre.save_pretrained(tmp_path / "pt")
+    cfg_path = tmp_path / "pt" / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["architectures"] = ["BertForMaskedLM"]
+    cfg_path.write_text(json.dumps(raw))
+    mlm = transformers.BertForMaskedLM.from_pretrained(tmp_path / "pt").eval()
+    ids, mask = _ragged(rng, 2, 7, mlm.config.vocab_size)
+    with torch.no_grad():
+        want = mlm(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+        ).logits.numpy()
+    ours = blocklab.load_pretrained(tmp_path / "pt")
+    _close(ours(jnp.asarray(ids), key_mask=jnp.asarray(mask)), want, mask)
+
+    from safetensors.numpy import load_file, save_file
+
+    (weights,) = (tmp_path / "pt").glob("*.safetensors")
+    state = load_file(weights)
+    state["cls.extra.weight"] = np.zeros((2, 2), np.float32)
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="cls.extra.weight"):
+        blocklab.load_pretrained(tmp_path / "pt")
+
+
 def test_a_bf16_bert_folder_loads(tmp_path):
     """A folder stored in BF16 (as most shipped checkpoints are) loads, with
     the logits of the BF16-rounded weights computed in float32."""

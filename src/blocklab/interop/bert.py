@@ -216,6 +216,12 @@ def _from_keys(cfg: EncoderConfig, cls: str, keys: frozenset) -> EncoderConfig:
     return cfg
 
 
+def _unused(cls: str) -> tuple[str, ...]:
+    """What `BertForMaskedLM` leaves out of a pre-training checkpoint: the
+    pooler and the next-sentence head (`transformers` drops them too)."""
+    return ("bert.pooler.", "cls.seq_relationship.") if cls == _MLM else ()
+
+
 def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
     if cls != _MLM:
         return {}
@@ -243,6 +249,7 @@ BERT = register_encoder_family(
         ),  # fmt: skip
         tied=_tied,
         ignored=("bert.embeddings.position_ids", "embeddings.position_ids"),
+        unused=_unused,
         base_prefix="bert.",
         from_keys=_from_keys,
     )

@@ -177,6 +177,13 @@ class EncoderFamily:
             tensors `transformers` ties and `save_pretrained` leaves out (a
             file may still hold them: they are checked equal and dropped).
         ignored: stored keys that `transformers` itself ignores on load.
+        unused: `unused(cls) -> prefixes`: tensors of the family's other
+            classes that `cls` does not use and that `transformers` leaves
+            out when it loads them into `cls` (BERT's pre-training
+            checkpoints, `bert-base-uncased` among them, are stored with
+            `architectures` `BertForMaskedLM` but also hold the pooler
+            `bert.pooler.*` and the next-sentence head
+            `cls.seq_relationship.*`); any other extra tensor is refused.
         untie: `untie(cfg) -> cfg` with its own head, for a family whose
             stored head may differ from the tied embedding (T5: `transformers`
             then keeps them untied); `None`: a differing tied tensor is an
@@ -211,6 +218,7 @@ class EncoderFamily:
     dropout_fields: tuple[str, ...] = ()
     tied: Callable[[Any, str], Mapping[str, str]] = lambda cfg, cls: {}
     ignored: tuple[str, ...] = ()
+    unused: Callable[[str], tuple[str, ...]] = lambda cls: ()
     untie: Callable[[Any], Any] | None = None
     disk_name: Callable[[str], str] | None = None
     constants: Callable[[Any, str], Mapping[str, float]] = lambda cfg, cls: {}
@@ -461,7 +469,8 @@ def load_encoder_state_dict(
     shapes = param_shapes(skeleton)
     expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
     missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
+    drop = fam.unused(cls)
+    unexpected = [k for k in given if k not in expected and not k.startswith(drop)]
     if missing or unexpected:
         raise ConfigError(
             f"{owner}: the state dict does not match the {cls} of this config: "
@@ -597,7 +606,12 @@ def load_encoder_pretrained(
         sources = _sources(expected, stored, fam.base_prefix)
         missing = [k for k in expected if k not in sources]
         # reading another class of the family leaves the folder's heads out
-        leftover = sorted(stored - set(sources.values())) if cls == stored_cls else []
+        drop = fam.unused(cls)
+        leftover = (
+            sorted(k for k in stored - set(sources.values()) if not k.startswith(drop))
+            if cls == stored_cls
+            else []
+        )
         if missing or leftover:
             whose = "its config.json" if cls == stored_cls else "model_class"
             note = (
