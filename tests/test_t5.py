@@ -577,3 +577,39 @@ def test_relative_bias_option_refused_by_name():
         EncoderDecoderConfig(40, 16, 4, 2, relative_bias="layer")
     with pytest.raises(ConfigError, match="positions='relative'"):
         EncoderDecoderConfig(40, 16, 4, 2, relative_bias="per_layer", positions="none")
+
+
+def test_t5_encoder_model_states_and_folder(tmp_path):
+    """T5EncoderModel converts to an EncoderModel (one relative bias table,
+    a final norm, no head): last_hidden_state at the real tokens of a ragged
+    batch, from the model and back through a folder transformers loads."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import blocklab
+    from blocklab.nn.encoder import EncoderModel
+    from hf_models import randomize
+
+    cfg = transformers.T5Config(
+        vocab_size=40, d_model=12, d_kv=5, d_ff=20, num_layers=2, num_heads=3,
+        relative_attention_num_buckets=12, relative_attention_max_distance=20,
+        feed_forward_proj="gated-gelu", dropout_rate=0.1,
+    )  # fmt: skip
+    hf = randomize(transformers.T5EncoderModel(cfg), seed=3, matrices=0.3)
+    rng = np.random.default_rng(3)
+    src, mask = _ragged(rng, 3, 7, 40)
+
+    def states(m):
+        with torch.no_grad():
+            return m(
+                input_ids=torch.tensor(src),
+                attention_mask=torch.tensor(mask.astype(np.int64)),
+            ).last_hidden_state.numpy()
+
+    want = states(hf)
+    ours = blocklab.from_huggingface(hf)
+    assert isinstance(ours, EncoderModel) and ours.cfg.positions == "relative"
+    got = ours(jnp.asarray(src), key_mask=jnp.asarray(mask))
+    _close(got, want, mask)
+    blocklab.save_pretrained(ours, tmp_path)
+    back = transformers.T5EncoderModel.from_pretrained(tmp_path).eval()
+    _close(states(back), want, mask)

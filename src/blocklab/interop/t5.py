@@ -25,22 +25,31 @@ place: every self-attention layer of both stacks owns a relative position bias
 table (`encoder.block.{i}.layer.0.SelfAttention.relative_attention_bias`),
 blocklab's `relative_bias="per_layer"`; the buckets, the masks, the missing
 bias of the cross-attention and the head's rescaling are T5's.
+
+`T5EncoderModel` (the encoder half alone: its final-normed states,
+`last_hidden_state`) converts to an `EncoderModel` with `positions=
+"relative"` (one table) and no head. `UMT5EncoderModel` is not converted
+(`EncoderModel` has one relative bias table per stack).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..nn.encoder_config import EncoderDecoderConfig
+from ..nn.encoder import EncoderModel
+from ..nn.encoder_config import EncoderConfig, EncoderDecoderConfig
 from ..nn.encoder_decoder import EncoderDecoderLM
 from .hf_common import Derived, refuse, understood
 from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
 
-__all__ = ["MT5", "T5", "UMT5", "t5_config", "t5_fields", "t5_rules"]
+__all__ = [
+    "MT5", "T5", "T5_ENCODER", "UMT5", "t5_config", "t5_fields", "t5_rules"
+]  # fmt: skip
 
 _CLS = "T5ForConditionalGeneration"
 _MT5 = "MT5ForConditionalGeneration"
 _UMT5 = "UMT5ForConditionalGeneration"
+_ENC = "T5EncoderModel"
 
 #: `feed_forward_proj` -> blocklab's `act` (`"gated-gelu"` is tanh GELU in
 #: `transformers`, whereas a plain `"gelu"` is the exact one).
@@ -89,6 +98,7 @@ _MT5_DEFAULTS = dict(
 )  # fmt: skip
 _CLASS_FIELDS = {
     _CLS: FIELDS,
+    _ENC: FIELDS,
     _MT5: {**FIELDS, **_MT5_DEFAULTS},
     _UMT5: {**FIELDS, **_MT5_DEFAULTS},
 }
@@ -105,10 +115,10 @@ def _token(hf: Any, name: str, default: int | None, vocab: int) -> int | None:
     return v if isinstance(v, int) and 0 <= v < vocab else default
 
 
-def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
+def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig | EncoderConfig:
     """The `EncoderDecoderConfig` of a `T5Config` (`MT5Config`, `UMT5Config`
-    for `cls` their model class); refuses (by name) what blocklab does not
-    implement."""
+    for `cls` their model class; the `EncoderConfig` of a `T5EncoderModel`);
+    refuses (by name) what blocklab does not implement."""
     if cls not in _CLASS_FIELDS:
         raise refuse(cls, "architectures", cls, f"supported: {list(_CLASS_FIELDS)}")
     fields = _CLASS_FIELDS[cls]
@@ -129,12 +139,7 @@ def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
         scale = hf.tie_word_embeddings is not False
     if cls == _MT5:  # MT5ForConditionalGeneration never rescales
         scale = False
-    return EncoderDecoderConfig(
-        hf.vocab_size,
-        hf.d_model,
-        hf.num_heads,
-        hf.num_layers,
-        num_decoder_blks=hf.num_decoder_layers,
+    common = dict(
         head_dim=hf.d_kv,
         ffn_width=hf.d_ff,
         act=_ACTS[proj],
@@ -144,31 +149,44 @@ def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig:
         bias=False,
         attn_scale=1.0,
         positions="relative",
-        relative_bias="per_layer" if cls == _UMT5 else "shared",
         relative_num_buckets=hf.relative_attention_num_buckets,
         relative_max_distance=hf.relative_attention_max_distance,
+    )
+    args = (hf.vocab_size, hf.d_model, hf.num_heads, hf.num_layers)
+    if cls == _ENC:
+        return EncoderConfig(*args, pad_token_id=ids["pad_token_id"], **common)
+    return EncoderDecoderConfig(
+        *args,
+        num_decoder_blks=hf.num_decoder_layers,
+        relative_bias="per_layer" if cls == _UMT5 else "shared",
         tie_embeddings=True,
         head_scale=float(hf.d_model) ** -0.5 if scale else None,
+        **common,
         **ids,
     )
 
 
-def t5_fields(cfg: EncoderDecoderConfig) -> dict[str, Any]:
+def t5_fields(cfg: EncoderDecoderConfig | EncoderConfig) -> dict[str, Any]:
     """The `T5Config` fields of `cfg` (the inverse of `t5_config`)."""
     b = cfg.block
-    return dict(
+    common = dict(
         vocab_size=cfg.vocab_size,
         d_model=cfg.num_hiddens,
         d_kv=b.head_dim,
         d_ff=b.ffn_width,
         num_layers=cfg.num_blks,
-        num_decoder_layers=cfg.num_decoder_blks,
         num_heads=cfg.num_heads,
         relative_attention_num_buckets=cfg.relative_num_buckets,
         relative_attention_max_distance=cfg.relative_max_distance,
         dropout_rate=0.0,
         layer_norm_epsilon=b.norm_eps,
         feed_forward_proj=_HF_ACTS[b.act],
+    )
+    if isinstance(cfg, EncoderConfig):
+        return dict(common, is_encoder_decoder=False, pad_token_id=cfg.pad_token_id)
+    return dict(
+        common,
+        num_decoder_layers=cfg.num_decoder_blks,
         is_encoder_decoder=True,
         tie_word_embeddings=cfg.tie_embeddings,
         scale_decoder_outputs=cfg.head_scale is not None,
@@ -195,7 +213,24 @@ def _expressible(cfg: Any, relative_bias: str = "shared") -> bool:
     )  # fmt: skip
 
 
-def _ffn(cfg: EncoderDecoderConfig, hf: str, ours: str) -> list[EncRule]:
+def _encoder_expressible(cfg: Any) -> bool:
+    """Whether `cfg` is a `T5EncoderModel`: T5's blocks and one relative
+    bias table, a final norm, no embedding norm, head or pooler."""
+    if not isinstance(cfg, EncoderConfig):
+        return False
+    b = cfg.block
+    return (
+        b.norm == "rms" and b.placement == "pre" and b.act in _HF_ACTS
+        and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
+        and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
+        and not b.qk_norm and b.attn_softcap is None and b.window is None
+        and cfg.positions == "relative" and cfg.final_norm and not cfg.embed_norm
+        and cfg.first_attn_norm and not cfg.mlm_head and cfg.num_labels == 0
+        and cfg.type_vocab_size == 0 and cfg.image_size is None
+    )  # fmt: skip
+
+
+def _ffn(cfg: Any, hf: str, ours: str) -> list[EncRule]:
     if cfg.block.gated:
         pairs = (("wi_0", "W_g"), ("wi_1", "W_1"), ("wo", "W_2"))
     else:
@@ -222,15 +257,26 @@ def _rel(cfg: EncoderDecoderConfig, stack: str, num_blks: int) -> list[EncRule]:
     ]
 
 
-def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
+def t5_rules(
+    cfg: EncoderDecoderConfig | EncoderConfig, cls: str = _CLS
+) -> list[EncRule]:
     """Every stored tensor and its blocklab parameter."""
     rules = [EncRule("shared.weight", ("token_emb.weight",))]
+    encoder_only = isinstance(cfg, EncoderConfig)
+    stack = "stack" if encoder_only else "encoder"
     for i in range(cfg.num_blks):
-        e, o = f"encoder.block.{i}.layer", f"encoder.blocks.{i}"
+        e, o = f"encoder.block.{i}.layer", f"{stack}.blocks.{i}"
         rules += _attn(f"{e}.0.SelfAttention", f"{o}.attention")
         rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
         rules += _ffn(cfg, f"{e}.1", o)
         rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
+    if encoder_only:
+        hf = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        return [
+            *rules,
+            EncRule(hf, ("rel_bias.weight",)),
+            EncRule("encoder.final_layer_norm.weight", ("norm.weight",)),
+        ]
     rules += _rel(cfg, "encoder", cfg.num_blks)
     rules.append(EncRule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
     for i in range(cfg.num_decoder_blks):
@@ -248,7 +294,9 @@ def t5_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
     return rules
 
 
-def _tied(cfg: EncoderDecoderConfig, cls: str) -> dict[str, str]:
+def _tied(cfg: Any, cls: str) -> dict[str, str]:
+    if cls == _ENC:
+        return {"encoder.embed_tokens.weight": "shared.weight"}
     out = {
         "encoder.embed_tokens.weight": "shared.weight",
         "decoder.embed_tokens.weight": "shared.weight",
@@ -295,6 +343,21 @@ def _owns(relative_bias: str) -> Any:
 
 T5 = _family("t5", _CLS, _owns("shared"))
 UMT5 = _family("umt5", _UMT5, _owns("per_layer"))
+T5_ENCODER = register_encoder_family(
+    EncoderFamily(
+        name="t5_encoder",
+        classes=(_ENC,),
+        model_types=("t5",),
+        to_config=t5_config,
+        hf_fields=t5_fields,
+        rules=t5_rules,
+        build=lambda cfg, key: EncoderModel(cfg, key=key),
+        model_class=lambda cfg: _ENC,
+        owns=lambda m: isinstance(m, EncoderModel) and _encoder_expressible(m.cfg),
+        dropout_fields=("dropout_rate", "classifier_dropout"),
+        tied=_tied,
+    )
+)
 #: mT5 converts from `transformers` only; blocklab writes its models as T5
 #: (the same mathematics), so this family exports nothing.
 MT5 = _family("mt5", _MT5, lambda m: False)
