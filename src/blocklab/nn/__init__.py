@@ -5,10 +5,10 @@
 `inplace` (donating norms), `attention` (+ `attention_impls`), `cache`,
 `ffn`, `moe`, `block`, `stack` (+ `remat`, its policies), `charlm`,
 `decoder_config` and `decoder` (real architectures), `encoder_config`,
-`encoder` and `encoder_decoder` (BERT, ModernBERT, ViT, T5),
-`relative_position`, `patch_embed`, `moe_decoder`, `generation`, `lora` and
-`init` (re-initialization). It
-imports only the shared checks below it.
+`encoder` and `encoder_decoder` (BERT, ModernBERT, ViT, T5, Whisper),
+`relative_position`, `patch_embed`, `audio_embed`, `moe_decoder`,
+`generation`, `lora` and `init` (re-initialization). It imports only the
+shared checks below it.
 """
 
 from .attention import AttentionTrace, MultiHeadAttention, with_attention_impl
