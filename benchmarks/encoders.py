@@ -14,7 +14,11 @@ default all: both libraries are pinned to the first N CPUs):
    `EncoderDecoderLM.greedy` (encoder once, cross-attention keys and values
    once, one compiled loop of cached steps) against `generate(do_sample=False,
    num_beams=1)` (eos disabled on both so that both run every step);
-   target: at least 2x.
+   target: at least 2x. At batch 1 each step reads every decoder weight and
+   the head once (`weights_mb_per_token`, about 174 MB in float32) for a few
+   matrix-vector products: the step is bound by memory bandwidth, and
+   `blocklab_weight_gb_per_s` (those bytes times the new tokens over the
+   whole call, encoder included) says how close it runs to the machine's.
 
 Each measurement alternates blocks of calls of the two libraries with a pause
 between blocks (PyTorch's thread pool spins for a while after a call) and
@@ -44,6 +48,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -183,6 +188,15 @@ def t5_greedy(hf, ours, seq: int, new: int, reps: int) -> dict:
         np.array_equal(np.asarray(ours_fn()), torch_fn().numpy()[:, 1:])
     )
     out.update(_race({"blocklab": ours_fn, "pytorch": torch_fn}, reps))
+    # every decoder weight but the cross-attention's keys and values (their
+    # products are cached), and the head
+    cross = ours.decoder.blocks.cross_attn
+    skip = {id(cross.W_k.weight), id(cross.W_v.weight)}
+    read = [a for a in jax.tree_util.tree_leaves(eqx.filter(ours.decoder, eqx.is_array))
+            if id(a) not in skip] + [ours.head_weight]  # fmt: skip
+    mb = sum(a.size * a.dtype.itemsize for a in read) / 1e6
+    out["weights_mb_per_token"] = mb
+    out["blocklab_weight_gb_per_s"] = mb * new / out["blocklab_ms"]
     return out
 
 
