@@ -167,9 +167,11 @@ def test_layer_inputs_reach_their_own_block_in_one_scan(x):
     for got, want in pairs:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(first, pairs[0][1], atol=1e-4)
-    jaxpr = jax.make_jaxpr(
-        lambda s, b: s(x, CAUSAL, layer_inputs={"score_bias": b})
-    )(stack, bias)
+
+    def call(s, b):
+        return s(x, CAUSAL, layer_inputs={"score_bias": b})
+
+    jaxpr = jax.make_jaxpr(call)(stack, bias)
     assert str(jaxpr).count("scan[") == 1
     with pytest.raises(ConfigError, match="leading axis of size num_blks=3"):
         stack(x, CAUSAL, layer_inputs={"score_bias": bias[:2]})

@@ -582,12 +582,14 @@ def test_relative_bias_option_refused_by_name():
 def test_t5_encoder_model_states_and_folder(tmp_path):
     """T5EncoderModel converts to an EncoderModel (one relative bias table,
     a final norm, no head): last_hidden_state at the real tokens of a ragged
-    batch, from the model and back through a folder transformers loads."""
+    batch, from the model, through a folder transformers loads, and from
+    transformers' own folder."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from hf_models import randomize
+
     import blocklab
     from blocklab.nn.encoder import EncoderModel
-    from hf_models import randomize
 
     cfg = transformers.T5Config(
         vocab_size=40, d_model=12, d_kv=5, d_ff=20, num_layers=2, num_heads=3,
@@ -610,6 +612,9 @@ def test_t5_encoder_model_states_and_folder(tmp_path):
     assert isinstance(ours, EncoderModel) and ours.cfg.positions == "relative"
     got = ours(jnp.asarray(src), key_mask=jnp.asarray(mask))
     _close(got, want, mask)
-    blocklab.save_pretrained(ours, tmp_path)
-    back = transformers.T5EncoderModel.from_pretrained(tmp_path).eval()
+    blocklab.save_pretrained(ours, tmp_path / "ours")
+    back = transformers.T5EncoderModel.from_pretrained(tmp_path / "ours").eval()
     _close(states(back), want, mask)
+    hf.save_pretrained(tmp_path / "hf")
+    folder = blocklab.load_pretrained(tmp_path / "hf")
+    _close(folder(jnp.asarray(src), key_mask=jnp.asarray(mask)), want, mask)
