@@ -96,11 +96,20 @@ def test_ctrl_c_in_a_compiled_call_exits_130_within_seconds(tmp_path):
 # simulated by `_thread.interrupt_main` (what SIGINT does).
 
 
-def _interrupt_soon(delay=0.3):
-    threading.Timer(delay, _thread.interrupt_main).start()
+@pytest.fixture
+def interrupt_soon():
+    """`interrupt_soon(delay)`: a Ctrl-C in `delay` seconds, with Python's
+    own SIGINT handler installed for the test. A process started as a
+    shell's background job inherits SIGINT ignored; `interrupt_main` then
+    does nothing, and the worker threads below would run forever."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield lambda delay=0.3: threading.Timer(delay, _thread.interrupt_main).start()
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
-def test_python_work_stops_at_its_next_bytecode():
+def test_python_work_stops_at_its_next_bytecode(interrupt_soon):
     steps = []
 
     def work():
@@ -108,18 +117,18 @@ def test_python_work_stops_at_its_next_bytecode():
             steps.append(1)
             time.sleep(0.01)
 
-    _interrupt_soon()
+    interrupt_soon()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         _interrupt.run_interruptible(work, grace=5.0)
     assert time.monotonic() - t0 < 4.0 and steps
 
 
-def test_work_stuck_in_a_c_call_is_abandoned_after_the_grace():
+def test_work_stuck_in_a_c_call_is_abandoned_after_the_grace(interrupt_soon):
     """`time.sleep` in a worker is one C call that an asynchronous exception
     cannot enter: the stand-in for a long compile or a jitted call."""
     said = []
-    _interrupt_soon()
+    interrupt_soon()
     t0 = time.monotonic()
     try:
         got = _interrupt.run_interruptible(
@@ -134,7 +143,7 @@ def test_work_stuck_in_a_c_call_is_abandoned_after_the_grace():
             _interrupt._shield.release()
 
 
-def test_a_shielded_write_finishes_before_the_interrupt():
+def test_a_shielded_write_finishes_before_the_interrupt(interrupt_soon):
     """An interrupt during a write (a finished section) waits for it."""
     log = []
 
@@ -145,7 +154,7 @@ def test_a_shielded_write_finishes_before_the_interrupt():
         while True:
             time.sleep(0.01)
 
-    _interrupt_soon(0.2)
+    interrupt_soon(0.2)
     with pytest.raises(KeyboardInterrupt):
         _interrupt.run_interruptible(work, grace=3.0)
     assert log == ["written"]
