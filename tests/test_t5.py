@@ -568,20 +568,24 @@ def test_per_layer_tables_under_hooks_remat_and_cache(remat):
     _close(jnp.concatenate(outs, axis=1), full)
 
 
-def test_relative_bias_option_refused_by_name():
-    from blocklab.nn.encoder_config import EncoderDecoderConfig
+@pytest.mark.parametrize("config", ["EncoderDecoderConfig", "EncoderConfig"])
+def test_relative_bias_option_refused_by_name(config):
+    from blocklab.nn import encoder_config
 
+    cls = getattr(encoder_config, config)
     with pytest.raises(
         ConfigError, match=r"relative_bias.*'shared', 'per_layer'.*'layer'"
     ):
-        EncoderDecoderConfig(40, 16, 4, 2, relative_bias="layer")
+        cls(40, 16, 4, 2, relative_bias="layer", positions="relative")
     with pytest.raises(ConfigError, match="positions='relative'"):
-        EncoderDecoderConfig(40, 16, 4, 2, relative_bias="per_layer", positions="none")
+        cls(40, 16, 4, 2, relative_bias="per_layer", positions="none")
 
 
-def test_t5_encoder_model_states_and_folder(tmp_path):
-    """T5EncoderModel converts to an EncoderModel (one relative bias table,
-    a final norm, no head): last_hidden_state at the real tokens of a ragged
+@pytest.mark.parametrize("family", ["T5", "UMT5"])
+def test_t5_encoder_model_states_and_folder(tmp_path, family):
+    """T5EncoderModel and UMT5EncoderModel convert to an EncoderModel (one
+    relative bias table, or one per layer; a final norm, no head):
+    last_hidden_state at the real tokens of a ragged
     batch, from the model, through a folder transformers loads, and from
     transformers' own folder."""
     torch = pytest.importorskip("torch")
@@ -591,12 +595,13 @@ def test_t5_encoder_model_states_and_folder(tmp_path):
     import blocklab
     from blocklab.nn.encoder import EncoderModel
 
-    cfg = transformers.T5Config(
+    cfg = getattr(transformers, f"{family}Config")(
         vocab_size=40, d_model=12, d_kv=5, d_ff=20, num_layers=2, num_heads=3,
         relative_attention_num_buckets=12, relative_attention_max_distance=20,
         feed_forward_proj="gated-gelu", dropout_rate=0.1,
     )  # fmt: skip
-    hf = randomize(transformers.T5EncoderModel(cfg), seed=3, matrices=0.3)
+    model_cls = getattr(transformers, f"{family}EncoderModel")
+    hf = randomize(model_cls(cfg), seed=3, matrices=0.3)
     rng = np.random.default_rng(3)
     src, mask = _ragged(rng, 3, 7, 40)
 
@@ -610,10 +615,12 @@ def test_t5_encoder_model_states_and_folder(tmp_path):
     want = states(hf)
     ours = blocklab.from_huggingface(hf)
     assert isinstance(ours, EncoderModel) and ours.cfg.positions == "relative"
+    per_layer = {"T5": "shared", "UMT5": "per_layer"}[family]
+    assert ours.cfg.relative_bias == per_layer
     got = ours(jnp.asarray(src), key_mask=jnp.asarray(mask))
     _close(got, want, mask)
     blocklab.save_pretrained(ours, tmp_path / "ours")
-    back = transformers.T5EncoderModel.from_pretrained(tmp_path / "ours").eval()
+    back = model_cls.from_pretrained(tmp_path / "ours").eval()
     _close(states(back), want, mask)
     hf.save_pretrained(tmp_path / "hf")
     folder = blocklab.load_pretrained(tmp_path / "hf")

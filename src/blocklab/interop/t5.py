@@ -26,10 +26,9 @@ table (`encoder.block.{i}.layer.0.SelfAttention.relative_attention_bias`),
 blocklab's `relative_bias="per_layer"`; the buckets, the masks, the missing
 bias of the cross-attention and the head's rescaling are T5's.
 
-`T5EncoderModel` (the encoder half alone: its final-normed states,
-`last_hidden_state`) converts to an `EncoderModel` with `positions=
-"relative"` (one table) and no head. `UMT5EncoderModel` is not converted
-(`EncoderModel` has one relative bias table per stack).
+`T5EncoderModel` and `UMT5EncoderModel` (the encoder half alone: its
+final-normed states, `last_hidden_state`) convert to an `EncoderModel` with
+`positions="relative"` (one table, or umT5's one per layer) and no head.
 """
 
 from __future__ import annotations
@@ -43,13 +42,15 @@ from .hf_common import Derived, refuse, understood
 from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
 
 __all__ = [
-    "MT5", "T5", "T5_ENCODER", "UMT5", "t5_config", "t5_fields", "t5_rules"
+    "MT5", "T5", "T5_ENCODER", "UMT5", "UMT5_ENCODER", "t5_config", "t5_fields",
+    "t5_rules",
 ]  # fmt: skip
 
 _CLS = "T5ForConditionalGeneration"
 _MT5 = "MT5ForConditionalGeneration"
 _UMT5 = "UMT5ForConditionalGeneration"
 _ENC = "T5EncoderModel"
+_UMT5_ENC = "UMT5EncoderModel"
 
 #: `feed_forward_proj` -> blocklab's `act` (`"gated-gelu"` is tanh GELU in
 #: `transformers`, whereas a plain `"gelu"` is the exact one).
@@ -101,6 +102,7 @@ _CLASS_FIELDS = {
     _ENC: FIELDS,
     _MT5: {**FIELDS, **_MT5_DEFAULTS},
     _UMT5: {**FIELDS, **_MT5_DEFAULTS},
+    _UMT5_ENC: {**FIELDS, **_MT5_DEFAULTS},
 }
 
 
@@ -153,12 +155,12 @@ def t5_config(hf: Any, cls: str = _CLS) -> EncoderDecoderConfig | EncoderConfig:
         relative_max_distance=hf.relative_attention_max_distance,
     )
     args = (hf.vocab_size, hf.d_model, hf.num_heads, hf.num_layers)
-    if cls == _ENC:
+    common["relative_bias"] = "per_layer" if cls in (_UMT5, _UMT5_ENC) else "shared"
+    if cls in (_ENC, _UMT5_ENC):
         return EncoderConfig(*args, pad_token_id=ids["pad_token_id"], **common)
     return EncoderDecoderConfig(
         *args,
         num_decoder_blks=hf.num_decoder_layers,
-        relative_bias="per_layer" if cls == _UMT5 else "shared",
         tie_embeddings=True,
         head_scale=float(hf.d_model) ** -0.5 if scale else None,
         **common,
@@ -213,10 +215,11 @@ def _expressible(cfg: Any, relative_bias: str = "shared") -> bool:
     )  # fmt: skip
 
 
-def _encoder_expressible(cfg: Any) -> bool:
-    """Whether `cfg` is a `T5EncoderModel`: T5's blocks and one relative
-    bias table, a final norm, no embedding norm, head or pooler."""
-    if not isinstance(cfg, EncoderConfig):
+def _encoder_expressible(cfg: Any, relative_bias: str = "shared") -> bool:
+    """Whether `cfg` is a `T5EncoderModel` (`"shared"`) or a
+    `UMT5EncoderModel` (`"per_layer"`): T5's blocks and relative bias, a
+    final norm, no embedding norm, head or pooler."""
+    if not isinstance(cfg, EncoderConfig) or cfg.relative_bias != relative_bias:
         return False
     b = cfg.block
     return (
@@ -245,11 +248,14 @@ def _attn(hf: str, ours: str) -> list[EncRule]:
     return [EncRule(f"{hf}.{n}.weight", (f"{ours}.W_{n}.weight",)) for n in "qkvo"]
 
 
-def _rel(cfg: EncoderDecoderConfig, stack: str, num_blks: int) -> list[EncRule]:
+def _rel(cfg: Any, stack: str, num_blks: int) -> list[EncRule]:
     """The relative position bias tables of a stack: layer 0's (T5, mT5), or
     every layer's (umT5)."""
     hf = f"{stack}.block.{{}}.layer.0.SelfAttention.relative_attention_bias.weight"
-    ours = "enc_rel_bias" if stack == "encoder" else "dec_rel_bias"
+    if isinstance(cfg, EncoderConfig):
+        ours = "rel_bias"
+    else:
+        ours = "enc_rel_bias" if stack == "encoder" else "dec_rel_bias"
     if cfg.relative_bias == "shared":
         return [EncRule(hf.format(0), (f"{ours}.weight",))]
     return [
@@ -270,14 +276,9 @@ def t5_rules(
         rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
         rules += _ffn(cfg, f"{e}.1", o)
         rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
-    if encoder_only:
-        hf = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-        return [
-            *rules,
-            EncRule(hf, ("rel_bias.weight",)),
-            EncRule("encoder.final_layer_norm.weight", ("norm.weight",)),
-        ]
     rules += _rel(cfg, "encoder", cfg.num_blks)
+    if encoder_only:
+        return [*rules, EncRule("encoder.final_layer_norm.weight", ("norm.weight",))]
     rules.append(EncRule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
     for i in range(cfg.num_decoder_blks):
         e, o = f"decoder.block.{i}.layer", f"decoder.blocks.{i}"
@@ -295,7 +296,7 @@ def t5_rules(
 
 
 def _tied(cfg: Any, cls: str) -> dict[str, str]:
-    if cls == _ENC:
+    if cls in (_ENC, _UMT5_ENC):
         return {"encoder.embed_tokens.weight": "shared.weight"}
     out = {
         "encoder.embed_tokens.weight": "shared.weight",
@@ -343,21 +344,33 @@ def _owns(relative_bias: str) -> Any:
 
 T5 = _family("t5", _CLS, _owns("shared"))
 UMT5 = _family("umt5", _UMT5, _owns("per_layer"))
-T5_ENCODER = register_encoder_family(
-    EncoderFamily(
-        name="t5_encoder",
-        classes=(_ENC,),
-        model_types=("t5",),
-        to_config=t5_config,
-        hf_fields=t5_fields,
-        rules=t5_rules,
-        build=lambda cfg, key: EncoderModel(cfg, key=key),
-        model_class=lambda cfg: _ENC,
-        owns=lambda m: isinstance(m, EncoderModel) and _encoder_expressible(m.cfg),
-        dropout_fields=("dropout_rate", "classifier_dropout"),
-        tied=_tied,
+
+
+def _encoder_family(name: str, cls: str, model_type: str, relative_bias: str):
+    def owns(m):
+        return isinstance(m, EncoderModel) and _encoder_expressible(
+            m.cfg, relative_bias
+        )
+
+    return register_encoder_family(
+        EncoderFamily(
+            name=name,
+            classes=(cls,),
+            model_types=(model_type,),
+            to_config=t5_config,
+            hf_fields=t5_fields,
+            rules=t5_rules,
+            build=lambda cfg, key: EncoderModel(cfg, key=key),
+            model_class=lambda cfg: cls,
+            owns=owns,
+            dropout_fields=("dropout_rate", "classifier_dropout"),
+            tied=_tied,
+        )
     )
-)
+
+
+T5_ENCODER = _encoder_family("t5_encoder", _ENC, "t5", "shared")
+UMT5_ENCODER = _encoder_family("umt5_encoder", _UMT5_ENC, "umt5", "per_layer")
 #: mT5 converts from `transformers` only; blocklab writes its models as T5
 #: (the same mathematics), so this family exports nothing.
 MT5 = _family("mt5", _MT5, lambda m: False)

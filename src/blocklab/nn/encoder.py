@@ -33,7 +33,11 @@ from .functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
 from .patch_embed import ViTEmbedding
-from .relative_position import RelativePositionBias
+from .relative_position import (
+    RelativePositionBias,
+    relative_bias_tables,
+    stack_bias_inputs,
+)
 from .stack import Stack
 
 __all__ = ["EncoderModel", "set_encoder_layer_data", "padding_mask"]
@@ -142,8 +146,10 @@ def _build(cfg: EncoderConfig, key):
         else None
     )
     parts["rel_bias"] = (
-        RelativePositionBias(
+        relative_bias_tables(
             cfg.num_heads,
+            cfg.num_blks,
+            per_layer=cfg.relative_bias == "per_layer",
             num_buckets=cfg.relative_num_buckets,
             max_distance=cfg.relative_max_distance,
             bidirectional=True,
@@ -205,7 +211,7 @@ class EncoderModel(eqx.Module):
     pos_emb: eqx.nn.Embedding | None
     type_emb: eqx.nn.Embedding | None
     vit_emb: ViTEmbedding | None
-    rel_bias: RelativePositionBias | None
+    rel_bias: RelativePositionBias | Stack | None
     emb_norm: RMSNorm | LayerNorm | None
     stack: Stack
     norm: RMSNorm | LayerNorm | None
@@ -354,12 +360,10 @@ class EncoderModel(eqx.Module):
         if self.emb_norm is not None:
             h = self.emb_norm(h, hooks=scope(hooks, "ln_embed"))
         mask = padding_mask("EncoderModel", h.shape[:-1], key_mask, valid_lens)
-        inputs: dict[str, Any] = {}
+        T = h.shape[-2]
+        inputs = stack_bias_inputs(self.rel_bias, T, T)
         if mask is not None:
             inputs["key_mask"] = mask
-        if self.rel_bias is not None:
-            T = h.shape[-2]
-            inputs["score_bias"] = self.rel_bias(T, T).astype(jnp.float32)
         if self.cfg.positions == "rope":
             inputs["positions"] = pos
         if segment_ids is not None:

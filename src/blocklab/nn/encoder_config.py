@@ -55,6 +55,17 @@ class _ModelConfig(HoldsBlock):
 
     def _check_relative(self, owner):
         self._put(
+            "relative_bias",
+            check_choice(
+                owner, "relative_bias", self.relative_bias, ("shared", "per_layer")
+            ),
+        )
+        if self.relative_bias == "per_layer" and self.positions != "relative":
+            raise ConfigError(
+                f"{owner}: relative_bias='per_layer' needs positions='relative', "
+                f"got positions={self.positions!r}."
+            )
+        self._put(
             "relative_num_buckets",
             check_int(owner, "relative_num_buckets", self.relative_num_buckets, min=2),
         )
@@ -81,9 +92,11 @@ class EncoderConfig(LayerSchedule, _ModelConfig):
         positions: `"learned"` (BERT: a table added to the token
             embedding), `"rope"` (ModernBERT: the block's `rope_theta` for the
             global layers, default 1e4, `local_rope_theta` for the local
-            ones), `"relative"` (T5's bucketed bias, one table shared by every
-            layer, both directions) or `"none"` (ViT: its embedding carries
-            the positions).
+            ones), `"relative"` (T5's bucketed bias, both directions) or
+            `"none"` (ViT: its embedding carries the positions).
+        relative_bias: `"shared"` (T5: one table for every layer) or
+            `"per_layer"` (umT5: a table per layer, stacked `(N, buckets, H)`
+            and scanned with the stack).
         relative_num_buckets, relative_max_distance: T5's buckets.
         global_layers: with a `window`, the layers that attend globally
             (others are local); `None`: every layer is local.
@@ -120,6 +133,7 @@ class EncoderConfig(LayerSchedule, _ModelConfig):
     block: BlockConfig
     max_len: int = 512
     positions: str = "learned"
+    relative_bias: str = "shared"
     relative_num_buckets: int = 32
     relative_max_distance: int = 128
     global_layers: tuple[int, ...] | None = None
@@ -327,17 +341,6 @@ class EncoderDecoderConfig(_ModelConfig):
             "positions",
             check_choice(owner, "positions", self.positions, _ED_POSITIONS),
         )
-        put(
-            "relative_bias",
-            check_choice(
-                owner, "relative_bias", self.relative_bias, ("shared", "per_layer")
-            ),
-        )
-        if self.relative_bias == "per_layer" and self.positions != "relative":
-            raise ConfigError(
-                f"{owner}: relative_bias='per_layer' needs positions='relative', "
-                f"got positions={self.positions!r}."
-            )
         self._check_relative(owner)
         put("tie_embeddings", check_bool(owner, "tie_embeddings", self.tie_embeddings))
         put(

@@ -10,7 +10,7 @@ decoder), computed once per call and added to every layer's self-attention
 scores; the cross-attention has none. umT5's (`relative_bias="per_layer"`)
 is one table per self-attention layer, held as a `Stack` of tables
 (`(N, buckets, H)`): the buckets are computed once per call and each layer
-gathers its own bias inside the stack's scan (a `PerLayer` input).
+gathers its own bias inside the stack's scan (`stack_bias_inputs`).
 
 Whisper (`src_input="audio"`, `positions="learned"`) reads log-mel features
 through `AudioEmbedding` (two convolutions and fixed sinusoidal positions)
@@ -44,8 +44,12 @@ from .encoder_config import EncoderDecoderConfig, config_of
 from .functional import causal_lengths, linear
 from .hooks import Hooks, at, scope
 from .normalization import LayerNorm, RMSNorm, make_norm
-from .relative_position import RelativePositionBias
-from .stack import PerLayer, Stack
+from .relative_position import (
+    RelativePositionBias,
+    relative_bias_tables,
+    stack_bias_inputs,
+)
+from .stack import Stack
 
 __all__ = ["EncoderDecoderLM", "EncoderDecoderCache"]
 
@@ -71,17 +75,12 @@ def _build(cfg: EncoderDecoderConfig, key):
     def rel(bidirectional, num_blks, k):
         if cfg.positions != "relative":
             return None
-
-        def table(k):
-            return RelativePositionBias(
-                cfg.num_heads, num_buckets=cfg.relative_num_buckets,
-                max_distance=cfg.relative_max_distance,
-                bidirectional=bidirectional, key=k,
-            )  # fmt: skip
-
-        if cfg.relative_bias == "per_layer":
-            return Stack(table, num_blks, key=k)
-        return table(k)
+        return relative_bias_tables(
+            cfg.num_heads, num_blks, per_layer=cfg.relative_bias == "per_layer",
+            num_buckets=cfg.relative_num_buckets,
+            max_distance=cfg.relative_max_distance, bidirectional=bidirectional,
+            key=k,
+        )  # fmt: skip
 
     head = (
         None
@@ -92,25 +91,6 @@ def _build(cfg: EncoderDecoderConfig, key):
         emb, encoder, decoder, rel(True, cfg.num_blks, k_rel_e),
         rel(False, cfg.num_decoder_blks, k_rel_d), head,
     )  # fmt: skip
-
-
-def _bias_inputs(
-    rel: RelativePositionBias | Stack | None, Tq: int, Tk: int, offset: Any = 0
-) -> dict[str, Any]:
-    """The stack keywords of a relative position bias (none without one):
-    a shared table's bias, `(..., H, Tq, Tk)` float32, the same for every
-    layer; or, for per-layer tables (a `Stack` of them), the buckets once and
-    each layer's gather inside the scan (`layer_inputs`)."""
-    if rel is None:
-        return {}
-    if isinstance(rel, Stack):
-        grid = rel.block(0).grid(Tq, Tk, offset=offset)
-        return {"layer_inputs": {"score_bias": PerLayer(rel.blocks, grid, _gather)}}
-    return {"score_bias": rel(Tq, Tk, offset=offset).astype(jnp.float32)}
-
-
-def _gather(table: RelativePositionBias, grid: Array) -> Array:
-    return table.gather(grid).astype(jnp.float32)
 
 
 def _build_inputs(cfg: EncoderDecoderConfig, key):
@@ -257,7 +237,7 @@ class EncoderDecoderLM(eqx.Module):
         h, mask = self._source(src_ids, src_mask, src_lens)
         h = at(hooks, "hook_embed", h)
         S = h.shape[-2]
-        inputs = _bias_inputs(self.enc_rel_bias, S, S)
+        inputs = stack_bias_inputs(self.enc_rel_bias, S, S)
         if mask is not None:
             inputs["key_mask"] = mask
         h = self.encoder(h, key=key, hooks=hooks, **inputs)
@@ -343,7 +323,7 @@ class EncoderDecoderLM(eqx.Module):
         h = at(hooks, "hook_embed", self.token_emb.weight[tgt_ids])
         h = self._positions(h, 0, hooks)
         T = h.shape[-2]
-        inputs = _bias_inputs(self.dec_rel_bias, T, T)
+        inputs = stack_bias_inputs(self.dec_rel_bias, T, T)
         inputs["context"] = enc
         if mask is not None:
             inputs["context_mask"] = mask
@@ -453,7 +433,7 @@ class EncoderDecoderLM(eqx.Module):
         start = cache.length
         h = at(hooks, "hook_embed", self.token_emb.weight[ids])
         h = self._positions(h, start, hooks)
-        inputs = _bias_inputs(self.dec_rel_bias, Tq, cache.max_len, offset=start)
+        inputs = stack_bias_inputs(self.dec_rel_bias, Tq, cache.max_len, offset=start)
         if cache.src_mask is not None:
             inputs["context_mask"] = cache.src_mask
         h, layers = self.decoder.step(

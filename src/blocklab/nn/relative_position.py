@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -40,8 +41,15 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .stack import PerLayer, Stack
 
-__all__ = ["RelativePositionBias", "bucket_table", "relative_position_bucket"]
+__all__ = [
+    "RelativePositionBias",
+    "bucket_table",
+    "relative_bias_tables",
+    "relative_position_bucket",
+    "stack_bias_inputs",
+]
 
 
 def _check_buckets(
@@ -246,3 +254,54 @@ class RelativePositionBias(eqx.Module):
         r"""$B_{h,i,j} = W[\beta_{ij}, h]$ for given buckets (from `buckets`):
         `(..., heads, Tq, Tk)`, in the table's dtype."""
         return jnp.moveaxis(self.weight[buckets], -1, -3)
+
+
+def relative_bias_tables(
+    num_heads: int,
+    num_blks: int,
+    *,
+    per_layer: bool,
+    num_buckets: int,
+    max_distance: int,
+    bidirectional: bool,
+    key: PRNGKeyArray,
+) -> RelativePositionBias | Stack:
+    """A stack's relative position bias: one `RelativePositionBias` shared by
+    its layers (T5), or with `per_layer` a `Stack` of `num_blks` of them, the
+    tables stacked `(num_blks, buckets, heads)` (umT5); `stack_bias_inputs`
+    turns either into the stack's keywords."""
+
+    def table(k):
+        return RelativePositionBias(
+            num_heads, num_buckets=num_buckets, max_distance=max_distance,
+            bidirectional=bidirectional, key=k,
+        )  # fmt: skip
+
+    return Stack(table, num_blks, key=key) if per_layer else table(key)
+
+
+def stack_bias_inputs(
+    rel: RelativePositionBias | Stack | None,
+    num_queries: int,
+    num_keys: int,
+    *,
+    offset: Int[ArrayLike, "*batch"] | int = 0,
+) -> dict[str, Any]:
+    """The `Stack` keywords that add a relative position bias to every
+    layer's self-attention scores (`{}` without one): a shared table's bias
+    `score_bias`, `(..., H, Tq, Tk)` float32, the same for every layer (T5);
+    or, for one table per layer (umT5: a `Stack` of tables, `(N, buckets,
+    H)`), the buckets computed once and each layer's gather inside the
+    stack's scan (`layer_inputs`, a `PerLayer`). Queries and keys as for
+    `RelativePositionBias.__call__`."""
+    if rel is None:
+        return {}
+    if isinstance(rel, Stack):
+        grid = rel.block(0).grid(num_queries, num_keys, offset=offset)
+        return {"layer_inputs": {"score_bias": PerLayer(rel.blocks, grid, _gather)}}
+    bias = rel(num_queries, num_keys, offset=offset)
+    return {"score_bias": bias.astype(jnp.float32)}
+
+
+def _gather(table: RelativePositionBias, grid: Array) -> Array:
+    return table.gather(grid).astype(jnp.float32)
