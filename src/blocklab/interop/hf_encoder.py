@@ -689,7 +689,7 @@ def save_encoder_pretrained(
     sizes = [(k, v.nbytes) for k, v in tensors.items()]
     num_params = sum(v.size for v in tensors.values())
     generation = None
-    if getattr(fam, "name", "") == "t5" or generation_config is not None:
+    if getattr(fam, "name", "") in ("t5", "umt5") or generation_config is not None:
         generation = dict(generation_config or {"_from_model_config": True})
         for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
             if k in config and k not in generation:
