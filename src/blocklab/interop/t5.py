@@ -198,18 +198,26 @@ def t5_fields(cfg: EncoderDecoderConfig | EncoderConfig) -> dict[str, Any]:
     )
 
 
+def _t5_block(b: Any) -> bool:
+    """Whether the block config `b` is T5's: pre-norm RMSNorm, no biases,
+    unscaled scores ($QK^\top$, scale 1), one key/value head per query head,
+    no q/k norm or score softcap, an activation T5 names."""
+    return (
+        b.norm == "rms" and b.placement == "pre" and b.act in _HF_ACTS
+        and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
+        and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
+        and not b.qk_norm and b.attn_softcap is None
+    )  # fmt: skip
+
+
 def _expressible(cfg: Any, relative_bias: str = "shared") -> bool:
     """Whether `cfg` is a T5 (`"shared"`) or a umT5 (`"per_layer"`): what
     `t5_config` builds, at any sizes."""
     if not isinstance(cfg, EncoderDecoderConfig):
         return False
-    b = cfg.block
     scale = cfg.head_scale
     return (
-        b.norm == "rms" and b.placement == "pre" and b.act in _HF_ACTS
-        and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
-        and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
-        and not b.qk_norm and b.attn_softcap is None and cfg.positions == "relative"
+        _t5_block(cfg.block) and cfg.positions == "relative"
         and cfg.relative_bias == relative_bias
         and (scale is None or abs(scale - cfg.num_hiddens**-0.5) < 1e-12)
     )  # fmt: skip
@@ -221,12 +229,8 @@ def _encoder_expressible(cfg: Any, relative_bias: str = "shared") -> bool:
     final norm, no embedding norm, head or pooler."""
     if not isinstance(cfg, EncoderConfig) or cfg.relative_bias != relative_bias:
         return False
-    b = cfg.block
     return (
-        b.norm == "rms" and b.placement == "pre" and b.act in _HF_ACTS
-        and not b.attn_bias and not b.ffn_bias and not b.attn_out_bias
-        and b.attn_scale == 1.0 and b.num_kv_heads == b.num_heads
-        and not b.qk_norm and b.attn_softcap is None and b.window is None
+        _t5_block(cfg.block) and cfg.block.window is None
         and cfg.positions == "relative" and cfg.final_norm and not cfg.embed_norm
         and cfg.first_attn_norm and not cfg.mlm_head and cfg.num_labels == 0
         and cfg.type_vocab_size == 0 and cfg.image_size is None
@@ -313,26 +317,42 @@ def _untie(cfg: EncoderDecoderConfig) -> EncoderDecoderConfig:
     return dataclasses.replace(cfg, tie_embeddings=False)
 
 
-def _family(name: str, cls: str, owns: Any) -> EncoderFamily:
+def _register(
+    name: str, cls: str, model_type: str, model: type, owns: Any, **extra: Any
+) -> EncoderFamily:
+    """Register one family of T5's layout: `transformers` class `cls`
+    (`model_type`), built as `model` (`EncoderDecoderLM` or `EncoderModel`),
+    exporting the models `owns` accepts; `extra`: further `EncoderFamily`
+    fields."""
     return register_encoder_family(
         EncoderFamily(
             name=name,
             classes=(cls,),
-            model_types=(name,),
+            model_types=(model_type,),
             to_config=t5_config,
             hf_fields=t5_fields,
             rules=t5_rules,
-            build=lambda cfg, key: EncoderDecoderLM(cfg, key=key),
+            build=lambda cfg, key: model(cfg, key=key),
             model_class=lambda cfg: cls,
             owns=owns,
             dropout_fields=("dropout_rate", "classifier_dropout"),
             tied=_tied,
-            ignored=(
-                "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias."
-                "weight",
-            ),
-            untie=_untie,
+            **extra,
         )
+    )
+
+
+def _family(name: str, cls: str, owns: Any) -> EncoderFamily:
+    return _register(
+        name,
+        cls,
+        name,
+        EncoderDecoderLM,
+        owns,
+        ignored=(
+            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+        ),
+        untie=_untie,
     )
 
 
@@ -352,21 +372,7 @@ def _encoder_family(name: str, cls: str, model_type: str, relative_bias: str):
             m.cfg, relative_bias
         )
 
-    return register_encoder_family(
-        EncoderFamily(
-            name=name,
-            classes=(cls,),
-            model_types=(model_type,),
-            to_config=t5_config,
-            hf_fields=t5_fields,
-            rules=t5_rules,
-            build=lambda cfg, key: EncoderModel(cfg, key=key),
-            model_class=lambda cfg: cls,
-            owns=owns,
-            dropout_fields=("dropout_rate", "classifier_dropout"),
-            tied=_tied,
-        )
-    )
+    return _register(name, cls, model_type, EncoderModel, owns)
 
 
 T5_ENCODER = _encoder_family("t5_encoder", _ENC, "t5", "shared")
