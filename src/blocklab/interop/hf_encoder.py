@@ -38,8 +38,10 @@ from .._validate import ConfigError, check_bool, check_choice
 from ..training.checkpoint import CheckpointError
 from .hf_common import eval_config
 from .porting import (
+    _converted,
     _is_param,
     _non_finite,
+    _put,
     _walk,
     load_state_dict,
     param_shapes,
@@ -367,20 +369,8 @@ def _placed(
         else:
             array = np.stack([np.asarray(ours[n]) for n in names])
         target = np.dtype(leaf.dtype if dtype is None else dtype)
-        if array.dtype != target:
-            with np.errstate(over="ignore", invalid="ignore"):
-                cast = array.astype(target)
-            if _non_finite(cast) is not None:
-                raise ConfigError(
-                    f"load_pretrained: parameter {path!r} overflows dtype="
-                    f"{target.name} (its largest magnitude is "
-                    f"{float(np.abs(array).max())!r}); pass a wider dtype=."
-                )
-            array = cast
-        sharding = sharding_of(path)
-        if sharding is None:
-            return jax.numpy.asarray(array)
-        return jax.device_put(array, sharding)
+        array = _converted(array, target, path, what="parameter", hint="")
+        return _put(array, sharding_of(path))
 
     return _walk(skeleton, take)
 

@@ -208,6 +208,39 @@ def _non_finite(value: np.ndarray) -> str | None:
     )
 
 
+def _converted(
+    piece: np.ndarray,
+    dtype: Any,
+    name: str,
+    *,
+    what: str = "tensor",
+    hint: str = " (or None, the stored dtypes)",
+) -> np.ndarray:
+    """`piece` cast to `dtype` (itself when it has it already), refused when
+    the cast overflows to infinity (as `load_state_dict` refuses it); the
+    error names the `what` `name` and ends with `hint` after "pass a wider
+    dtype=" (`load_pretrained`'s message)."""
+    piece = np.asarray(piece)
+    if piece.dtype == dtype:
+        return piece
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = piece.astype(dtype)
+    if _non_finite(out) is not None:
+        raise ConfigError(
+            f"load_pretrained: {what} {name!r} overflows dtype="
+            f"{np.dtype(dtype).name} (its largest magnitude is "
+            f"{float(np.abs(piece).max())!r}); pass a wider dtype={hint}."
+        )
+    return out
+
+
+def _put(array: np.ndarray, sharding: Any) -> jax.Array:
+    """`array` on the devices of `sharding` (`None`: the default device)."""
+    if sharding is not None:
+        return jax.device_put(array, sharding)
+    return jnp.asarray(array)
+
+
 def load_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
     """Return a copy of `module` with every parameter taken from `state_dict`.
 

@@ -95,7 +95,7 @@ from .hf_encoder import (
     save_encoder_pretrained,
 )
 from .huggingface import _all_rules, _skeleton
-from .porting import _float_dtype, _non_finite, _walk, param_shapes
+from .porting import _converted, _float_dtype, _non_finite, _put, _walk, param_shapes
 from .safetensors_io import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
@@ -612,12 +612,6 @@ def _assemble(
     return _walk(skeleton, take)
 
 
-def _put(array: np.ndarray, sharding: Any) -> jax.Array:
-    if sharding is not None:
-        return jax.device_put(array, sharding)
-    return jnp.asarray(array)
-
-
 def _read_finite(catalog: Catalog, key: str) -> np.ndarray:
     """The stored tensor `key`, refused if it holds NaN or infinities (the rule
     of `load_state_dict`)."""
@@ -628,23 +622,6 @@ def _read_finite(catalog: Catalog, key: str) -> np.ndarray:
             f"load_pretrained: {catalog.infos[key].file}: tensor {key!r} {bad}."
         )
     return array
-
-
-def _converted(piece: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
-    """`piece` in `dtype`, refused if it overflows there (as `load_state_dict`
-    refuses it)."""
-    piece = np.asarray(piece)
-    if piece.dtype == dtype:
-        return piece
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = piece.astype(dtype)
-    if _non_finite(out) is not None:
-        raise ConfigError(
-            f"load_pretrained: tensor {key!r} overflows dtype={np.dtype(dtype).name} "
-            f"(its largest magnitude is {float(np.abs(piece).max())!r}); pass a "
-            "wider dtype= (or None, the stored dtypes)."
-        )
-    return out
 
 
 def _place(slot: _Slot, layer: int | None, piece: np.ndarray) -> None:
