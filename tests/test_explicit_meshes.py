@@ -202,6 +202,7 @@ TRAIN = COMMON + textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # kept out of the default run for CI time (~20 s)
 def test_train_save_restore_resume_on_explicit_and_mixed_meshes(tmp_path):
     """`train_model(..., mesh=jax.make_mesh((8,), ("data",)), rules="fsdp")`
     failed inside `with_sharding_constraint` ("can only refer to Auto axes")."""

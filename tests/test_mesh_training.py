@@ -305,6 +305,7 @@ IDS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 8 devices in a child, ~20 s; the traced check below stays default
 def test_ids_out_of_range_are_refused_on_a_mesh_without_gathering_the_batch():
     """`check_ids` on a mesh (8 simulated devices, the batch split over `data`).
 
