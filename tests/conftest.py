@@ -27,6 +27,15 @@ YNNPACK's reduction crash on an XLA worker thread (jax-ml/jax#39257,
 #40412). The summary lists every test that was run again, and the crash's
 traceback stays in the log.
 
+The compiler crash needs a long history: replaying, in one process, the
+1353 tests a crashed worker had run before it crashed reproduced the
+segfault in the same compile (`generate_text`'s sliding loop), while
+either half of that history alone, or the whole of it with JAX's caches
+cleared between test modules, ran clean. So each module's compiled
+programs are dropped when the module is done (`jax.clear_caches()`, a
+module-scoped fixture): a worker then holds only the programs of the module
+it is running.
+
 The suite is compile-bound: most tests trace and compile small programs and
 run them for microseconds. So it sets `--xla_backend_optimization_level=0`
 in `XLA_FLAGS` before JAX starts (subprocesses inherit it; a level the
@@ -86,6 +95,13 @@ def pytest_fixture_setup(fixturedef, request):
         return (yield)
     with jax.enable_x64(request.node.get_closest_marker("float64") is not None):
         return (yield)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_per_module():
+    """Drop the module's compiled programs when it is done (see above)."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture
