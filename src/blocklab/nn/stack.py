@@ -198,8 +198,8 @@ class Stack(eqx.Module):
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, segment_ids, key, hooks, layer_inputs,
-                inputs: as for `__call__`.
+            x, valid_lens, positions, segment_ids, key, hooks: as for `__call__`.
+            layer_inputs, inputs: as for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
                 of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing. Not with
