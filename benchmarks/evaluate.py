@@ -19,7 +19,7 @@ For each (seq_len, stride) of `--windows` (default 256/128 and 256/256):
 
 Both are timed round-robin (median of `--reps`), and the summed NLL of the
 two is compared (the guide's loop with each window's loss times the labels it
-averaged over: see `blocklab.interop.evaluate`). Target: blocklab >= 1.5x.
+averaged over: see `blocklab.text.evaluate`). Target: blocklab >= 1.5x.
 
 On a GPU, PyTorch (a CPU build here) is left out: blocklab's figures are
 printed alone. Prints human-readable lines and one JSON line. Usage:
@@ -60,8 +60,8 @@ import jax  # noqa: E402
 
 import blocklab  # noqa: E402
 from blocklab.data.datasets import corpus_path  # noqa: E402
-from blocklab.interop.evaluate import evaluate_text  # noqa: E402
 from blocklab.nn.attention import with_attention_impl  # noqa: E402
+from blocklab.text.evaluate import evaluate_text  # noqa: E402
 
 
 def build_folder(folder: Path, vocab: int, max_len: int, seed: int = 0) -> None:

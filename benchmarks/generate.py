@@ -173,7 +173,7 @@ def _decode(model, tokens, cache):
 def _decode_unrolled(model, tokens, cache):
     """`generate`'s decode loop body (`unroll_layers=True`) scanned over
     `tokens`: blocks and caches sliced once, before the loop."""
-    from blocklab.nn import cache as _cache
+    from blocklab.models import decoding as _cache
 
     blocks, state = _cache.unstack(model, cache)
 
@@ -218,7 +218,7 @@ def stream_tokens_per_second(ours, hf, prompt, new, reps) -> dict:
     import tempfile
 
     from blocklab.data.datasets import corpus_path
-    from blocklab.interop.text import stream_text
+    from blocklab.text.generation import stream_text
 
     with tempfile.TemporaryDirectory() as root:
         folder = os.path.join(root, "ckpt")
@@ -288,7 +288,7 @@ def depth_costs(depths, batch=8, prompt=16, new=64, reps=3) -> dict:
     """`generate` with the blocks scanned and unrolled (`unroll_layers`), on
     Llama-style models of each depth (d = 256, random weights): the seconds
     to compile the program, and the median seconds of a run."""
-    from blocklab.nn.generation import _generate
+    from blocklab.models.generation import _generate
 
     out = {}
     ids = np.random.default_rng(0).integers(1, VOCAB, (batch, prompt))

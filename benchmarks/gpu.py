@@ -17,7 +17,7 @@ written beside the JSON, `.md`).
    same shapes built in blocklab; d = 2048, 16 layers, 16 heads on 4 kv
    heads, FFN 5632, vocab 32000: TinyLlama's shapes), batch 4 x 2048,
    bfloat16 compute, `jax.value_and_grad` of the next-token loss: model
-   FLOPs (`blocklab.experiments.plan.step_flops(..., "none")`: recomputation
+   FLOPs (`blocklab.training.plan.step_flops(..., "none")`: recomputation
    not counted, as MFU counts) over time, divided by the bfloat16 matmul
    peak measured in the same run; and each policy's temporaries.
 3. **Decoding**: tokens per second of `blocklab.generate` (greedy, batch 8,
@@ -54,8 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import blocklab  # noqa: E402
-from blocklab.experiments.plan import step_flops  # noqa: E402
 from blocklab.experiments.timing import matmul_peak_flops  # noqa: E402
+from blocklab.training.plan import step_flops  # noqa: E402
 
 
 def _remat_bench():

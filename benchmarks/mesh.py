@@ -101,7 +101,7 @@ def _time_runs(fns: dict, repeats: int) -> dict:
 
 
 def fsdp_overhead(steps: int, repeats: int) -> dict:
-    from blocklab.nn.decoder import DecoderConfig, DecoderLM
+    from blocklab.models.decoder import DecoderConfig, DecoderLM
     from blocklab.training.placement import mesh_of
 
     gpu = jax.devices()[0].platform != "cpu"
@@ -128,7 +128,7 @@ def fsdp_overhead(steps: int, repeats: int) -> dict:
 
 
 def llama_mfu(steps: int, repeats: int, tiny: bool = False) -> dict:
-    from blocklab.nn.decoder import DecoderConfig, DecoderLM
+    from blocklab.models.decoder import DecoderConfig, DecoderLM
 
     dev = jax.devices()[0]
     peak = next((v for k, v in PEAKS.items() if k in dev.device_kind), None)

@@ -34,7 +34,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from blocklab.training import distributed as distributed  # noqa: E402
+from blocklab.training import distributed  # noqa: E402
 
 if "--child" in sys.argv:
     distributed.initialize()  # joins the launcher's job before any JAX work

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 
 import blocklab as bl
-from blocklab.nn.encoder import EncoderModel
-from blocklab.nn.encoder_config import EncoderConfig
+from blocklab.models.encoder import EncoderModel
+from blocklab.models.encoder_config import EncoderConfig
 from blocklab.training.losses import mask_tokens, mlm_loss
 
 tiny = bool(os.environ.get("BLOCKLAB_TINY"))

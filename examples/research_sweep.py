@@ -26,7 +26,7 @@ import hashlib
 import json
 
 import blocklab as bl
-from blocklab.training import distributed as distributed
+from blocklab.training import distributed
 
 distributed.initialize()  # first: joins a `blocklab launch` job, else a no-op
 

@@ -27,8 +27,8 @@ import numpy as np
 import optax
 
 import blocklab as bl
-from blocklab.nn.encoder_config import EncoderDecoderConfig
-from blocklab.nn.encoder_decoder import EncoderDecoderLM
+from blocklab.models.encoder_config import EncoderDecoderConfig
+from blocklab.models.encoder_decoder import EncoderDecoderLM
 from blocklab.training.losses import seq2seq_loss
 
 tiny = bool(os.environ.get("BLOCKLAB_TINY"))

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from blocklab import CharLM, DecoderConfig, DecoderLM
-from blocklab.nn import MoEDecoderConfig
+from blocklab.models import MoEDecoderConfig
 
 V = 61
 

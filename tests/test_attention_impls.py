@@ -9,7 +9,7 @@ import pytest
 import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.nn import attention_impls as impls_mod
-from blocklab.nn.cache import AttentionCache
+from blocklab.nn.kv_cache import AttentionCache
 
 # (num_hiddens, num_heads, options) drawn to cover the options together.
 CACHE_CONFIGS = {

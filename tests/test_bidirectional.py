@@ -13,10 +13,10 @@ import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.diagnostics import identities
 from blocklab.diagnostics.propagation import signal_stats
+from blocklab.models.encoder import EncoderModel
+from blocklab.models.encoder_config import EncoderConfig
 from blocklab.nn import attention_impls as impls_mod
 from blocklab.nn.block import TransformerBlock
-from blocklab.nn.encoder import EncoderModel
-from blocklab.nn.encoder_config import EncoderConfig
 from blocklab.nn.stack import Stack
 
 IMPLS = ("reference", "fused", "chunked")

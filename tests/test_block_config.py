@@ -15,10 +15,11 @@ import pytest
 from blocklab import ConfigError
 from blocklab.diagnostics.counting import census, count_params
 from blocklab.diagnostics.theory import block_param_count
-from blocklab.nn import DecoderConfig, config
+from blocklab.models import DecoderConfig
+from blocklab.models.charlm import CharLM
+from blocklab.nn import config
 from blocklab.nn.attention import MultiHeadAttention
 from blocklab.nn.block import TransformerBlock
-from blocklab.nn.charlm import CharLM
 from blocklab.nn.config import BlockConfig
 from blocklab.nn.ffn import FeedForward
 
@@ -242,7 +243,7 @@ def test_decoder_config_block_builds_its_layers():
         "sandwich", "gemma_rms", "geglu", "head"
     )  # fmt: skip
     assert blk.head_dim == 16 and blk.num_kv_heads == 2 and blk.window == 16
-    from blocklab.nn.decoder import DecoderLM
+    from blocklab.models.decoder import DecoderLM
 
     model = eqx.filter_eval_shape(DecoderLM, cfg, key=KEY)
     assert model.stack.blocks.cfg == blk
@@ -349,7 +350,7 @@ def test_every_option_reaches_every_module_with_one_meaning(name, plain_python):
     assert DecoderConfig(50, num_blks=2, positions=positions, block=cfg) == dec
     assert DecoderConfig(**dec.to_dict()) == dec
     assert dataclasses.replace(dec, **option).block == cfg
-    from blocklab.nn import DecoderLM
+    from blocklab.models import DecoderLM
 
     model = eqx.filter_eval_shape(DecoderLM, dec, key=KEY)
     assert model.stack.blocks.cfg == cfg
@@ -370,7 +371,7 @@ SCRATCH = """
 import dataclasses, jax, equinox as eqx
 import blocklab as bl
 from blocklab import ConfigError
-from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
+from blocklab.models import DecoderConfig, DecoderLM, MoEDecoderConfig
 assert bl.__file__.startswith(ROOT), bl.__file__
 k = jax.random.key(0)
 blk = bl.TransformerBlock(16, 4, scratch_option=3, key=k)
@@ -447,7 +448,7 @@ def test_configs_that_build_different_structures_are_not_equal():
     assert with_window.attention.window is not None
     assert build(BlockConfig(16, 2), KEY).attention.window is None
 
-    from blocklab.nn import DecoderLM
+    from blocklab.models import DecoderLM
 
     local, plain = DecoderConfig.llama(window=8), DecoderConfig.llama()
     assert local != plain and DecoderConfig.llama(window=4) != local

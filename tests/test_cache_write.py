@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import blocklab as bl
-from blocklab.nn.cache import AttentionCache, write_cache
+from blocklab.nn.kv_cache import AttentionCache, write_cache
 
 
 def _layer(window, kv, seed):

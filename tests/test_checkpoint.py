@@ -235,7 +235,7 @@ def test_decoder_models_round_trip(tmp_path, family):
     """DecoderLM (with per-layer window / RoPE leaves) and its MoE variant
     come back with their config class and every leaf bit-exact."""
     from blocklab import DecoderConfig, DecoderLM
-    from blocklab.nn import MoEDecoderConfig
+    from blocklab.models import MoEDecoderConfig
 
     cfg = (
         DecoderConfig.gemma3(num_blks=3)
@@ -258,7 +258,7 @@ def test_decoder_files_of_version_0_2_still_load(tmp_path):
     loads into the same model (the flat fields are DecoderConfig's keyword
     spelling)."""
     from blocklab import DecoderLM
-    from blocklab.nn import MoEDecoderConfig
+    from blocklab.models import MoEDecoderConfig
 
     cfg = MoEDecoderConfig.mixtral(num_blks=2, window=4)
     model = DecoderLM(cfg, key=jax.random.key(0))

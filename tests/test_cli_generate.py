@@ -29,8 +29,8 @@ from test_streaming import chain_model, write_tokenizer
 
 import blocklab as bl
 from blocklab.cli import app as cli
-from blocklab.interop import text as text_module
-from blocklab.interop.text import stream_text
+from blocklab.text import generation as text_module
+from blocklab.text.generation import stream_text
 
 PROMPT = "the cat sat"
 

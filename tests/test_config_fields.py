@@ -26,11 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from blocklab._validate import ConfigError  # noqa: E402
 from blocklab.interop import FAMILIES, gemma3  # noqa: E402
-from blocklab.interop.hf_common import (  # noqa: E402
-    HARMLESS_FIELDS,
-    forward_settings,
-    understood,
-)
+from blocklab.interop.hf_common import HARMLESS_FIELDS, forward_settings, understood  # noqa: E402
 
 V = 64
 _DIMS = dict(

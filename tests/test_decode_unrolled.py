@@ -25,10 +25,10 @@ import pytest
 from decoding import V, greedy_reference, model_of
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
-from blocklab.nn import cache as _cache
-from blocklab.nn import generation
-from blocklab.nn.cache import write_cache
+from blocklab.models import decoding as _cache
+from blocklab.models import generation
 from blocklab.nn.functional import dense, dense_weight_first
+from blocklab.nn.kv_cache import write_cache
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -20,7 +20,7 @@ import pytest
 from blocklab import DecoderConfig, DecoderLM, load_state_dict
 from blocklab._validate import ConfigError
 from blocklab.interop.porting import param_shapes
-from blocklab.nn.decoder import set_layer_data as _set_layer_data
+from blocklab.models.decoder import set_layer_data as _set_layer_data
 from blocklab.nn.functional import layer_norm, rms_norm
 
 PRESETS = {

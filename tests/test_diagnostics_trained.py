@@ -15,7 +15,7 @@ import blocklab as bl
 from blocklab import ConfigError, interp
 from blocklab.diagnostics import model_diagnostics
 from blocklab.diagnostics import propagation as sg
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models.decoder_config import DecoderConfig
 from blocklab.training.losses import lm_loss
 
 V, B, T, W = 40, 2, 10, 4

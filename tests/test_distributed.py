@@ -24,7 +24,7 @@ from _procs import blocklab, run
 
 from blocklab import CharLM, load
 from blocklab._validate import ConfigError
-from blocklab.training import distributed as distributed
+from blocklab.training import distributed
 from blocklab.training.launcher import free_port
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "research_sweep.py")

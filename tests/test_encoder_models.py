@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from blocklab._validate import ConfigError
-from blocklab.nn.encoder import EncoderModel
-from blocklab.nn.encoder_config import EncoderConfig, EncoderDecoderConfig
-from blocklab.nn.encoder_decoder import EncoderDecoderLM
+from blocklab.models.encoder import EncoderModel
+from blocklab.models.encoder_config import EncoderConfig, EncoderDecoderConfig
+from blocklab.models.encoder_decoder import EncoderDecoderLM
 from blocklab.training import losses
 
 

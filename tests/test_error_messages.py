@@ -23,7 +23,7 @@ import blocklab as bl
 from blocklab import CharLM, Stack, generate_text, load, load_state_dict, save
 from blocklab._validate import ConfigError
 from blocklab.data import VOCAB
-from blocklab.nn import init as init
+from blocklab.nn import init
 from blocklab.nn.normalization import make_norm
 
 pytestmark = pytest.mark.usefixtures("plain_python")

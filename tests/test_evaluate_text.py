@@ -7,7 +7,7 @@ checkpoint folder with a byte-level BPE tokenizer trained here (nothing
 downloads), and read back with `load_pretrained` + `load_tokenizer`. The
 guide's loop is kept as written but for one line: a window's NLL is its mean
 loss times the number of labels the loss averaged over (see
-`blocklab.interop.evaluate`; the guide's own count is checked apart).
+`blocklab.text.evaluate`; the guide's own count is checked apart).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import blocklab as bl
 from blocklab import ConfigError
 from blocklab.cli import app as cli
 from blocklab.data.datasets import corpus_path
-from blocklab.interop.evaluate import evaluate_text
+from blocklab.text.evaluate import evaluate_text
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,7 +193,7 @@ def _count(n, seq_len, stride):
 @pytest.mark.parametrize("n", [2, 7, 16, 17, 40, 41])
 @pytest.mark.parametrize(("seq_len", "stride"), [(16, 5), (16, 15), (16, 16), (7, 1)])
 def test_windows_score_each_token_once_by_hand(n, seq_len, stride):
-    from blocklab.interop.evaluate import _windows
+    from blocklab.text.evaluate import _windows
 
     w = _windows([n], seq_len, stride)
     assert w["count"].sum() == _count(n, seq_len, stride)
@@ -268,7 +268,7 @@ def test_batching_and_padding_do_not_change_the_result(checkpoints, batch_size):
 
 def test_the_head_in_chunks_gives_the_same_nll(checkpoints, monkeypatch):
     """A batch's rows through the head 5 at a time (the last chunk padded)."""
-    from blocklab.interop import evaluate as module
+    from blocklab.text import evaluate as module
 
     c = checkpoints["llama"]
     texts = _texts()

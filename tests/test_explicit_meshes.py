@@ -35,7 +35,7 @@ COMMON = textwrap.dedent(
     import json, sys
     import jax, numpy as np, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
+    from blocklab.models import DecoderConfig, DecoderLM, MoEDecoderConfig
 
     E, A = AxisType.Explicit, AxisType.Auto
     KINDS = {"auto": (A, A), "explicit": (E, E), "mixed": (E, A), "mixed2": (A, E)}

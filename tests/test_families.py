@@ -37,8 +37,8 @@ from blocklab.interop.hf_common import (  # noqa: E402
     unsupported_settings,
 )
 from blocklab.interop.porting import load_state_dict, param_shapes  # noqa: E402
-from blocklab.nn import DecoderConfig, DecoderLM  # noqa: E402
-from blocklab.nn.decoder import set_layer_data  # noqa: E402
+from blocklab.models import DecoderConfig, DecoderLM  # noqa: E402
+from blocklab.models.decoder import set_layer_data  # noqa: E402
 
 V, D, H, T = 96, 64, 4, 24
 #: max |Δ logits| <= RTOL * max |logits| (the issue's bound in float32).

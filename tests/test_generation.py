@@ -21,8 +21,8 @@ from hf_models import mixtral_config, randomize
 
 import blocklab as bl
 from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
-from blocklab.nn.cache import DecoderCache
-from blocklab.nn.generation import filter_logits, sample_logits
+from blocklab.models.decoding import DecoderCache
+from blocklab.models.generation import filter_logits, sample_logits
 
 
 @eqx.filter_jit

@@ -171,7 +171,7 @@ def base_bert():
     import types
 
     from blocklab.interop.bert import bert_config
-    from blocklab.nn.encoder import EncoderModel
+    from blocklab.models.encoder import EncoderModel
 
     cfg = bert_config(types.SimpleNamespace(**_BERT_FIELDS), "BertModel")
     assert cfg.pooler == "tanh" and not cfg.mlm_head and cfg.num_labels == 0
@@ -288,7 +288,7 @@ def test_bad_inputs_refused_by_name(base_bert, plain_python):
 
     import equinox as eqx
 
-    from blocklab.nn.encoder import EncoderModel
+    from blocklab.models.encoder import EncoderModel
 
     ids = np.zeros((2, 7), np.int32)
     with pytest.raises(ConfigError, match=r"token_type_ids must have .*\(2, 5\)"):

@@ -513,12 +513,9 @@ def test_state_dicts_round_trip_and_constants_are_checked():
     other for an encoder model; a parameter transformers lacks (ModernBERT's
     LayerNorm bias) must hold its constant to export."""
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop import (
-        load_huggingface_state_dict,
-        to_huggingface_state_dict,
-    )
+    from blocklab.interop import load_huggingface_state_dict, to_huggingface_state_dict
     from blocklab.interop.modernbert import modernbert_config
-    from blocklab.nn.encoder import EncoderModel
+    from blocklab.models.encoder import EncoderModel
 
     hf = transformers.ModernBertConfig(
         vocab_size=30, hidden_size=8, intermediate_size=12, num_hidden_layers=2,

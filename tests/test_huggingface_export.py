@@ -24,7 +24,7 @@ from blocklab.interop import (
     to_huggingface_state_dict,
 )
 from blocklab.interop.hf_common import resolve_family, unsupported_settings
-from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
+from blocklab.models import DecoderConfig, DecoderLM, MoEDecoderConfig
 
 V, D, H, T = 48, 32, 4, 12
 

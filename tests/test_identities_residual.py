@@ -12,8 +12,8 @@ import pytest
 
 from blocklab import Stack, TransformerBlock
 from blocklab.diagnostics import identities as ids
-from blocklab.diagnostics import theory as theory
-from blocklab.nn import init as init
+from blocklab.diagnostics import theory
+from blocklab.nn import init
 
 TOL = 1e-10
 

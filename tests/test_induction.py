@@ -104,18 +104,22 @@ def test_prefix_matching_score_of_a_hand_built_pattern():
             A[i, : i + 1] = (1 - w) / i
             A[i, i - S + 1] = w
     A = jnp.asarray(A)
-    assert float(ind.prefix_matching_scores(A, S)) == pytest.approx(w, abs=1e-6)
+    assert float(bl.interp.prefix_matching_scores(A, S)) == pytest.approx(w, abs=1e-6)
     # uniform causal attention: (1/S) sum_{i=S}^{2S-1} 1/(i+1) = (1/5+1/6+1/7+1/8)/4
     want = (1 / 5 + 1 / 6 + 1 / 7 + 1 / 8) / 4
     U = _uniform_causal(T)
-    assert float(ind.prefix_matching_scores(U, S)) == pytest.approx(want, rel=1e-6)
+    assert float(bl.interp.prefix_matching_scores(U, S)) == pytest.approx(
+        want, rel=1e-6
+    )
     # all weight on the previous token: no prefix matching (S > 2), score 1
     prev = jnp.eye(T, k=-1).at[0, 0].set(1.0)
-    assert float(ind.prefix_matching_scores(prev, S)) == 0.0
-    assert float(ind.previous_token_scores(prev)) == 1.0
+    assert float(bl.interp.prefix_matching_scores(prev, S)) == 0.0
+    assert float(bl.interp.previous_token_scores(prev)) == 1.0
     # (1/(T-1)) sum_{i=1}^{T-1} 1/(i+1) for the uniform pattern
     want_prev = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)
-    assert float(ind.previous_token_scores(U)) == pytest.approx(want_prev, rel=1e-6)
+    assert float(bl.interp.previous_token_scores(U)) == pytest.approx(
+        want_prev, rel=1e-6
+    )
 
 
 def test_scores_keep_the_leading_axes_of_a_captured_pattern():
@@ -127,7 +131,7 @@ def test_scores_keep_the_leading_axes_of_a_captured_pattern():
     induction = induction.at[jnp.arange(S), jnp.arange(S)].set(1.0)
     pattern = jnp.broadcast_to(_uniform_causal(T), (L, B, H, T, T))
     pattern = pattern.at[1, :, 0].set(induction)
-    scores = jnp.mean(ind.prefix_matching_scores(pattern, S), axis=1)
+    scores = jnp.mean(bl.interp.prefix_matching_scores(pattern, S), axis=1)
     assert scores.shape == (L, H)
     assert float(scores[1, 0]) == 1.0
     assert float(jnp.max(scores.at[1, 0].set(0.0))) < 0.2
@@ -135,7 +139,7 @@ def test_scores_keep_the_leading_axes_of_a_captured_pattern():
 
 def test_prefix_matching_refuses_a_pattern_too_short():
     with pytest.raises(ConfigError, match="T >= 2 \\* repeat"):
-        ind.prefix_matching_scores(jnp.ones((6, 6)), 4)
+        bl.interp.prefix_matching_scores(jnp.ones((6, 6)), 4)
 
 
 def test_token_losses_match_a_numpy_loop():
@@ -155,15 +159,15 @@ def test_token_losses_match_a_numpy_loop():
 def test_random_heads_are_as_many_others():
     heads = jnp.array([[False, True, False, False], [True, False, False, False]])
     for s in range(20):
-        r = np.asarray(ind.random_heads(jax.random.key(s), heads))
+        r = np.asarray(bl.interp.random_heads(jax.random.key(s), heads))
         assert r.sum() == 2 and not (r & np.asarray(heads)).any()
     many = jnp.array([[True, True, True], [True, False, True]])
-    r = np.asarray(ind.random_heads(jax.random.key(0), many))
+    r = np.asarray(bl.interp.random_heads(jax.random.key(0), many))
     np.testing.assert_array_equal(r, ~np.asarray(many))  # fewer others: all of them
 
 
 def _model(**kw):
-    cfg = bl.nn.DecoderConfig(11, 16, 4, 3, positions="rope", max_len=16, **kw)
+    cfg = bl.models.DecoderConfig(11, 16, 4, 3, positions="rope", max_len=16, **kw)
     return bl.DecoderLM(cfg, key=jax.random.key(0))
 
 
@@ -174,7 +178,7 @@ def test_heads_edit_ablates_the_masked_heads_of_each_layer():
     ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 11)
     mask = jnp.zeros((3, 4), bool).at[0, 2].set(True).at[2, 0].set(True)
     mask = mask.at[2, 3].set(True)
-    got = interp.intervene(m, ids, {ind.Z: ind.heads_edit(mask)})
+    got = interp.intervene(m, ids, {ind.Z: bl.interp.heads_edit(mask)})
     want = interp.intervene(
         m, ids,
         {"blocks.0.attn.hook_z": interp.ablate_heads([2]),
@@ -182,7 +186,9 @@ def test_heads_edit_ablates_the_masked_heads_of_each_layer():
     )  # fmt: skip
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert float(jnp.max(jnp.abs(got - m(ids)))) > 1e-3  # it did something
-    none = interp.intervene(m, ids, {ind.Z: ind.heads_edit(jnp.zeros((3, 4), bool))})
+    none = interp.intervene(
+        m, ids, {ind.Z: bl.interp.heads_edit(jnp.zeros((3, 4), bool))}
+    )
     np.testing.assert_array_equal(none, m(ids))  # no heads: the identity
 
 
@@ -196,7 +202,7 @@ def test_heads_edit_patches_a_clean_run_into_a_corrupted_one():
     z = interp.capture(m, clean, ind.Z)[1][ind.Z]
     mask = jnp.zeros((3, 4), bool).at[0, 1].set(True).at[2, 0].set(True)
     mask = mask.at[2, 2].set(True)
-    got = interp.intervene(m, corrupt, {ind.Z: ind.heads_edit(mask, source=z)})
+    got = interp.intervene(m, corrupt, {ind.Z: bl.interp.heads_edit(mask, source=z)})
     want = interp.intervene(
         m, corrupt,
         {"blocks.0.attn.hook_z": interp.patch(z, index=[1], axis=-2),
@@ -204,11 +210,11 @@ def test_heads_edit_patches_a_clean_run_into_a_corrupted_one():
     )  # fmt: skip
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert float(jnp.max(jnp.abs(got - m(corrupt)))) > 1e-3
-    every = {ind.Z: ind.heads_edit(jnp.ones((3, 4), bool), source=z)}
+    every = {ind.Z: bl.interp.heads_edit(jnp.ones((3, 4), bool), source=z)}
     np.testing.assert_array_equal(
         interp.capture(m, corrupt, ind.Z, edits=every)[1][ind.Z], z
     )
-    empty = {ind.Z: ind.heads_edit(jnp.zeros((3, 4), bool), source=z)}
+    empty = {ind.Z: bl.interp.heads_edit(jnp.zeros((3, 4), bool), source=z)}
     np.testing.assert_array_equal(interp.intervene(m, corrupt, empty), m(corrupt))
 
 

@@ -9,7 +9,7 @@ import pytest
 import reference as ref
 
 import blocklab as bl
-from blocklab.nn import init as init
+from blocklab.nn import init
 
 # its standard deviation 0.87962566 so the variance is exactly 1/fan_in.
 TRUNC_STD = 0.87962566103423978

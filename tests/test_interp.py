@@ -24,7 +24,7 @@ from blocklab.interp import (
     patch,
     steer,
 )
-from blocklab.nn import MoEDecoderConfig
+from blocklab.models import MoEDecoderConfig
 from blocklab.nn.functional import causal_lengths
 
 V, D, H, KV, T, L = 29, 32, 4, 2, 8, 3

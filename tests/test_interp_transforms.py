@@ -38,8 +38,8 @@ from _procs import script_json
 
 import blocklab as bl
 from blocklab.interp import capture, intervene, steer
-from blocklab.nn import MoEDecoderConfig
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models import MoEDecoderConfig
+from blocklab.models.decoder_config import DecoderConfig
 
 V, D, HEADS, KV, L, B, T, WINDOW = 64, 32, 4, 2, 3, 3, 12, 8
 
@@ -168,7 +168,7 @@ MESH_SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import blocklab as bl
     from blocklab.interp import capture
-    from blocklab.nn.decoder_config import DecoderConfig
+    from blocklab.models.decoder_config import DecoderConfig
     from blocklab.training.placement import mesh_of
 
     cfg = DecoderConfig.llama(64, 32, 4, 3, num_kv_heads=2, max_len=32, window=8,

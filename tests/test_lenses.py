@@ -27,7 +27,7 @@ from blocklab.interp.lenses import (
     logit_lens,
     save_lens,
 )
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models.decoder_config import DecoderConfig
 
 SITE = "blocks.*.hook_resid_post"
 VOCAB, D, L, T = 40, 16, 3, 5

@@ -1,4 +1,4 @@
-"""lm-eval: `--model blocklab` (`blocklab.interop.lm_eval`) against the harness.
+"""lm-eval: `--model blocklab` (`blocklab.text.lm_eval`) against the harness.
 
 The reference is the harness's own Hugging Face backend (`--model hf`,
 `HFLM`, torch and `transformers`) on the same checkpoint folder, built here
@@ -33,7 +33,7 @@ from _procs import run  # noqa: E402
 
 import blocklab as bl  # noqa: E402
 from blocklab import ConfigError  # noqa: E402
-from blocklab.interop import lm_eval as bl_lm_eval  # noqa: E402
+from blocklab.text import lm_eval as bl_lm_eval  # noqa: E402
 
 ML = 24  # max_length of both backends
 BATCH = 3
@@ -427,7 +427,7 @@ def test_sampling_is_deterministic_given_the_seed(folder):
 
 def test_importing_blocklab_imports_no_harness_nor_torch():
     code = (
-        "import sys, blocklab, blocklab.interop.lm_eval as m\n"
+        "import sys, blocklab, blocklab.text.lm_eval as m\n"
         "heavy = ('lm_eval', 'torch', 'transformers')\n"
         "assert not [n for n in heavy if n in sys.modules], sys.modules.keys()\n"
         "m.register()\n"
@@ -464,11 +464,11 @@ def test_main_is_the_harness_command_line(folder, tasks, task_manager, tmp_path)
 
 @pytest.mark.slow
 def test_python_m_runs_the_command_line(folder, tasks, task_manager, tmp_path):
-    """`python -m blocklab.interop.lm_eval --model blocklab ...` in a fresh
+    """`python -m blocklab.text.lm_eval --model blocklab ...` in a fresh
     process gives simple_evaluate's accuracy."""
     code, out, err = run(
         [
-            sys.executable, "-m", "blocklab.interop.lm_eval",
+            sys.executable, "-m", "blocklab.text.lm_eval",
             "--model", "blocklab",
             "--model_args", f"pretrained={folder},max_length={ML}",
             "--tasks", "tinymc", "--include_path", str(tasks),

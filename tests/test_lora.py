@@ -12,10 +12,10 @@ import pytest
 import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.interp.capture import capture
-from blocklab.nn.decoder import DecoderLM
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models.decoder import DecoderLM
+from blocklab.models.decoder_config import DecoderConfig
+from blocklab.models.generation import generate
 from blocklab.nn.functional import dense, dense_weight_first
-from blocklab.nn.generation import generate
 from blocklab.nn.lora import (
     LoRALinear,
     lora,

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np, optax
     from jax.sharding import AxisType
     from blocklab.data import TimeMachine
-    from blocklab.nn import DecoderConfig, DecoderLM
+    from blocklab.models import DecoderConfig, DecoderLM
     from blocklab.nn.lora import lora, lora_optimizer, unmerge_lora
     from blocklab.training.placement import mesh_of
     from blocklab.training.run import train_model

@@ -171,7 +171,7 @@ SWEEP = textwrap.dedent(
     import json, sys
     import jax, numpy as np
     from blocklab.data import TimeMachine
-    from blocklab.nn.decoder import DecoderLM
+    from blocklab.models.decoder import DecoderLM
     from blocklab.training.placement import mesh_of
     from blocklab.training.sweep import train_sweep
 
@@ -226,7 +226,7 @@ IDS = textwrap.dedent(
     import equinox as eqx, jax, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from blocklab.data import TimeMachine
-    from blocklab.nn import DecoderConfig, DecoderLM
+    from blocklab.models import DecoderConfig, DecoderLM
     from blocklab.training import mesh_training as meshes
     from blocklab.training.placement import mesh_of
     from blocklab.training.sweep import train_sweep

@@ -8,7 +8,7 @@ from hf_models import mixtral_config
 
 import blocklab as bl
 from blocklab.interop import to_huggingface_state_dict
-from blocklab.nn import MoEDecoderConfig
+from blocklab.models import MoEDecoderConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from blocklab import CharLM, ConfigError, DecoderConfig, DecoderLM, Stack
-from blocklab.nn import MoEDecoderConfig
+from blocklab.models import MoEDecoderConfig
 from blocklab.training.placement import (
     LOGICAL_AXES,
     ActivationConstraint,

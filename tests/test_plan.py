@@ -8,7 +8,8 @@ import pytest
 from _procs import blocklab
 
 from blocklab import ConfigError, DecoderConfig
-from blocklab.experiments.plan import config_of, plan
+from blocklab.interop import config_of
+from blocklab.training.plan import plan
 
 
 def _llama_params(V, d, H, K, N, F):

@@ -21,9 +21,9 @@ from strict_json import strict_object
 from test_pretrained import HF_CASES, SMALL, V
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM
-from blocklab.experiments.plan import check_global_batch, config_of, plan
-from blocklab.interop import FAMILIES
-from blocklab.nn.moe_decoder import MoEDecoderConfig
+from blocklab.interop import FAMILIES, config_of
+from blocklab.models.moe_decoder import MoEDecoderConfig
+from blocklab.training.plan import check_global_batch, plan
 
 
 def _hf_config_and_model(family):
@@ -56,8 +56,8 @@ def test_a_transformers_config_and_a_checkpoint_folder_plan_that_model(
     file = tmp_path / f"{family}-config.json"
     shutil.copy(_save(config, tmp_path / "config") / "config.json", file)
     folder = _save(model, tmp_path / "checkpoint")
-    from_file = plan(str(file), "data=2", batch=2)
-    from_folder = plan(folder, "data=2", batch=2)
+    from_file = plan(config_of(str(file)), "data=2", batch=2)
+    from_folder = plan(config_of(folder), "data=2", batch=2)
     assert from_file.num_params == model.num_parameters() > 0
     assert from_folder.num_params == model.num_parameters()
     assert from_file.params_bytes == from_folder.params_bytes > 0
@@ -98,7 +98,7 @@ def test_a_mixture_of_experts_saved_by_init_args_plans_and_compiles(tmp_path):
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(DecoderLM(cfg, key=jax.random.key(0)).init_args()))
     assert config_of(str(path)) == cfg
-    r = plan(str(path), "data=1", batch=1, seq_len=8, compile=True)
+    r = plan(config_of(str(path)), "data=1", batch=1, seq_len=8, compile=True)
     assert r.num_params == plan(cfg, "data=1").num_params and r.temp_bytes > 0
 
 

@@ -14,8 +14,8 @@ import pytest
 from _procs import blocklab
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM
-from blocklab.experiments.plan import parse_bytes, plan_step, step_flops
 from blocklab.nn.remat import with_remat
+from blocklab.training.plan import parse_bytes, plan_step, step_flops
 from blocklab.training.step import init_state, make_train_step
 
 CFG = DecoderConfig.llama(

@@ -32,7 +32,7 @@ from blocklab.interop.pretrained import (
     pretrained_config,
     save_pretrained,
 )
-from blocklab.nn import DecoderConfig, DecoderLM
+from blocklab.models import DecoderConfig, DecoderLM
 from blocklab.training.checkpoint import CheckpointError
 
 V, T = 96, 16
@@ -249,7 +249,7 @@ SUBPROCESS_SCRIPT = textwrap.dedent(
     import numpy as np, jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import blocklab
-    from blocklab.nn import DecoderConfig, DecoderLM
+    from blocklab.models import DecoderConfig, DecoderLM
     folder = sys.argv[1]
     cfg = DecoderConfig.gemma3(96, 32, 4, 2, head_dim=8, window=4, max_len=16)
     model = DecoderLM(cfg, key=jax.random.key(1))

@@ -35,7 +35,7 @@ from test_pretrained import hf_model, hf_save, leaves_equal
 import blocklab
 from blocklab._validate import ConfigError
 from blocklab.interop.pretrained import load_pretrained, save_pretrained
-from blocklab.nn import DecoderConfig, DecoderLM
+from blocklab.models import DecoderConfig, DecoderLM
 from blocklab.training.checkpoint import CheckpointError
 
 V, T = 96, 16

@@ -83,7 +83,7 @@ def test_probe_of_a_uniform_model_is_log2_v_per_token():
     """Zero head: the logits are 0, the loss of every token ln V, and the
     summed loss over n targets n ln V (the probe's bits per byte is then
     n log2 V / B)."""
-    cfg = bl.nn.DecoderConfig.llama(50, 16, 2, 1, num_kv_heads=1, max_len=8)
+    cfg = bl.models.DecoderConfig.llama(50, 16, 2, 1, num_kv_heads=1, max_len=8)
     model = bl.DecoderLM(cfg, key=jax.random.key(0))
     model = eqx.tree_at(
         lambda m: m.head.weight, model, jnp.zeros_like(model.head.weight)
@@ -99,9 +99,9 @@ def test_evaluate_text_cuts_first_windows_without_changing_the_score(monkeypatch
     tokens) as parts of at most `stride` scored tokens in the batches of the
     others (one compiled program, less padding). Reference: the same call
     with the windows left whole (`_merge_first_windows` the identity)."""
-    from blocklab.interop import evaluate as ev
+    from blocklab.text import evaluate as ev
 
-    cfg = bl.nn.DecoderConfig.llama(64, 16, 2, 1, num_kv_heads=1, max_len=16)
+    cfg = bl.models.DecoderConfig.llama(64, 16, 2, 1, num_kv_heads=1, max_len=16)
     model = bl.DecoderLM(cfg, key=jax.random.key(1))
     tok = type("Tok", (), {"encode": staticmethod(lambda t: [ord(c) % 64 for c in t])})
     texts = ["the time machine " * 5, "a short one"]  # 85 and 11 tokens

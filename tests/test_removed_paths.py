@@ -1,7 +1,8 @@
-"""What 0.3 removed fails plainly: the flat layout's module paths raise
-`ImportError`, its top-level names `AttributeError`, and the renamed keywords
-and options `TypeError` (Python's own, for an unexpected keyword) or a CLI
-usage error (exit status 2). Nothing warns and then works (CHANGELOG.md, 0.3.0).
+"""What 0.3 removed and 0.4 moved fails plainly: the flat layout's module paths
+raise `ImportError`, its top-level names `AttributeError`, and the renamed
+keywords and options `TypeError` (Python's own, for an unexpected keyword) or a
+CLI usage error (exit status 2); 0.4's moved modules raise `ImportError` at
+their old paths. Nothing warns and then works (CHANGELOG.md, 0.3.0 and 0.4.0).
 """
 
 import importlib
@@ -18,7 +19,7 @@ OLD_MODULES = (
     "attention", "block", "census", "checkpoint", "commands", "commands.census",
     "commands.check", "commands.launch", "commands.lr_sweep", "commands.norms",
     "commands.signal", "commands.train", "decoder", "distributed", "ffn",
-    "functional", "identities", "init", "inplace", "launcher", "models", "moe",
+    "functional", "identities", "init", "inplace", "launcher", "moe",
     "norms", "plotting", "porting", "report", "sharding", "signal", "sweep",
     "theory", "timing", "train",
 )  # fmt: skip
@@ -39,7 +40,8 @@ OLD_NAMES = (
 
 
 def test_the_lists_are_the_ones_the_changelog_counts():
-    assert len(set(OLD_MODULES)) == len(OLD_MODULES) == 32
+    # `blocklab.models` was a flat module of 0.1; it is the models layer since 0.4
+    assert len(set(OLD_MODULES)) == len(OLD_MODULES) == 31
     assert len(set(OLD_NAMES)) == len(OLD_NAMES) == 43
 
 
@@ -47,7 +49,7 @@ def test_the_changelog_lists_every_removal_under_this_version():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
-    release = text.split(f"## [{bl.__version__}]", 1)[1].split("\n## [", 1)[0]
+    release = text.split("## [0.3.0]", 1)[1].split("\n## [", 1)[0]
     removed = release.split("### Removed", 1)[1]
     for old in OLD_MODULES:
         assert f"`blocklab.{old}`" in removed, old
@@ -55,6 +57,57 @@ def test_the_changelog_lists_every_removal_under_this_version():
         assert f"`{name}`" in removed, name
     for keyword in ("num_steps=", "num_blocks=", "seeds=", "--num-steps", "--seeds"):
         assert keyword in removed, keyword
+
+
+#: 0.4's moves (the house, step 4): old path -> new home.
+MOVED_04 = {
+    "blocklab.nn.charlm": "blocklab.models.charlm",
+    "blocklab.nn.decoder": "blocklab.models.decoder",
+    "blocklab.nn.decoder_config": "blocklab.models.decoder_config",
+    "blocklab.nn.encoder": "blocklab.models.encoder",
+    "blocklab.nn.encoder_config": "blocklab.models.encoder_config",
+    "blocklab.nn.encoder_decoder": "blocklab.models.encoder_decoder",
+    "blocklab.nn.moe_decoder": "blocklab.models.moe_decoder",
+    "blocklab.nn.generation": "blocklab.models.generation",
+    "blocklab.nn.cache": "blocklab.models.decoding",
+    "blocklab.interop.text": "blocklab.text.generation",
+    "blocklab.interop.streaming": "blocklab.text.streaming",
+    "blocklab.interop.evaluate": "blocklab.text.evaluate",
+    "blocklab.interop.lm_eval": "blocklab.text.lm_eval",
+    "blocklab.interop.tokenizer": "blocklab.data.tokenizer",
+    "blocklab.experiments.plan": "blocklab.training.plan",
+}
+
+
+@pytest.mark.parametrize("old", MOVED_04)
+def test_a_moved_module_fails_at_its_old_path_and_loads_at_its_new_one(old):
+    with pytest.raises(ImportError, match=f"No module named '{old}'"):
+        importlib.import_module(old)
+    assert importlib.import_module(MOVED_04[old]).__name__ == MOVED_04[old]
+
+
+def test_the_changelog_lists_each_move_with_its_new_home():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    release = text.split("## [0.4.0]", 1)[1].split("\n## [", 1)[0]
+    moved = release.split("### Moved", 1)[1].split("\n### ", 1)[0]
+    for old, new in MOVED_04.items():
+        assert f"`{old}` -> `{new}`" in moved, old
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["CharLM", "DecoderLM", "DecoderConfig", "EncoderModel", "EncoderDecoderLM",
+     "MoEDecoderConfig", "generate"],
+)  # fmt: skip
+def test_models_left_the_layers_namespace(name):
+    import blocklab.models
+    import blocklab.nn
+
+    assert not hasattr(blocklab.nn, name)
+    home = getattr(blocklab.models, name)
+    assert getattr(bl, name, home) is home
 
 
 @pytest.mark.parametrize("old", OLD_MODULES)

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from blocklab.cli import main
-from blocklab.cli import report as report
+from blocklab.cli import main, report
 from blocklab.cli.commands import REPORT_SECTIONS
 from blocklab.cli.report import write_report
 from blocklab.experiments.protocol import study

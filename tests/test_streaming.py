@@ -33,8 +33,8 @@ import pytest
 
 import blocklab as bl
 from blocklab import ConfigError
-from blocklab.interop.streaming import IncrementalDecoder
-from blocklab.interop.text import stream_text
+from blocklab.text.generation import stream_text
+from blocklab.text.streaming import IncrementalDecoder
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 from blocklab._validate import ConfigError
-from blocklab.nn.decoder import DecoderLM
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models.decoder import DecoderLM
+from blocklab.models.decoder_config import DecoderConfig
 from blocklab.nn.lora import (
     LoRALinear,
     MaskedLoRALinear,
@@ -242,8 +242,8 @@ SHARDED = """
 import json
 import jax, numpy as np
 from blocklab import TimeMachine
-from blocklab.nn.decoder import DecoderLM
-from blocklab.nn.decoder_config import DecoderConfig
+from blocklab.models.decoder import DecoderLM
+from blocklab.models.decoder_config import DecoderConfig
 from blocklab.training.sweep import train_sweep
 cfg = DecoderConfig.llama(32, 32, 4, 2, num_kv_heads=2, max_len=16)
 base = DecoderLM(cfg, key=jax.random.key(0))

@@ -19,7 +19,7 @@ from _procs import script_json
 
 from blocklab.data.datasets import TokenDataset
 from blocklab.diagnostics.propagation import signal_stats
-from blocklab.nn import DecoderConfig, DecoderLM, MoEDecoderConfig
+from blocklab.models import DecoderConfig, DecoderLM, MoEDecoderConfig
 from blocklab.training.losses import lm_loss
 from blocklab.training.member_axis import sharded_map
 from blocklab.training.run import train_model
@@ -192,8 +192,8 @@ SCRIPT = textwrap.dedent(
     import jax
     import numpy as np
     from blocklab.data.datasets import TokenDataset
-    from blocklab.nn import MoEDecoderConfig
-    from blocklab.nn import DecoderConfig, DecoderLM
+    from blocklab.models import MoEDecoderConfig
+    from blocklab.models import DecoderConfig, DecoderLM
     from blocklab.training.sweep import train_sweep
 
     data = TokenDataset((np.arange(400) * 7) % 31, seq_len=8, num_train=120, num_val=8)

@@ -448,8 +448,8 @@ def test_t5_training_mode_refused():
 
 
 def _umt5(**kw):
-    from blocklab.nn.encoder_config import EncoderDecoderConfig
-    from blocklab.nn.encoder_decoder import EncoderDecoderLM
+    from blocklab.models.encoder_config import EncoderDecoderConfig
+    from blocklab.models.encoder_decoder import EncoderDecoderLM
 
     fields = dict(
         num_decoder_blks=3, attn_scale=1.0, act="geglu", relative_num_buckets=8,
@@ -474,8 +474,8 @@ def test_per_layer_tables_are_stacked_and_each_stack_is_one_scan():
     """The tables are `(N, buckets, H)`; encode, decode and a cached decode
     step are one scan each (the tables scanned with the blocks). Traced on
     the abstract model: nothing is built or compiled."""
-    from blocklab.nn.encoder_config import EncoderDecoderConfig
-    from blocklab.nn.encoder_decoder import EncoderDecoderLM
+    from blocklab.models.encoder_config import EncoderDecoderConfig
+    from blocklab.models.encoder_decoder import EncoderDecoderLM
 
     cfg = EncoderDecoderConfig(
         40, 16, 4, 2, num_decoder_blks=3, relative_num_buckets=8,
@@ -570,7 +570,7 @@ def test_per_layer_tables_under_hooks_remat_and_cache(remat):
 
 @pytest.mark.parametrize("config", ["EncoderDecoderConfig", "EncoderConfig"])
 def test_relative_bias_option_refused_by_name(config):
-    from blocklab.nn import encoder_config
+    from blocklab.models import encoder_config
 
     cls = getattr(encoder_config, config)
     with pytest.raises(
@@ -593,7 +593,7 @@ def test_t5_encoder_model_states_and_folder(tmp_path, family):
     from hf_models import randomize
 
     import blocklab
-    from blocklab.nn.encoder import EncoderModel
+    from blocklab.models.encoder import EncoderModel
 
     cfg = getattr(transformers, f"{family}Config")(
         vocab_size=40, d_model=12, d_kv=5, d_ff=20, num_layers=2, num_heads=3,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blocklab
-from blocklab.diagnostics import theory as theory
+from blocklab.diagnostics import theory
 from blocklab.nn.block import PLACEMENTS
 
 GATED = ("swiglu", "geglu", "reglu", "bilinear")

@@ -20,7 +20,7 @@ from blocklab import (
     train_lm,
 )
 from blocklab._validate import ConfigError
-from blocklab.nn import MoEDecoderConfig
+from blocklab.models import MoEDecoderConfig
 from blocklab.training.losses import moe_loss
 from blocklab.training.step import init_state, step_keys, validation_loss
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from blocklab._validate import ConfigError
+from blocklab.models.encoder_config import EncoderDecoderConfig
+from blocklab.models.encoder_decoder import EncoderDecoderLM
 from blocklab.nn.audio_embed import AudioEmbedding, conv1d, sinusoids
-from blocklab.nn.encoder_config import EncoderDecoderConfig
-from blocklab.nn.encoder_decoder import EncoderDecoderLM
 from blocklab.training.losses import seq2seq_loss
 
 

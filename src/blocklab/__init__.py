@@ -6,14 +6,14 @@ are Equinox pytrees acting on one sequence `(T, d)`; batches and seeds come
 from `jax.vmap`.
 
 The packages are the layers, bottom to top (imports point down only):
-`data`, `nn`, `training`, `diagnostics` / `interop` / `interp`,
-`experiments`, `cli`.
+`data` / `nn`, `models`, `training`, `diagnostics` / `interop` / `interp`,
+`text`, `experiments`, `cli`.
 This namespace re-exports what most users call; everything else is imported
 from its layer, e.g. `from blocklab.nn.functional import gelu`.
 """
 
 from ._validate import ConfigError
-from .data import TimeMachine, TokenDataset
+from .data import TimeMachine, TokenDataset, load_tokenizer
 from .diagnostics import (
     block_param_count,
     census,
@@ -23,22 +23,17 @@ from .diagnostics import (
     signal_sweep,
 )
 from .interop import (
-    evaluate_text,
     from_huggingface,
-    generate_text,
     load_huggingface_state_dict,
     load_pretrained,
     load_state_dict,
-    load_tokenizer,
     save_pretrained,
     state_dict,
-    stream_text,
     to_huggingface_state_dict,
 )
 from .interop.peft import load_adapter, save_adapter
 from .interp import capture, intervene
-from .nn import (
-    BlockConfig,
+from .models import (
     CharLM,
     DecoderConfig,
     DecoderLM,
@@ -46,6 +41,10 @@ from .nn import (
     EncoderDecoderConfig,
     EncoderDecoderLM,
     EncoderModel,
+    generate,
+)
+from .nn import (
+    BlockConfig,
     FeedForward,
     LayerNorm,
     MoEFeedForward,
@@ -53,7 +52,6 @@ from .nn import (
     RMSNorm,
     Stack,
     TransformerBlock,
-    generate,
     layer_norm_,
     rms_norm_,
     with_attention_impl,
@@ -61,6 +59,7 @@ from .nn import (
 )
 from .nn.functional import layer_norm, rms_norm, rope
 from .nn.lora import lora, merge_lora, unmerge_lora
+from .text import evaluate_text, generate_text, stream_text
 from .training import (
     SweepResult,
     TrainResult,
@@ -79,7 +78,7 @@ from .training import (
     train_sweep,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     # errors
@@ -165,7 +164,7 @@ _LAZY_PACKAGES = ("experiments", "cli")
 
 
 #: Public functions of lazy packages, imported on first use.
-_LAZY_NAMES = {"coord_check": "experiments.mup", "plan_step": "experiments.plan"}
+_LAZY_NAMES = {"coord_check": "experiments.mup", "plan_step": "training.plan"}
 
 
 def __getattr__(name: str):

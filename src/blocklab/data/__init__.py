@@ -1,8 +1,10 @@
-"""Layer 0, the data: the shipped corpus, its character vocabulary, token datasets.
+"""The data: the shipped corpus, the tokenizers, token datasets.
 
-Pure NumPy / JAX token handling with no model in it. `data` and `nn` are
-independent (neither imports the other); `blocklab.generate_text` joins a
-model and a tokenizer such as `VOCAB` one layer up.
+Pure NumPy / JAX token handling with no model in it: the character vocabulary
+(`VOCAB`, `encode`, `decode`) and a checkpoint folder's BPE tokenizer
+(`tokenizer`: `load_tokenizer`), token datasets, packing and token files.
+`data` and `nn` are independent (neither imports the other);
+`blocklab.text.generate_text` joins a model and a tokenizer.
 """
 
 from .datasets import (
@@ -16,6 +18,7 @@ from .datasets import (
     preprocess,
 )
 from .pipeline import TokenFile, TokenPipeline, tokenize_files
+from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "VOCAB",
@@ -23,9 +26,11 @@ __all__ = [
     "TokenDataset",
     "TokenFile",
     "TokenPipeline",
+    "Tokenizer",
     "corpus_path",
     "decode",
     "encode",
+    "load_tokenizer",
     "pack_documents",
     "preprocess",
     "tokenize_files",

@@ -33,7 +33,7 @@ import optax
 
 from .._validate import ConfigError, check_float, check_int
 from ..data.datasets import TimeMachine
-from ..nn.charlm import CharLM
+from ..models.charlm import CharLM
 from ..nn.ffn import ACTS
 from ..training.run import TrainResult, train_lm
 from ..training.sweep import train_sweep

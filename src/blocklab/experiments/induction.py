@@ -22,7 +22,8 @@ about $\log V$), the second, after its first token, is predictable from the
 context only. The model is a `DecoderLM` with unit-variance embeddings
 (`make_model`).
 
-**Prefix-matching score** (`prefix_matching_scores`). For a head's pattern
+**Prefix-matching score** (`blocklab.interp.heads.prefix_matching_scores`).
+For a head's pattern
 $A$ (query $i$, key $j$) on sequences whose last $P$ tokens repeat the $P$
 before, the mean weight from each position $i$ of the second copy to the
 token right after the earlier occurrence of $x_i$, position $i - P + 1$:
@@ -78,7 +79,6 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +87,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
 from ..interp import capture, intervene
-from ..nn import DecoderConfig, DecoderLM
+from ..interp.heads import (
+    heads_edit,
+    prefix_matching_scores,
+    previous_token_scores,
+    random_heads,
+)
+from ..models import DecoderConfig, DecoderLM
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
@@ -108,12 +114,8 @@ __all__ = [
     "InductionResult",
     "RepeatedSegments",
     "corrupt_first_copy",
-    "heads_edit",
     "lens_kl",
     "make_model",
-    "prefix_matching_scores",
-    "previous_token_scores",
-    "random_heads",
     "repeated_segments",
     "report_estimate",
     "report_section",
@@ -207,36 +209,7 @@ class RepeatedSegments(eqx.Module):
         return tokens[:, :-1], tokens[:, 1:]
 
 
-# Scores and losses ---------------------------------------------------------
-
-
-def prefix_matching_scores(
-    pattern: Float[Array, "*batch T T"], repeat: int
-) -> Float[Array, "*batch"]:
-    r"""$\frac1P \sum_{i=T-P}^{T-1} A_{i,\, i-P+1}$ for attention patterns $A$
-    `(..., T, T)` (query, key) of sequences whose last $P$ = `repeat` tokens
-    repeat the $P$ before them.
-
-    Key $i - P + 1$ holds the token after the earlier occurrence of $x_i$.
-    """
-    P = check_int("prefix_matching_scores", "repeat", repeat, min=1)
-    T = pattern.shape[-1]
-    if pattern.ndim < 2 or pattern.shape[-2] != T or T < 2 * P:
-        raise ConfigError(
-            f"prefix_matching_scores: pattern must be (..., T, T) with T >= 2 * "
-            f"repeat = {2 * P}, got shape {tuple(pattern.shape)}."
-        )
-    q = jnp.arange(T - P, T)
-    return jnp.mean(pattern[..., q, q - P + 1], axis=-1)
-
-
-def previous_token_scores(
-    pattern: Float[Array, "*batch T T"],
-) -> Float[Array, "*batch"]:
-    r"""$\frac1{T-1} \sum_{i=1}^{T-1} A_{i,\, i-1}$, the mean weight on the
-    previous token, for attention patterns `(..., T, T)` (query, key)."""
-    q = jnp.arange(1, pattern.shape[-1])
-    return jnp.mean(pattern[..., q, q - 1], axis=-1)
+# Losses --------------------------------------------------------------------
 
 
 def token_losses(
@@ -246,40 +219,6 @@ def token_losses(
     T-2$, in float32."""
     logp = jax.nn.log_softmax(logits[..., :-1, :].astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, tokens[..., 1:, None], axis=-1)[..., 0]
-
-
-# Heads ---------------------------------------------------------------------
-
-
-def random_heads(key: PRNGKeyArray, heads: Bool[Array, "L H"]) -> Bool[Array, "L H"]:
-    """As many heads as the mask `heads` holds, drawn uniformly from the other
-    heads (all of them when there are fewer): a mask disjoint from `heads`."""
-    u = jnp.where(heads, jnp.inf, jax.random.uniform(key, heads.shape)).ravel()
-    rank = jnp.argsort(jnp.argsort(u)).reshape(heads.shape)
-    return (rank < jnp.sum(heads)) & ~heads
-
-
-def heads_edit(
-    heads: Bool[Array, "L H"], *, source: Float[Array, "L ..."] | None = None
-) -> Callable[[Array, Any], Array]:
-    r"""An edit of `blocks.*.attn.hook_z` `(..., T, H, p)` for the heads of a
-    mask `(L, H)`, which may differ by layer and be traced (one mask per seed
-    under vmap): at layer $l$, $z_{\cdot, h} \leftarrow 0$ (`source=None`, as
-    `blocklab.interp.ablate_heads`) or $z_{\cdot, h} \leftarrow
-    z'_{\cdot, h}$ with $z'$ = `source[l]` (a capture of another run stacked
-    over layers, as `blocklab.interp.patch(source, index=..., axis=-2)`), for
-    every head $h$ with `heads[l, h]`.
-    """
-
-    def fn(value, layer):
-        hit = heads[layer][:, None]  # (H, 1): broadcasts over (..., T, H, p)
-        if source is None:
-            fill = jnp.zeros((), value.dtype)
-        else:
-            fill = jnp.broadcast_to(source[layer], value.shape).astype(value.dtype)
-        return jnp.where(hit, fill, value)
-
-    return fn
 
 
 def _analyse(model, key, *, S, V, num_sequences, threshold, num_random, shorter):

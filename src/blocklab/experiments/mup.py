@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from .._validate import ConfigError, check_choice, check_float, check_int
 from ..data.datasets import TimeMachine
-from ..nn import DecoderConfig, DecoderLM
-from ..nn.charlm import CharLM
+from ..models import DecoderConfig, DecoderLM
+from ..models.charlm import CharLM
 from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizers import optimizer as make_optimizer

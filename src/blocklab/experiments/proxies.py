@@ -44,7 +44,7 @@ from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_choice
 from ..data.datasets import TimeMachine
-from ..nn.charlm import CharLM
+from ..models.charlm import CharLM
 from ..training.losses import lm_loss
 from ..training.optimizers import optimizer as make_optimizer
 from ..training.step import validation_loss

@@ -21,7 +21,7 @@ shuffled windows of `seq_len + 1` tokens (one epoch holds every window once).
   symbols, one special token `<|endoftext|>` that begins and ends each
   document), and a Llama-style `DecoderLM` (`DecoderConfig.llama`: RMSNorm,
   SwiGLU, RoPE, grouped-query attention, untied head).
-- *Char*: `blocklab.nn.CharLM` (learned positions, tied head) on bytes
+- *Char*: `blocklab.models.CharLM` (learned positions, tied head) on bytes
   (`ByteTokenizer`: 256 byte ids and one id, 256, for the document
   boundary; the corpus is ASCII, so a byte is a character), as deep and with
   as many heads as the BPE model, its width the multiple of the head count
@@ -84,18 +84,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._io import atomic_dir, atomic_write
 from .._validate import ConfigError, check_bool, check_float, check_int
-from ..data import TokenPipeline, tokenize_files
+from ..data import TokenPipeline, load_tokenizer, tokenize_files
 from ..data.datasets import corpus_path
 from ..diagnostics.counting import count_params
-from ..interop import (
-    evaluate_text,
-    generate_text,
-    load_pretrained,
-    load_tokenizer,
-    save_pretrained,
-)
-from ..nn import CharLM, DecoderConfig, DecoderLM
-from ..nn.generation import generate
+from ..interop import load_pretrained, save_pretrained
+from ..models import CharLM, DecoderConfig, DecoderLM
+from ..models.generation import generate
+from ..text import evaluate_text, generate_text
 from ..training.losses import token_cross_entropy
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table

@@ -278,7 +278,7 @@ def signal_propagation(
 
 # --------------------------------------------------------------- architectures
 def _preset(arch: str, num_blks: int, num_hiddens: int, num_heads: int):
-    from ..nn import decoder  # a later layer: imported only when asked for
+    from ..models import decoder  # a later layer: imported only when asked for
 
     make = getattr(decoder.DecoderConfig, arch)
     extra = {"head_dim": num_hiddens // num_heads} if arch == "gemma3" else {}
@@ -341,7 +341,7 @@ def signal_config(config: Any, label: str, *, num_seeds: int = 3) -> SignalPropa
     built (the vocabulary does not enter it), so a large vocabulary costs
     nothing here.
     """
-    from ..nn import DecoderConfig, DecoderLM  # a later layer
+    from ..models import DecoderConfig, DecoderLM  # a later layer
 
     owner = "signal_config"
     if not isinstance(config, DecoderConfig):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..nn.decoder_config import DecoderConfig
+from ..models.decoder_config import DecoderConfig
 from .gemma3 import gemma3_layer, gemma_config, gemma_fields
 from .hf_common import (
     LAYER_TYPES,

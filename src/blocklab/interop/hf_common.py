@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import ConfigError, check_choice
-from ..nn.decoder_config import DecoderConfig
+from ..models.decoder_config import DecoderConfig
 from ..nn.ffn import ffn_width
 
 __all__ = [

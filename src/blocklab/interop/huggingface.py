@@ -35,9 +35,9 @@ import jax
 import numpy as np
 
 from .._validate import ConfigError
-from ..nn.decoder import DecoderLM, set_layer_data
-from ..nn.decoder_config import DecoderConfig
-from ..nn.encoder_config import EncoderConfig, EncoderDecoderConfig
+from ..models.decoder import DecoderLM, set_layer_data
+from ..models.decoder_config import DecoderConfig
+from ..models.encoder_config import EncoderConfig, EncoderDecoderConfig
 from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
     bert,
     gemma2,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..nn.decoder_config import DecoderConfig
+from ..models.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
     Rule,

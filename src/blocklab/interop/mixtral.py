@@ -1,6 +1,6 @@
 r"""Mixtral (sparse mixture of experts) for `DecoderLM` and `from_huggingface`.
 
-`blocklab.nn.MoEDecoderConfig` builds a Mixtral-style `DecoderLM`. Importing
+`blocklab.models.MoEDecoderConfig` builds a Mixtral-style `DecoderLM`. Importing
 this module registers the `"mixtral"` family, so `blocklab.from_huggingface`
 converts a PyTorch `MixtralForCausalLM`:
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..nn.decoder_config import DecoderConfig
-from ..nn.moe_decoder import MoEDecoderConfig
+from ..models.decoder_config import DecoderConfig
+from ..models.moe_decoder import MoEDecoderConfig
 from .hf_common import (
     Rule,
     StoredAs,

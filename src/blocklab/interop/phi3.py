@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..nn.decoder_config import DecoderConfig
+from ..models.decoder_config import DecoderConfig
 from .hf_common import (
     Derived,
     Rule,

@@ -75,9 +75,10 @@ import numpy as np
 
 from .._io import atomic_dir, check_folder_target, check_writable
 from .._validate import ConfigError, check_bool
-from ..nn.decoder import DecoderLM, set_layer_data
-from ..nn.decoder_config import DecoderConfig
+from ..models.decoder import DecoderLM, set_layer_data
+from ..models.decoder_config import CONFIG_CLASSES, DecoderConfig
 from ..training.checkpoint import CheckpointError
+from ..training.plan import PRESET_CONFIGS
 from .hf_common import (
     FAMILIES,
     HFFamily,
@@ -107,6 +108,7 @@ from .safetensors_io import (
 )
 
 __all__ = [
+    "config_of",
     "load_pretrained",
     "pretrained_config",
     "read_config",
@@ -285,6 +287,97 @@ def _config(raw: dict[str, Any], where: Path) -> tuple[HFFamily, DecoderConfig]:
     except ConfigError as err:
         raise ConfigError(f"load_pretrained: {where}: {err}") from None
     return fam, cfg
+
+
+# config_of -----------------------------------------------------------------------
+
+
+#: What `config_of` takes, for its errors.
+_CONFIG_KINDS = (
+    "a preset {presets}, a checkpoint folder (config.json + weights, as "
+    "transformers' save_pretrained writes it), a transformers config.json, or a "
+    "JSON file of DecoderConfig fields"
+)
+
+
+def config_of(
+    spec: str | os.PathLike | DecoderConfig, *, name: str = "config"
+) -> DecoderConfig:
+    """The `DecoderConfig` of a preset name, a checkpoint folder, a
+    `transformers` `config.json`, a JSON file of `DecoderConfig` fields (or
+    `DecoderLM.init_args()`'s output), or a config (returned as is).
+
+    A folder or a `transformers` config is mapped as `load_pretrained` maps
+    it (`blocklab.interop.pretrained_config`): the family from
+    `architectures` (else `model_type`), every field blocklab does not
+    implement refused by name. No weight is read.
+
+    Args:
+        spec: the config.
+        name: the argument's name in the errors (`"--config"` for the CLI).
+
+    Raises:
+        ConfigError: none of these, naming `name`, the value and what is
+            valid; or the config's own refusal (an unknown class, an
+            unsupported field), naming the file.
+    """
+    if isinstance(spec, DecoderConfig):
+        return spec
+    if isinstance(spec, str) and spec in PRESET_CONFIGS:
+        return PRESET_CONFIGS[spec]()
+    kinds = _CONFIG_KINDS.format(presets=sorted(PRESET_CONFIGS))
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec):
+        raise ConfigError(f"config_of: {name} must be {kinds}; got {spec!r}.")
+    path = Path(spec)
+    if path.is_dir():
+        try:
+            return pretrained_config(path)
+        except (ConfigError, CheckpointError) as err:
+            raise ConfigError(f"config_of: {name}={str(spec)!r}: {err}") from None
+    if not path.is_file():
+        raise ConfigError(
+            f"config_of: {name} must be {kinds}; got {str(spec)!r}, which is none of "
+            "these (no such preset, file or folder)."
+        )
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"config_of: {name}={str(spec)!r} is not readable JSON ({err}); it must be "
+            f"{kinds}."
+        ) from None
+    if not isinstance(fields, dict):
+        raise ConfigError(
+            f"config_of: {name}={str(spec)!r} must hold a JSON object, got "
+            f"{type(fields).__name__}; it must be {kinds}."
+        )
+    if "architectures" in fields or "model_type" in fields:
+        return _from_transformers(fields, path, name)
+    cfg_class = "DecoderConfig"
+    if isinstance(fields.get("cfg"), dict):  # DecoderLM.init_args() output
+        cfg_class = fields.get("cfg_class", cfg_class)
+        fields = fields["cfg"]
+    if cfg_class not in CONFIG_CLASSES:
+        raise ConfigError(
+            f"config_of: {name}={str(spec)!r}: cfg_class must be one of "
+            f"{sorted(CONFIG_CLASSES)}, got {cfg_class!r}."
+        )
+    try:
+        return CONFIG_CLASSES[cfg_class](**fields)
+    except TypeError as err:  # ConfigError included: a field's own refusal
+        raise ConfigError(
+            f"config_of: {name}={str(spec)!r} is not a {cfg_class} (a JSON object of "
+            f"its fields, or a transformers config.json with 'architectures'): "
+            f"{err}"
+        ) from None
+
+
+def _from_transformers(raw: dict, path: Path, name: str) -> DecoderConfig:
+    """A `transformers` config read as `load_pretrained` reads a folder's."""
+    try:
+        return _config(_standardize(raw), path)[1]
+    except (ConfigError, CheckpointError) as err:
+        raise ConfigError(f"config_of: {name}={str(path)!r}: {err}") from None
 
 
 # load_pretrained -----------------------------------------------------------------

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..nn.encoder import EncoderModel
-from ..nn.encoder_config import EncoderConfig, EncoderDecoderConfig
-from ..nn.encoder_decoder import EncoderDecoderLM
+from ..models.encoder import EncoderModel
+from ..models.encoder_config import EncoderConfig, EncoderDecoderConfig
+from ..models.encoder_decoder import EncoderDecoderLM
 from .hf_common import Derived, refuse, understood
 from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
 

@@ -22,8 +22,8 @@ import dataclasses
 import re
 from typing import Any
 
-from ..nn.encoder import EncoderModel
-from ..nn.encoder_config import EncoderConfig
+from ..models.encoder import EncoderModel
+from ..models.encoder_config import EncoderConfig
 from .hf_common import refuse, understood
 from .hf_encoder import (
     BERT_ACTS,

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..nn.encoder_config import EncoderDecoderConfig
-from ..nn.encoder_decoder import EncoderDecoderLM
+from ..models.encoder_config import EncoderDecoderConfig
+from ..models.encoder_decoder import EncoderDecoderLM
 from .hf_common import refuse, understood
 from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
 

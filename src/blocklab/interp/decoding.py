@@ -1,7 +1,7 @@
 r"""Activations while generating: `capture_generate`.
 
 Generation runs the prompt once through the model with its key/value cache
-(the prefill), then one token per step (`blocklab.nn.cache.extend`), each
+(the prefill), then one token per step (`blocklab.models.decoding.extend`), each
 step choosing the next token from the last logits as `blocklab.generate`
 does. `capture_generate` records the values at the chosen sites in that very
 loop, so what it reports is what the model computed while it produced the
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int
 
 from .._validate import ConfigError, check_ids, check_int
-from ..nn import cache as _cache
-from ..nn.charlm import CharLM
-from ..nn.decoder import DecoderLM
-from ..nn.generation import check_sampling, sample_logits
+from ..models import decoding as _cache
+from ..models.charlm import CharLM
+from ..models.decoder import DecoderLM
+from ..models.generation import check_sampling, sample_logits
 from ..nn.hooks import Edit, Hooks
 from .sites import Selection, _cache_key, edit_table, select, site_shapes, unpack
 
@@ -63,7 +63,7 @@ def decode_site_shapes(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The activation sites of one cached step of `model`, with their shapes.
 
-    `jax.eval_shape` of `blocklab.nn.cache.extend` of `num_tokens` tokens
+    `jax.eval_shape` of `blocklab.models.decoding.extend` of `num_tokens` tokens
     per sequence (`batch_shape` sequences) into a cache of `max_len`
     positions, recording every site the step has: all of `site_shapes`' but
     the attention scores and pattern. Stacked sites are keyed

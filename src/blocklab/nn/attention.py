@@ -15,7 +15,6 @@ from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
 from . import init
 from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
-from .cache import AttentionCache, check_per_sequence, check_start, write_cache
 from .config import QK_NORMS, BlockConfig, as_config, replace_static
 from .functional import (
     _check_int_array,
@@ -28,6 +27,7 @@ from .functional import (
     rope_theta_bits,
 )
 from .hooks import Hooks, at
+from .kv_cache import AttentionCache, check_per_sequence, check_start, write_cache
 from .normalization import RMSNorm, check_float_input
 
 __all__ = [

@@ -38,13 +38,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._validate import (
-    ConfigError,
-    check_bool,
-    check_choice,
-    check_int,
-    check_key,
-)
+from .._validate import ConfigError, check_bool, check_choice, check_int, check_key
 from . import init
 from .ffn import _PHI, ACTS, GATED_ACTS, FeedForward
 from .functional import ACTIVATIONS, linear

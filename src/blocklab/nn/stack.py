@@ -14,8 +14,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_key
-from .cache import write_cache
 from .hooks import Hooks
+from .kv_cache import write_cache
 from .remat import NamedSites, check_remat, nested_groups, parse_remat
 
 __all__ = ["PerLayer", "Stack"]

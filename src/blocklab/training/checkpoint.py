@@ -51,8 +51,8 @@ import numpy as np
 
 from .._io import atomic_path, check_writable
 from .._validate import ConfigError
-from ..nn.charlm import CharLM
-from ..nn.decoder import DecoderLM
+from ..models.charlm import CharLM
+from ..models.decoder import DecoderLM
 
 __all__ = ["CheckpointError", "save", "load"]
 

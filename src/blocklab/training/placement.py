@@ -70,13 +70,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._validate import ConfigError
+from ..models.charlm import CharLM
+from ..models.decoder import DecoderLM
+from ..models.encoder import EncoderModel
+from ..models.encoder_decoder import EncoderDecoderLM
 from ..nn.attention import MultiHeadAttention
 from ..nn.audio_embed import AudioEmbedding
 from ..nn.block import TransformerBlock
-from ..nn.charlm import CharLM
-from ..nn.decoder import DecoderLM
-from ..nn.encoder import EncoderModel
-from ..nn.encoder_decoder import EncoderDecoderLM
 from ..nn.ffn import FeedForward
 from ..nn.moe import MoEFeedForward
 from ..nn.normalization import LayerNorm, RMSNorm

@@ -76,12 +76,7 @@ import numpy as np
 from .._validate import ConfigError
 from .checkpoint import CheckpointError
 from .mesh_training import place_state, state_shardings
-from .placement import (
-    ActivationConstraint,
-    check_mesh,
-    resolve_rules,
-    with_constraints,
-)
+from .placement import ActivationConstraint, check_mesh, resolve_rules, with_constraints
 from .step import TrainState, init_state
 
 __all__ = ["SavedCheckpoint", "restore_sharded", "save_sharded", "sharded_metadata"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from ..._io import atomic_write, check_writable
 from ..._validate import ConfigError, check_int
+from ...data.tokenizer import load_tokenizer
 from ...experiments._render import dumps, markdown_table
-from ...interop.evaluate import evaluate_text
 from ...interop.pretrained import load_pretrained, pretrained_config
-from ...interop.tokenizer import load_tokenizer
+from ...text.evaluate import evaluate_text
 from ...training.checkpoint import CheckpointError
 
 NAME = "eval"

@@ -1,6 +1,6 @@
 """`blocklab generate`: continue prompts with a checkpoint folder's model and
 tokenizer, printing the text as it is generated
-(`blocklab.interop.text.stream_text`)."""
+(`blocklab.text.generation.stream_text`)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def validate(args: argparse.Namespace) -> None:
     """Every argument checked, the folder's config and tokenizer read, and the
     prompts read (`args._tokenizer`, `args._prompts`): all before the weights
     are loaded."""
+    from ...data.tokenizer import load_tokenizer
     from ...interop.pretrained import pretrained_config
-    from ...interop.tokenizer import load_tokenizer
 
     owner = "blocklab generate"
     check_int(owner, "--max-new-tokens", args.max_new_tokens, min=1)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from ...interop.pretrained import load_pretrained
-    from ...interop.text import stream_text
+    from ...text.generation import stream_text
 
     if not hasattr(args, "_prompts"):
         validate(args)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..._validate import ConfigError, check_int
-from ...experiments import plan as study
 from ...experiments._render import dumps
+from ...interop.pretrained import config_of
 from ...nn.remat import parse_remat
+from ...training import plan as study
 from ...training.placement import parse_mesh
 
 NAME = "plan"
@@ -94,7 +96,7 @@ def validate(args: argparse.Namespace) -> None:
     """Every value checked before any work; the plans from shapes are cheap, so
     they are made here (the compile, if asked, waits for `run`)."""
     owner = "blocklab plan"
-    study.config_of(args.config, name="--config")
+    args._cfg = config_of(args.config, name="--config")
     if args.seq_len is not None:
         check_int(owner, "--seq-len", args.seq_len, min=1)
     if args.fit:
@@ -117,10 +119,11 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace, mesh: str, *, compile: bool):  # noqa: A002
-    return study.plan(
-        args.config, mesh, rules=args.rules, batch=args.batch, seq_len=args.seq_len,
+    result = study.plan(
+        args._cfg, mesh, rules=args.rules, batch=args.batch, seq_len=args.seq_len,
         precision=args.precision, compile=compile,
     )  # fmt: skip
+    return dataclasses.replace(result, config=str(args.config))
 
 
 def _validate_fit(owner: str, args: argparse.Namespace) -> None:
@@ -146,14 +149,15 @@ def _validate_fit(owner: str, args: argparse.Namespace) -> None:
 
 
 def _fit(args: argparse.Namespace):
-    cfg = study.config_of(args.config, name="--config")
+    cfg = args._cfg
     seq = args.seq_len or min(study.DEFAULT_SEQ_LEN, cfg.max_len)
     batch = args.batch or study.DEFAULT_BATCH
-    return study.plan_step(
-        args.config, (batch, seq), args.budget, policies=args.policies,
+    result = study.plan_step(
+        cfg, (batch, seq), args.budget, policies=args.policies,
         microbatches=args.microbatches, precision=args.precision,
         peak_flops=args.peak_flops,
     )  # fmt: skip
+    return dataclasses.replace(result, config=str(args.config))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,20 +25,20 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
-from . import init
-from .attention import check_key_mask, check_segment_ids
-from .block import TransformerBlock
-from .encoder_config import EncoderConfig, config_of
-from .functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
-from .hooks import Hooks, at, scope
-from .normalization import LayerNorm, RMSNorm, make_norm
-from .patch_embed import ViTEmbedding
-from .relative_position import (
+from ..nn import init
+from ..nn.attention import check_key_mask, check_segment_ids
+from ..nn.block import TransformerBlock
+from ..nn.functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
+from ..nn.hooks import Hooks, at, scope
+from ..nn.normalization import LayerNorm, RMSNorm, make_norm
+from ..nn.patch_embed import ViTEmbedding
+from ..nn.relative_position import (
     RelativePositionBias,
     relative_bias_tables,
     stack_bias_inputs,
 )
-from .stack import Stack
+from ..nn.stack import Stack
+from .encoder_config import EncoderConfig, config_of
 
 __all__ = ["EncoderModel", "set_encoder_layer_data", "padding_mask"]
 

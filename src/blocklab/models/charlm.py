@@ -15,15 +15,15 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_bool, check_ids, check_int, check_key
-from . import cache as _cache
-from .block import TransformerBlock
-from .config import BlockConfig
-from .functional import causal_lengths, linear
-from .hooks import Hooks, at, scope
-from .normalization import RMSNorm
-from .parametrization import apply_init, attention_scale, check_base_width
-from .parametrization import readout_multiplier as _readout_multiplier
-from .stack import Stack
+from ..nn.block import TransformerBlock
+from ..nn.config import BlockConfig
+from ..nn.functional import causal_lengths, linear
+from ..nn.hooks import Hooks, at, scope
+from ..nn.normalization import RMSNorm
+from ..nn.parametrization import apply_init, attention_scale, check_base_width
+from ..nn.parametrization import readout_multiplier as _readout_multiplier
+from ..nn.stack import Stack
+from . import decoding as _cache
 
 __all__ = ["CharLM"]
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
-from .config import (
+from ..nn.config import (
     ACTS,
     BlockConfig,
     HoldsBlock,

@@ -25,15 +25,15 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
-from . import cache as _cache
-from . import init, parametrization
-from .attention import check_segment_ids
-from .block import TransformerBlock
+from ..nn import init, parametrization
+from ..nn.attention import check_segment_ids
+from ..nn.block import TransformerBlock
+from ..nn.functional import causal_lengths, linear, rope_theta_bits, segment_positions
+from ..nn.hooks import Hooks, at, scope
+from ..nn.normalization import LayerNorm, RMSNorm, make_norm
+from ..nn.stack import Stack
+from . import decoding as _cache
 from .decoder_config import CONFIG_CLASSES, DecoderConfig
-from .functional import causal_lengths, linear, rope_theta_bits, segment_positions
-from .hooks import Hooks, at, scope
-from .normalization import LayerNorm, RMSNorm, make_norm
-from .stack import Stack
 
 __all__ = ["DecoderLM", "set_layer_data"]
 

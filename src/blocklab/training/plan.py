@@ -18,13 +18,11 @@ For a `DecoderConfig`, a mesh shape (`data=8,model=4`) and sharding rules,
   `jax.ShapeDtypeStruct`s, so nothing is allocated. (A CPU compile of a
   large mesh takes minutes; the GPU/TPU compiler's figure differs somewhat.)
 
-The model (`config_of`): a preset of `PRESET_CONFIGS` (`llama3-8b`,
-`llama3-70b` with the published sizes, and the library's small family
-presets); a checkpoint folder of any family `load_pretrained` reads (only its
-`config.json` is read); a `transformers` `config.json` (any file name: a JSON
-object with `architectures` or `model_type`), mapped as `load_pretrained`
-maps it, with the same refusals; or a JSON file of `DecoderConfig` fields
-(or `DecoderLM.init_args()`'s output, `MoEDecoderConfig` included).
+The model: a `DecoderConfig` (or a `DecoderLM`'s), or a preset of
+`PRESET_CONFIGS` (`llama3-8b`, `llama3-70b` with the published sizes, and the
+library's small family presets). A checkpoint folder, a `transformers`
+`config.json` or a JSON file of `DecoderConfig` fields becomes a config
+through `blocklab.interop.config_of` (as `blocklab plan --config PATH` does).
 
 What training refuses, the plan refuses: a global batch that the mesh axes
 of the logical `batch` axis do not divide (`train_model` splits the batch
@@ -47,7 +45,6 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -57,16 +54,12 @@ import numpy as np
 import optax
 
 from .._validate import ConfigError, check_choice, check_int
-from ..interop.pretrained import _config as _hf_to_config
-from ..interop.pretrained import _standardize as _hf_standardize
-from ..interop.pretrained import pretrained_config
-from ..nn import DecoderConfig, DecoderLM
+from ..models import DecoderConfig, DecoderLM
+from ..models.decoder_config import CONFIG_CLASSES
 from ..nn.config import ffn_width
-from ..nn.decoder_config import CONFIG_CLASSES
-from ..training.checkpoint import CheckpointError
-from ..training.mesh_training import state_shardings
-from ..training.placement import ACTIVATION_AXES, PRESETS, parse_mesh, resolve_rules
-from ..training.step import PRECISIONS, init_state
+from .mesh_training import state_shardings
+from .placement import ACTIVATION_AXES, PRESETS, parse_mesh, resolve_rules
+from .step import PRECISIONS, init_state
 
 __all__ = [
     "FIT_POLICIES",
@@ -76,7 +69,6 @@ __all__ = [
     "StepPlan",
     "check_global_batch",
     "closed_form_temp",
-    "config_of",
     "measure_step",
     "parse_bytes",
     "plan",
@@ -110,94 +102,22 @@ PRESET_CONFIGS: dict[str, Any] = {
 }  # fmt: skip
 
 
-#: What `config_of` takes, for its errors.
-_CONFIG_KINDS = (
-    "a preset {presets}, a checkpoint folder (config.json + weights, as "
-    "transformers' save_pretrained writes it), a transformers config.json, or a "
-    "JSON file of DecoderConfig fields"
-)
+def _config(spec: Any, owner: str) -> DecoderConfig:
+    """A `DecoderConfig`, or a preset name of `PRESET_CONFIGS` resolved.
 
-
-def config_of(
-    spec: str | os.PathLike | DecoderConfig, *, name: str = "config"
-) -> DecoderConfig:
-    """The `DecoderConfig` of a preset name, a checkpoint folder, a
-    `transformers` `config.json`, a JSON file of `DecoderConfig` fields (or
-    `DecoderLM.init_args()`'s output), or a config (returned as is).
-
-    A folder or a `transformers` config is mapped as `load_pretrained` maps
-    it (`blocklab.interop.pretrained_config`): the family from
-    `architectures` (else `model_type`), every field blocklab does not
-    implement refused by name. No weight is read.
-
-    Args:
-        spec: the config.
-        name: the argument's name in the errors (`"--config"` for the CLI).
-
-    Raises:
-        ConfigError: none of these, naming `name`, the value and what is
-            valid; or the config's own refusal (an unknown class, an
-            unsupported field), naming the file.
+    A checkpoint folder or a config file is read one layer up
+    (`blocklab.interop.config_of`, which the CLI calls): training reads no
+    folder.
     """
     if isinstance(spec, DecoderConfig):
         return spec
     if isinstance(spec, str) and spec in PRESET_CONFIGS:
         return PRESET_CONFIGS[spec]()
-    kinds = _CONFIG_KINDS.format(presets=sorted(PRESET_CONFIGS))
-    if not isinstance(spec, (str, os.PathLike)) or not str(spec):
-        raise ConfigError(f"plan: {name} must be {kinds}; got {spec!r}.")
-    path = Path(spec)
-    if path.is_dir():
-        try:
-            return pretrained_config(path)
-        except (ConfigError, CheckpointError) as err:
-            raise ConfigError(f"plan: {name}={str(spec)!r}: {err}") from None
-    if not path.is_file():
-        raise ConfigError(
-            f"plan: {name} must be {kinds}; got {str(spec)!r}, which is none of "
-            "these (no such preset, file or folder)."
-        )
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            f"plan: {name}={str(spec)!r} is not readable JSON ({err}); it must be "
-            f"{kinds}."
-        ) from None
-    if not isinstance(fields, dict):
-        raise ConfigError(
-            f"plan: {name}={str(spec)!r} must hold a JSON object, got "
-            f"{type(fields).__name__}; it must be {kinds}."
-        )
-    if "architectures" in fields or "model_type" in fields:
-        return _from_transformers(fields, path, name)
-    cfg_class = "DecoderConfig"
-    if isinstance(fields.get("cfg"), dict):  # DecoderLM.init_args() output
-        cfg_class = fields.get("cfg_class", cfg_class)
-        fields = fields["cfg"]
-    if cfg_class not in CONFIG_CLASSES:
-        raise ConfigError(
-            f"plan: {name}={str(spec)!r}: cfg_class must be one of "
-            f"{sorted(CONFIG_CLASSES)}, got {cfg_class!r}."
-        )
-    try:
-        return CONFIG_CLASSES[cfg_class](**fields)
-    except TypeError as err:  # ConfigError included: a field's own refusal
-        raise ConfigError(
-            f"plan: {name}={str(spec)!r} is not a {cfg_class} (a JSON object of "
-            f"its fields, or a transformers config.json with 'architectures'): "
-            f"{err}"
-        ) from None
-
-
-def _from_transformers(raw: dict, path: Path, name: str) -> DecoderConfig:
-    """A `transformers` config read as `load_pretrained` reads a folder's
-    (through its private helpers: interop has no public function of a
-    config.json outside a folder)."""
-    try:
-        return _hf_to_config(_hf_standardize(raw), path)[1]
-    except (ConfigError, CheckpointError) as err:
-        raise ConfigError(f"plan: {name}={str(path)!r}: {err}") from None
+    raise ConfigError(
+        f"{owner}: the model must be a DecoderConfig, a DecoderLM or a preset "
+        f"({', '.join(sorted(PRESET_CONFIGS))}); got {spec!r}. For a checkpoint "
+        "folder or a config file, pass blocklab.interop.config_of(path)."
+    )
 
 
 def _batch_devices(mesh: str | dict, rules: Any) -> tuple[tuple[str, ...], int]:
@@ -343,7 +263,7 @@ def _abstract(cfg: DecoderConfig) -> Any:
 
 
 def plan(
-    config: str | os.PathLike | DecoderConfig,
+    config: str | DecoderConfig,
     mesh: str | dict,
     *,
     rules: str | dict = "fsdp",
@@ -356,9 +276,8 @@ def plan(
     """Per-device bytes of `config` on a mesh `mesh` (`"data=8,model=4"`).
 
     Args:
-        config: a preset name (`PRESET_CONFIGS`), a checkpoint folder, a
-            `transformers` `config.json`, a JSON file of `DecoderConfig`
-            fields, or a config (see `config_of`).
+        config: a `DecoderConfig` or a preset name (`PRESET_CONFIGS`); a
+            folder or file through `blocklab.interop.config_of`.
         mesh: axis sizes.
         rules: a preset of `blocklab.training.placement` or a mapping.
         batch, seq_len: the global batch (sequences) and its length, for
@@ -383,8 +302,8 @@ def plan(
             dimension that does not divide over its mesh axis, named).
     """
     owner = "plan"
-    name = str(config) if isinstance(config, (str, os.PathLike)) else "config"
-    cfg = config_of(config)
+    name = config if isinstance(config, str) else "config"
+    cfg = _config(config, "plan")
     shape = parse_mesh(mesh)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, cfg.max_len)
@@ -453,9 +372,7 @@ def _compiled_in_child(cfg, shape, rules, batch, seq_len, precision, timeout):
         f"--xla_force_host_platform_device_count={n}".strip(),
         "JAX_PLATFORMS": "cpu",
     }
-    code = (
-        "import sys; from blocklab.experiments.plan import _child; _child(sys.argv[1])"
-    )
+    code = "import sys; from blocklab.training.plan import _child; _child(sys.argv[1])"
     try:
         out = subprocess.run(
             [sys.executable, "-c", code, payload], env=env, capture_output=True,
@@ -480,10 +397,10 @@ def _child(payload: str) -> None:
 
 def _compiled_memory(payload: str) -> tuple[int, int]:
     """Compile one training step for the mesh on shapes; its memory analysis."""
-    from ..training.mesh_training import shard_step
-    from ..training.placement import ActivationConstraint, mesh_of
-    from ..training.placement import with_constraints as _with_constraints
-    from ..training.step import make_train_step
+    from .mesh_training import shard_step
+    from .placement import ActivationConstraint, mesh_of
+    from .placement import with_constraints as _with_constraints
+    from .step import make_train_step
 
     p = json.loads(payload)
     cfg = CONFIG_CLASSES[p["cfg_class"]](**p["config"])
@@ -778,7 +695,7 @@ def measure_step(
         aliased to the donated arguments.
     """
     from ..nn.remat import with_remat
-    from ..training.step import make_train_step
+    from .step import make_train_step
 
     optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
     if isinstance(model, DecoderConfig):
@@ -838,8 +755,8 @@ def plan_step(
     times.
 
     Args:
-        model: a `DecoderLM`, or what `plan` takes (a preset name, a
-            checkpoint folder, a config file, a `DecoderConfig`).
+        model: a `DecoderLM`, or what `plan` takes (a `DecoderConfig` or a
+            preset name; a folder or file through `blocklab.interop.config_of`).
         batch_shape: `(batch, seq_len)` of the step's token ids.
         memory_budget: bytes (an int, or `"16GiB"`, `"500MB"`).
         policies: the `remat=` values to compare.
@@ -864,8 +781,8 @@ def plan_step(
     if isinstance(model, DecoderLM):
         cfg, name = model.cfg, "model"
     else:
-        cfg = config_of(model)
-        name = str(model) if isinstance(model, (str, os.PathLike)) else "config"
+        cfg = _config(model, "plan_step")
+        name = model if isinstance(model, str) else "config"
         model = None
     if not isinstance(batch_shape, (tuple, list)) or len(batch_shape) != 2:
         raise ConfigError(
@@ -934,7 +851,17 @@ def plan_step(
     return StepPlan(name, B, T, precision, budget, peak, tuple(options), choice)
 
 
-def _peak_flops() -> float:
-    from .timing import matmul_peak_flops
+def _peak_flops(n: int = 1024, reps: int = 3) -> float:
+    """This machine's float32 matmul rate: $2n^3$ over the best of `reps` timed
+    $n \\times n$ products (after one compile-and-warm call)."""
+    import time
 
-    return float(matmul_peak_flops(1024, reps=3))
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best

@@ -1,6 +1,6 @@
 r"""Cached generation for `DecoderLM` and `CharLM`: `generate` and its sampling.
 
-`generate` prefills the prompt into a `DecoderCache` (`blocklab.nn.cache`) and
+`generate` prefills the prompt into a `DecoderCache` (`blocklab.models.decoding`) and
 then decodes one token per sequence per step: prefill and the decode loop (one
 `lax.while_loop`) are one compiled program. Each new token's logits are those
 of the uncached model at its position.
@@ -38,7 +38,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
 
 from .._validate import ConfigError, check_bool, check_float, check_int, check_key
-from . import cache as _cache
+from . import decoding as _cache
 from .charlm import CharLM
 from .decoder import DecoderLM
 

@@ -16,8 +16,8 @@ at every token, so no cache can be kept.
 `stream_text` is the same generation as an iterator of text pieces, as the
 tokens arrive (what `blocklab generate` prints): the prompt is prefilled
 into a cache, each step is one compiled call of the cached decoding step
-(`blocklab.nn.cache`), and an `IncrementalDecoder`
-(`blocklab.interop.streaming`) turns each new token into the text that no
+(`blocklab.models.decoding`), and an `IncrementalDecoder`
+(`blocklab.text.streaming`) turns each new token into the text that no
 later token can change. It stops at the tokenizer's stop ids, and at the
 model's `max_len` (it does not re-encode past it). Within `max_len` and
 without stop ids, its tokens are those of `generate_text` (greedy: those of
@@ -39,10 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validate import ConfigError, check_bool, check_int
-from ..nn import CharLM, DecoderLM
-from ..nn import cache as _cache
-from ..nn.cache import model_limits
-from ..nn.generation import UNROLL_MAX_LAYERS, check_sampling, generate, sample_logits
+from ..models import CharLM, DecoderLM
+from ..models import decoding as _cache
+from ..models.decoding import model_limits
+from ..models.generation import (
+    UNROLL_MAX_LAYERS,
+    check_sampling,
+    generate,
+    sample_logits,
+)
 from .streaming import IncrementalDecoder
 
 __all__ = ["generate_text", "stream_text", "TextStream"]

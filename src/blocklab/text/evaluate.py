@@ -63,8 +63,8 @@ from jaxtyping import Array, Bool, Float, Int
 from tqdm.auto import tqdm
 
 from .._validate import ConfigError, check_bool, check_int
-from ..nn import CharLM, DecoderLM
-from ..nn.cache import model_limits
+from ..models import CharLM, DecoderLM
+from ..models.decoding import model_limits
 from ..training.losses import token_cross_entropy
 
 __all__ = ["EvalResult", "TextScore", "evaluate_text"]

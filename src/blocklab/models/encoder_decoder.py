@@ -36,20 +36,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_int, check_key
-from . import init
-from .audio_embed import AudioEmbedding
-from .block import TransformerBlock
-from .encoder import padding_mask
-from .encoder_config import EncoderDecoderConfig, config_of
-from .functional import causal_lengths, linear
-from .hooks import Hooks, at, scope
-from .normalization import LayerNorm, RMSNorm, make_norm
-from .relative_position import (
+from ..nn import init
+from ..nn.audio_embed import AudioEmbedding
+from ..nn.block import TransformerBlock
+from ..nn.functional import causal_lengths, linear
+from ..nn.hooks import Hooks, at, scope
+from ..nn.normalization import LayerNorm, RMSNorm, make_norm
+from ..nn.relative_position import (
     RelativePositionBias,
     relative_bias_tables,
     stack_bias_inputs,
 )
-from .stack import Stack
+from ..nn.stack import Stack
+from .encoder import padding_mask
+from .encoder_config import EncoderDecoderConfig, config_of
 
 __all__ = ["EncoderDecoderLM", "EncoderDecoderCache"]
 

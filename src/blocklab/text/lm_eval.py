@@ -46,7 +46,7 @@ does not import `lm_eval` (nor does `import blocklab`):
 
 ```python
 import lm_eval
-from blocklab.interop.lm_eval import register
+from blocklab.text.lm_eval import register
 
 register()  # --model blocklab
 results = lm_eval.simple_evaluate(
@@ -58,8 +58,8 @@ results = lm_eval.simple_evaluate(
 
 or `lm_eval.simple_evaluate(model=BlocklabLM(pretrained=model,
 tokenizer=folder), ...)` for a `DecoderLM` in memory. From the shell,
-`python -m blocklab.interop.lm_eval` is lm-eval's command line (`lm_eval`)
-with `"blocklab"` registered: `python -m blocklab.interop.lm_eval --model
+`python -m blocklab.text.lm_eval` is lm-eval's command line (`lm_eval`)
+with `"blocklab"` registered: `python -m blocklab.text.lm_eval --model
 blocklab --model_args pretrained=PATH,batch_size=8 --tasks hellaswag`.
 
 The model arguments (`--model_args k=v,...`; see `BlocklabLM`):
@@ -90,11 +90,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._validate import ConfigError, check_bool, check_float, check_int
-from ..nn import DecoderLM
-from ..nn.cache import model_limits
-from ..nn.generation import generate
-from .pretrained import load_pretrained
-from .tokenizer import Tokenizer, load_tokenizer
+from ..data.tokenizer import Tokenizer, load_tokenizer
+from ..interop.pretrained import load_pretrained
+from ..models import DecoderLM
+from ..models.decoding import model_limits
+from ..models.generation import generate
 
 # `BlocklabLM` is made by `register` on first use (the module `__getattr__`).
 __all__ = ["MODEL_NAME", "BlocklabLM", "main", "register"]  # noqa: F822
@@ -154,7 +154,7 @@ def register() -> type:
             from lm_eval.api.registry import register_model
         except ImportError as err:
             raise ImportError(
-                "blocklab.interop.lm_eval needs the lm-eval package: pip install "
+                "blocklab.text.lm_eval needs the lm-eval package: pip install "
                 '"blocklab[lm-eval]" (or "lm-eval>=0.4.13").'
             ) from err
         cls = type(
@@ -200,7 +200,7 @@ class _BlocklabLM:
     r"""A checkpoint folder as a model of lm-eval (`--model blocklab`).
 
     The three requests and how they are tokenized are described in the
-    module `blocklab.interop.lm_eval`: as the harness's Hugging Face backend
+    module `blocklab.text.lm_eval`: as the harness's Hugging Face backend
     (`HFLM`) does, with the forward passes batched, padded to bucket lengths
     and compiled once per bucket.
 
@@ -766,7 +766,7 @@ def _device(value: Any) -> Any:
 
 
 if __name__ == "__main__":
-    # Run as `python -m blocklab.interop.lm_eval`: register the class of the
+    # Run as `python -m blocklab.text.lm_eval`: register the class of the
     # imported module, not of this `__main__` copy (imported by name at run
     # time: an import statement of this module in itself reads as a cycle).
     import importlib

@@ -21,15 +21,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._validate import ConfigError, check_bool, check_choice, check_float, check_int
-from . import parametrization
-from .config import (
+from ..nn import parametrization
+from ..nn.config import (
     BlockConfig,
     HoldsBlock,
     LayerSchedule,
     check_global_layers,
     ffn_width,
 )
-from .remat import check_remat
+from ..nn.remat import check_remat
 
 __all__ = ["DecoderConfig", "CONFIG_CLASSES", "DECODER_NORMS"]
 

@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any
 
 from .._validate import check_choice, check_int
+from ..nn.moe import DISPATCHES, ROUTINGS, MoEFeedForward
 from .decoder_config import DecoderConfig
-from .moe import DISPATCHES, ROUTINGS, MoEFeedForward
 
 __all__ = ["MoEDecoderConfig"]
 
