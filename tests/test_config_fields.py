@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from blocklab._validate import ConfigError  # noqa: E402
-from blocklab.interop import FAMILIES, gemma3  # noqa: E402
+from blocklab.interop import FAMILIES  # noqa: E402
+from blocklab.interop.families import gemma3  # noqa: E402
 from blocklab.interop.hf_common import HARMLESS_FIELDS, forward_settings, understood  # noqa: E402
 
 V = 64

@@ -170,7 +170,7 @@ def base_bert():
     """A blocklab BertModel (with its pooler) built from a config.json's fields."""
     import types
 
-    from blocklab.interop.bert import bert_config
+    from blocklab.interop.families.bert import bert_config
     from blocklab.models.encoder import EncoderModel
 
     cfg = bert_config(types.SimpleNamespace(**_BERT_FIELDS), "BertModel")
@@ -271,7 +271,7 @@ def test_missing_heads_refused_by_name(tmp_path, base_bert):
 )
 def test_vit_model_pooler_fields_refused_by_name(fields, name):
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop.vit import vit_config
+    from blocklab.interop.families.vit import vit_config
 
     base = dict(hidden_size=8, num_attention_heads=2, image_size=8, patch_size=4)
     vit_config(transformers.ViTConfig(**base), "ViTModel")  # the base converts

@@ -487,7 +487,7 @@ def test_modernbert_legacy_config_json_reads_as_transformers():
     import types
 
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop.modernbert import modernbert_config
+    from blocklab.interop.families.modernbert import modernbert_config
 
     raw = dict(
         architectures=["ModernBertForMaskedLM"], model_type="modernbert",
@@ -514,7 +514,7 @@ def test_state_dicts_round_trip_and_constants_are_checked():
     LayerNorm bias) must hold its constant to export."""
     transformers = pytest.importorskip("transformers")
     from blocklab.interop import load_huggingface_state_dict, to_huggingface_state_dict
-    from blocklab.interop.modernbert import modernbert_config
+    from blocklab.interop.families.modernbert import modernbert_config
     from blocklab.models.encoder import EncoderModel
 
     hf = transformers.ModernBertConfig(

@@ -390,7 +390,7 @@ def test_t5_unimplemented_fields_refused_by_name(fields, name):
     """An activation blocklab lacks, or a field it does not know, is refused
     naming the field; T5 v1.0's relu and v1.1's gated-gelu are implemented."""
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop.t5 import t5_config
+    from blocklab.interop.families.t5 import t5_config
 
     base = dict(vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2)
     for ok in ("relu", "gated-gelu"):
@@ -429,7 +429,7 @@ def test_mt5_is_t5_v1_1_without_the_output_rescale(tmp_path):
 def test_t5_family_classes_refused_by_name():
     """A class of the family blocklab does not convert is named."""
     pytest.importorskip("transformers")
-    from blocklab.interop.t5 import t5_config
+    from blocklab.interop.families.t5 import t5_config
 
     with pytest.raises(ConfigError, match="T5ForQuestionAnswering"):
         t5_config(object(), "T5ForQuestionAnswering")

@@ -280,7 +280,7 @@ def test_nonzero_key_bias_not_exported():
 )
 def test_whisper_unimplemented_fields_refused_by_name(fields, name):
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop.whisper import whisper_config
+    from blocklab.interop.families.whisper import whisper_config
 
     base = dict(vocab_size=20, num_mel_bins=4, d_model=8, encoder_layers=1,
                 decoder_layers=2, encoder_attention_heads=2,

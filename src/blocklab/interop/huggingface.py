@@ -38,23 +38,7 @@ from .._validate import ConfigError
 from ..models.decoder import DecoderLM, set_layer_data
 from ..models.decoder_config import DecoderConfig
 from ..models.encoder_config import EncoderConfig, EncoderDecoderConfig
-from . import (  # noqa: F401 - register the families (encoders: hf_encoder)
-    bert,
-    gemma2,
-    gemma3,
-    gpt2,
-    llama,
-    mistral,
-    mixtral,
-    modernbert,
-    olmo2,
-    phi3,
-    qwen2,
-    qwen3,
-    t5,
-    vit,
-    whisper,
-)
+from . import families  # noqa: F401 - registers every family module
 from .hf_common import (
     FAMILIES,
     HFFamily,

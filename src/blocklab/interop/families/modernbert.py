@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..models.encoder import EncoderModel
-from ..models.encoder_config import EncoderConfig
-from .hf_common import LAYER_TYPES, refuse, rope_theta, understood
-from .hf_encoder import EncoderFamily, EncRule, label_fields, register_encoder_family
+from ...models.encoder import EncoderModel
+from ...models.encoder_config import EncoderConfig
+from ..hf_common import LAYER_TYPES, refuse, rope_theta, understood
+from ..hf_encoder import EncoderFamily, EncRule, label_fields, register_encoder_family
 
 __all__ = ["MODERNBERT", "modernbert_config", "modernbert_fields", "modernbert_rules"]
 

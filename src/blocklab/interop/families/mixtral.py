@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..models.decoder_config import DecoderConfig
-from ..models.moe_decoder import MoEDecoderConfig
-from .hf_common import (
+from ...models.decoder_config import DecoderConfig
+from ...models.moe_decoder import MoEDecoderConfig
+from ..hf_common import (
     Rule,
     StoredAs,
     attn_rules,

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.encoder import EncoderModel
-from ..models.encoder_config import EncoderConfig, EncoderDecoderConfig
-from ..models.encoder_decoder import EncoderDecoderLM
-from .hf_common import Derived, refuse, understood
-from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from ...models.encoder import EncoderModel
+from ...models.encoder_config import EncoderConfig, EncoderDecoderConfig
+from ...models.encoder_decoder import EncoderDecoderLM
+from ..hf_common import Derived, refuse, understood
+from ..hf_encoder import EncoderFamily, EncRule, register_encoder_family
 
 __all__ = [
     "MT5", "T5", "T5_ENCODER", "UMT5", "UMT5_ENCODER", "t5_config", "t5_fields",

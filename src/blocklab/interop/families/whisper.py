@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.encoder_config import EncoderDecoderConfig
-from ..models.encoder_decoder import EncoderDecoderLM
-from .hf_common import refuse, understood
-from .hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from ...models.encoder_config import EncoderDecoderConfig
+from ...models.encoder_decoder import EncoderDecoderLM
+from ..hf_common import refuse, understood
+from ..hf_encoder import EncoderFamily, EncRule, register_encoder_family
 
 __all__ = ["WHISPER", "whisper_config", "whisper_fields", "whisper_rules"]
 

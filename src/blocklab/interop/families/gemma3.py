@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..models.decoder_config import DecoderConfig
-from .hf_common import (
+from ...models.decoder_config import DecoderConfig
+from ..hf_common import (
     LAYER_TYPES,
     Derived,
     Rule,

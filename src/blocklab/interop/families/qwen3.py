@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.decoder_config import DecoderConfig
-from .hf_common import (
+from ...models.decoder_config import DecoderConfig
+from ..hf_common import (
     Rule,
     attn_rules,
     mlp_rules,

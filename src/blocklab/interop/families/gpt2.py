@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.decoder_config import DecoderConfig
-from .hf_common import (
+from ...models.decoder_config import DecoderConfig
+from ..hf_common import (
     HFFamily,
     Rule,
     biased,

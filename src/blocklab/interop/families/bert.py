@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..models.encoder import EncoderModel
-from ..models.encoder_config import EncoderConfig
-from .hf_common import refuse, understood
-from .hf_encoder import (
+from ...models.encoder import EncoderModel
+from ...models.encoder_config import EncoderConfig
+from ..hf_common import refuse, understood
+from ..hf_encoder import (
     BERT_ACTS,
     HF_BERT_ACTS,
     EncoderFamily,

@@ -22,10 +22,10 @@ import dataclasses
 import re
 from typing import Any
 
-from ..models.encoder import EncoderModel
-from ..models.encoder_config import EncoderConfig
-from .hf_common import refuse, understood
-from .hf_encoder import (
+from ...models.encoder import EncoderModel
+from ...models.encoder_config import EncoderConfig
+from ..hf_common import refuse, understood
+from ..hf_encoder import (
     BERT_ACTS,
     HF_BERT_ACTS,
     EncoderFamily,

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.decoder_config import DecoderConfig
-from .gemma3 import gemma3_layer, gemma_config, gemma_fields
-from .hf_common import (
+from ...models.decoder_config import DecoderConfig
+from ..hf_common import (
     LAYER_TYPES,
     Derived,
     register_llama_layout,
@@ -35,6 +34,7 @@ from .hf_common import (
     rope_theta,
     understood,
 )
+from .gemma3 import gemma3_layer, gemma_config, gemma_fields
 
 __all__ = ["GEMMA2"]
 
