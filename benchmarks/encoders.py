@@ -44,8 +44,6 @@ if "--threads" in sys.argv:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -55,6 +53,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import blocklab  # noqa: E402
+from blocklab.experiments.timing import time_round_robin as round_robin  # noqa: E402
 
 
 def _randomize(model, seed=0):
@@ -73,17 +72,9 @@ def _race(cands: dict, reps: int) -> dict:
     """Median and best seconds per candidate, timed in alternating blocks."""
     for fn in cands.values():
         fn()  # warm-up (compiles blocklab's)
-    times = {k: [] for k in cands}
-    block = 5 if reps >= 5 else 1
-    for _ in range(-(-reps // block)):
-        for name, fn in cands.items():
-            time.sleep(0.2)
-            for _ in range(block):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
+    t = round_robin(cands, reps, block=5 if reps >= 5 else 1, pause=0.2)
+    med = {k: v.median for k, v in t.items()}
+    best = {k: v.best for k, v in t.items()}
     return {
         "blocklab_ms": 1e3 * med["blocklab"],
         "pytorch_ms": 1e3 * med["pytorch"],

@@ -51,7 +51,6 @@ if "--threads" in sys.argv:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -60,6 +59,8 @@ import jax  # noqa: E402
 
 import blocklab  # noqa: E402
 from blocklab.data.datasets import corpus_path  # noqa: E402
+from blocklab.experiments.real_text import train_bpe  # noqa: E402
+from blocklab.experiments.timing import time_round_robin as round_robin  # noqa: E402
 from blocklab.nn.attention import with_attention_impl  # noqa: E402
 from blocklab.text.evaluate import evaluate_text  # noqa: E402
 
@@ -68,28 +69,9 @@ def build_folder(folder: Path, vocab: int, max_len: int, seed: int = 0) -> None:
     """A random-weight Llama and a byte-level BPE tokenizer, saved in `folder`."""
     import torch
     import transformers
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([corpus_path().read_text(encoding="utf-8")], trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
+    text = corpus_path().read_text(encoding="utf-8")
+    tok = train_bpe(text, vocab, special_tokens=["<s>", "</s>"], bos="<s>")
     hf_tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     )
@@ -139,13 +121,8 @@ def guide_loop(model, tokenizer, text, max_length, stride):
 
 
 def time_round_robin(fns: dict, reps: int) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """name -> median seconds of `reps` calls, the names taken in turn."""
+    return {k: t.median for k, t in round_robin(fns, reps).items()}
 
 
 def measure(folder, text, seq_len, stride, batch_size, reps, hf) -> dict:

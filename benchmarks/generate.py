@@ -63,7 +63,6 @@ if "--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1] == "1":
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -72,6 +71,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import blocklab  # noqa: E402
+from blocklab.experiments.timing import time_round_robin as round_robin  # noqa: E402
 
 VOCAB = 512
 
@@ -109,13 +109,8 @@ def llama_decoder(max_len: int, *, layers=4, d=256, heads=8, kv=2, seed=0):
 
 
 def time_round_robin(fns: dict, reps: int) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """name -> median seconds of `reps` calls, the names taken in turn."""
+    return {k: t.median for k, t in round_robin(fns, reps).items()}
 
 
 def tokens_per_second(ours, hf, batch, prompt, new, reps):

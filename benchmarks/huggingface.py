@@ -40,7 +40,6 @@ if "--threads" in sys.argv:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -51,6 +50,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import blocklab  # noqa: E402
+from blocklab.experiments.timing import time_round_robin as round_robin  # noqa: E402
 
 VOCAB = 96
 
@@ -181,21 +181,14 @@ def forward_times(layers, d, batch, seq, reps) -> dict:
             hf(ids_t)
 
     cands = {"blocklab": run_ours, "pytorch": run_torch}
-    times = {k: [] for k in cands}
     for fn in list(cands.values()) * 2:  # warm up
         fn()
     # Alternating blocks of 5 calls with a pause between them: a noisy machine
     # slows both alike, and PyTorch's pool, which spins for a while after a
     # call, does not take the CPUs from the call that follows it.
-    for _ in range(-(-reps // 5)):
-        for name, fn in cands.items():
-            time.sleep(0.2)
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
+    t = round_robin(cands, reps, block=5, pause=0.2)
+    med = {k: v.median for k, v in t.items()}
+    best = {k: v.best for k, v in t.items()}
     return {
         "config": dict(layers=layers, d=d, heads=8, kv_heads=4, batch=batch, seq=seq),
         "attention_impl": blocklab.nn.attention_impls.resolve_impl(

@@ -47,24 +47,18 @@ if "--threads" in sys.argv:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import blocklab  # noqa: E402
 from blocklab.data.datasets import corpus_path  # noqa: E402
 from blocklab.experiments.real_text import train_bpe, write_tokenizer  # noqa: E402
+from blocklab.experiments.timing import time_round_robin as round_robin  # noqa: E402
 
 
 def time_round_robin(fns: dict, reps: int) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """name -> median seconds of `reps` calls, the names taken in turn."""
+    return {k: t.median for k, t in round_robin(fns, reps).items()}
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ import blocklab as bl
 from blocklab import ConfigError
 from blocklab.cli import app as cli
 from blocklab.data.datasets import corpus_path
+from blocklab.experiments.real_text import train_bpe
 from blocklab.text.evaluate import evaluate_text
 
 torch = pytest.importorskip("torch")
@@ -46,30 +47,11 @@ def _texts() -> list[str]:
 
 
 def _tokenizer(with_bos: bool):
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     text = corpus_path().read_text(encoding="utf-8")[:30_000]
-    tok.train_from_iterator([text, *_texts()[2:]], trainer)
-    if with_bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-        )
+    tok = train_bpe(
+        [text, *_texts()[2:]], 320, special_tokens=["<s>", "</s>"],
+        bos="<s>" if with_bos else None,
+    )  # fmt: skip
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     )

@@ -139,6 +139,25 @@ def test_split_corpus_cuts_at_a_paragraph():
     assert 0.08 < len(val) / len(text) < 0.12
 
 
+def test_train_bpe_special_tokens_and_bos():
+    """The special tokens take the first ids, in order, the 256 byte symbols
+    follow (every string encodes and decodes back); `bos` goes before every
+    text and `bos=None` puts nothing there; several texts train one
+    tokenizer."""
+    text = corpus_path().read_text(encoding="utf-8")[:20_000]
+    default = rt.train_bpe(text, 300)
+    assert default.token_to_id(rt.EOT) == 0
+    assert default.encode("The Time").ids[0] == 0
+    texts, specials = [text, "naïve café"], ["<s>", "</s>"]
+    plain = rt.train_bpe(texts, 300, special_tokens=specials, bos=None)
+    assert [plain.token_to_id(t) for t in specials] == [0, 1]
+    assert plain.get_vocab_size() == 300
+    ids = plain.encode("a naïve Traveller").ids
+    assert 0 not in ids and plain.decode(ids) == "a naïve Traveller"
+    with_bos = rt.train_bpe(texts, 300, special_tokens=specials, bos="<s>")
+    assert with_bos.encode("a naïve Traveller").ids == [0, *ids]
+
+
 # ------------------------------------------------------------------ a run
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):

@@ -92,6 +92,7 @@ from ..models import CharLM, DecoderConfig, DecoderLM
 from ..models.generation import generate
 from ..text import evaluate_text, generate_text
 from ..training.losses import token_cross_entropy
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
@@ -177,11 +178,18 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def train_bpe(text: str, vocab_size: int) -> Any:
+def train_bpe(
+    text: str | Sequence[str],
+    vocab_size: int,
+    *,
+    special_tokens: Sequence[str] = (EOT,),
+    bos: str | None = EOT,
+) -> Any:
     """A byte-level BPE `tokenizers.Tokenizer` of `vocab_size` ids trained on
-    `text`: GPT-2's byte-level pre-tokenizer (no prefix space) and decoder,
-    the 256 byte symbols, `EOT` (id 0) as its one special token, and a
-    post-processor that begins every text with `EOT`."""
+    `text` (one string, or several trained on together): GPT-2's byte-level
+    pre-tokenizer (no prefix space) and decoder, the 256 byte symbols,
+    `special_tokens` (by default `EOT`, id 0) as its first ids, and a
+    post-processor that begins every text with `bos` (`None`: none)."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -197,14 +205,15 @@ def train_bpe(text: str, vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOT],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([text], trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{EOT} $A", special_tokens=[(EOT, tok.token_to_id(EOT))]
-    )
+    tok.train_from_iterator([text] if isinstance(text, str) else list(text), trainer)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
     return tok
 
 
@@ -685,10 +694,11 @@ def _sweep(make, tokens, p, probe, progress):
     return train_sweep(
         make, pipe, p.steps,
         model_keys=seeds, data_keys=seeds + 1000,
-        learning_rates=p.learning_rate,
-        optimizer=_optimizer(p.warmup_steps, p.steps),
-        steps_per_call=min(p.steps_per_call, p.steps),
-        probe=probe, validate=False, progress=progress,
+        run=RunConfig(steps_per_call=min(p.steps_per_call, p.steps),
+                      progress=progress),
+        sweep=SweepConfig(learning_rates=p.learning_rate,
+                          optimizer=_optimizer(p.warmup_steps, p.steps),
+                          probe=probe, validate=False),
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ __all__ = [
     "report_estimates",
     "report_mode",
     "time_call",
+    "time_round_robin",
 ]
 
 #: The measured times of `blocklab report` (see the module docstring).
@@ -93,6 +94,40 @@ def time_call(
         once()
     times = [once() for _ in range(reps)]
     return Timing(statistics.median(times), min(times), reps)
+
+
+def time_round_robin(
+    fns: Mapping[str, Callable[[], Any]],
+    reps: int,
+    *,
+    block: int = 1,
+    pause: float = 0.0,
+) -> dict[str, Timing]:
+    r"""Time each thunk of `fns` (name -> no-argument callable) in turn, so
+    that a noisy machine slows them all alike.
+
+    A round sleeps `pause` seconds before each name, then times `block` calls
+    of it; $\lceil r / b \rceil$ rounds are run ($r$ = `reps`, $b$ = `block`),
+    so each thunk is timed $b \lceil r / b \rceil$ times ($r$ when $b = 1$).
+    No warm-up: call each thunk once before, and block on its result inside it
+    (`jax.block_until_ready`) when it is asynchronous.
+
+    Returns:
+        name -> `Timing` (median and best seconds of that thunk's calls).
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(-(-reps // block)):
+        for name, fn in fns.items():
+            if pause:
+                time.sleep(pause)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {
+        name: Timing(statistics.median(ts), min(ts), len(ts))
+        for name, ts in times.items()
+    }
 
 
 def matmul_peak_flops(n: int = 2048, dtype=jnp.float32, reps: int = 10) -> float:
