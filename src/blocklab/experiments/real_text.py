@@ -92,7 +92,6 @@ from ..models import CharLM, DecoderConfig, DecoderLM
 from ..models.generation import generate
 from ..text import evaluate_text, generate_text
 from ..training.losses import token_cross_entropy
-from ..training.run_config import RunConfig, SweepConfig
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
@@ -694,11 +693,10 @@ def _sweep(make, tokens, p, probe, progress):
     return train_sweep(
         make, pipe, p.steps,
         model_keys=seeds, data_keys=seeds + 1000,
-        run=RunConfig(steps_per_call=min(p.steps_per_call, p.steps),
-                      progress=progress),
-        sweep=SweepConfig(learning_rates=p.learning_rate,
-                          optimizer=_optimizer(p.warmup_steps, p.steps),
-                          probe=probe, validate=False),
+        learning_rates=p.learning_rate,
+        optimizer=_optimizer(p.warmup_steps, p.steps),
+        steps_per_call=min(p.steps_per_call, p.steps),
+        probe=probe, validate=False, progress=progress,
     )  # fmt: skip
 
 
