@@ -396,12 +396,26 @@ class EncoderModel(eqx.Module):
         self,
         ids: Int[ArrayLike, "*batch T"] | None = None,
         **kwargs: Any,
-    ) -> Float[Array, "*batch T vocab"] | Float[Array, "*batch T d"]:
-        """The MLM logits `(..., T, vocab)` (with `mlm_head`), else the encoder
-        states `(..., T, d)`; keywords as for `hidden`."""
-        hooks = kwargs.get("hooks")
-        h = self.hidden(ids, **kwargs)
-        return self.mlm_logits(h, hooks=hooks) if self.mlm_dense is not None else h
+    ) -> (
+        Float[Array, "*batch T vocab"]
+        | Float[Array, "*batch labels"]
+        | Float[Array, "*batch T d"]
+    ):
+        """The output of the model's head, as `transformers`' model of the same
+        class returns it: the MLM logits `(..., T, vocab)` (with `mlm_head`:
+        `BertForMaskedLM`, `ModernBertForMaskedLM`), the classification logits
+        `(..., num_labels)` (with `num_labels`: `classify`;
+        `ViTForImageClassification`, `BertForSequenceClassification`,
+        `ModernBertForSequenceClassification`), else (a model without a head:
+        `BertModel`, `ViTModel`, `ModernBertModel`, `T5EncoderModel`) the last
+        hidden state `(..., T, d)`. `hidden` always returns the states.
+        Keywords as for `hidden`."""
+        if self.mlm_dense is not None:
+            hooks = kwargs.get("hooks")
+            return self.mlm_logits(self.hidden(ids, **kwargs), hooks=hooks)
+        if self.classifier is not None:
+            return self.classify(ids, **kwargs)
+        return self.hidden(ids, **kwargs)
 
     def pool(
         self,
