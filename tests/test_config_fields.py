@@ -1,7 +1,7 @@
 """Every `transformers` config field of the nine families is understood: mapped,
 known to be harmless, or refused by name (issue 20 item 4).
 
-The families refuse by listing what they understand (`HFFamily.fields`, plus
+The families refuse by listing what they understand (`Family.fields`, plus
 `hf_common.HARMLESS_FIELDS`), so a field that `transformers` adds tomorrow is
 refused until someone reads it. Here each family's config is built with every
 field `transformers` defines (`Config(...).to_dict()`), and each field in turn
@@ -25,9 +25,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from blocklab._validate import ConfigError  # noqa: E402
-from blocklab.interop import FAMILIES  # noqa: E402
 from blocklab.interop.families import gemma3  # noqa: E402
-from blocklab.interop.hf_common import HARMLESS_FIELDS, forward_settings, understood  # noqa: E402
+from blocklab.interop.hf_common import (  # noqa: E402
+    HARMLESS_FIELDS,
+    decoder_families,
+    forward_settings,
+    understood,
+)
+
+#: The registered decoder families (the encoders: test_hf_encoders).
+FAMILIES = decoder_families()
 
 V = 64
 _DIMS = dict(
@@ -198,7 +205,7 @@ def test_every_field_transformers_defines_is_understood(family):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_the_tables_defaults_are_transformers_defaults(family):
-    """`HFFamily.fields` holds `transformers`' defaults (a `config.json` lacks
+    """`Family.fields` holds `transformers`' defaults (a `config.json` lacks
     the fields at their default, so a wrong one would convert another model)."""
     fam = FAMILIES[family]
     with warnings.catch_warnings():

@@ -58,9 +58,11 @@ def _model(name):
     import importlib
 
     module, fn, cls, fields = MODELS[name]
-    to_config = getattr(importlib.import_module(f"blocklab.interop.{module}"), fn)
-    fam_build = importlib.import_module("blocklab.interop.hf_encoder")
-    fam = next(f for f in fam_build.ENCODER_FAMILIES.values() if cls in f.classes)
+    to_config = getattr(
+        importlib.import_module(f"blocklab.interop.families.{module}"), fn
+    )
+    fam_build = importlib.import_module("blocklab.interop.hf_common")
+    fam = next(f for f in fam_build.FAMILIES.values() if cls in f.classes)
     cfg = to_config(types.SimpleNamespace(**fields), cls)
     return fam.build(cfg, key=jax.random.key(1))
 

@@ -463,7 +463,7 @@ def test_modernbert_folders_both_ways(tmp_path):
 )
 def test_unimplemented_config_fields_refused_by_name(family, fields, name):
     transformers = pytest.importorskip("transformers")
-    from blocklab.interop.hf_encoder import ENCODER_FAMILIES
+    from blocklab.interop import FAMILIES as ENCODER_FAMILIES
 
     small = {
         "bert": (transformers.BertConfig, dict(hidden_size=8, num_attention_heads=2)),

@@ -21,9 +21,13 @@ from strict_json import strict_object
 from test_pretrained import HF_CASES, SMALL, V
 
 from blocklab import ConfigError, DecoderConfig, DecoderLM
-from blocklab.interop import FAMILIES, config_of
+from blocklab.interop import config_of
+from blocklab.interop.hf_common import decoder_families
 from blocklab.models.moe_decoder import MoEDecoderConfig
 from blocklab.training.plan import check_global_batch, plan
+
+#: The registered decoder families (the encoders: test_hf_encoders).
+FAMILIES = decoder_families()
 
 
 def _hf_config_and_model(family):

@@ -26,7 +26,7 @@ from _procs import run
 
 import blocklab
 from blocklab._validate import ConfigError
-from blocklab.interop import FAMILIES
+from blocklab.interop.hf_common import decoder_families
 from blocklab.interop.pretrained import (
     load_pretrained,
     pretrained_config,
@@ -34,6 +34,9 @@ from blocklab.interop.pretrained import (
 )
 from blocklab.models import DecoderConfig, DecoderLM
 from blocklab.training.checkpoint import CheckpointError
+
+#: The registered decoder families (the encoders: test_hf_encoders).
+FAMILIES = decoder_families()
 
 V, T = 96, 16
 SMALL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)

@@ -15,7 +15,7 @@ data (`blocklab.data.load_tokenizer`).
 from .hf_common import StoredAs
 from .huggingface import (
     FAMILIES,
-    HFFamily,
+    Family,
     Rule,
     from_huggingface,
     hf_config_to_decoder,
@@ -34,7 +34,7 @@ from .pretrained import (
 
 __all__ = [
     "FAMILIES",
-    "HFFamily",
+    "Family",
     "Rule",
     "StoredAs",
     "config_of",

@@ -1,7 +1,7 @@
 r"""What every Hugging Face family shares: rules, the registry, config helpers.
 
 A family (one module each: `gpt2`, `llama`, `olmo2`, `gemma3`, `mixtral`) is
-an `HFFamily`: a config mapping in both directions (`to_config`: the
+a `Family`: a config mapping in both directions (`to_config`: the
 `transformers` config -> `DecoderConfig`, refusing every field blocklab does
 not implement; `hf_fields`: a `DecoderConfig` -> the `transformers` config
 fields) and the `Rule`s that map state-dict keys onto blocklab parameters.
@@ -28,15 +28,18 @@ from typing import Any
 import numpy as np
 
 from .._validate import ConfigError, check_choice
+from ..models.decoder import DecoderLM
 from ..models.decoder_config import DecoderConfig
 from ..nn.ffn import ffn_width
 
 __all__ = [
+    "BERT_ACTS",
     "Derived",
     "FAMILIES",
     "HARMLESS_FIELDS",
     "HF_ACT_TO_GATED",
-    "HFFamily",
+    "HF_BERT_ACTS",
+    "Family",
     "LAYER_TYPES",
     "RULE_KINDS",
     "Rule",
@@ -45,6 +48,7 @@ __all__ = [
     "biased",
     "config_fields",
     "decoder_config",
+    "decoder_families",
     "decoder_fields",
     "family_for_class",
     "forward_settings",
@@ -52,6 +56,7 @@ __all__ = [
     "get_field",
     "global_layers_of",
     "hf_gated_act",
+    "label_fields",
     "layer_types_of",
     "legacy_rope",
     "llama_like",
@@ -68,6 +73,7 @@ __all__ = [
     "resolve_family",
     "rope_fields",
     "rope_theta",
+    "stack_rules",
     "understood",
     "unsupported_settings",
 ]
@@ -78,9 +84,11 @@ __all__ = [
 #: The layouts of a `Rule`: `"same"` (copied), `"T"` (transposed), `"cat_T"`
 #: (the transposed arrays concatenated along columns: GPT-2's fused
 #: `c_attn.weight`), `"cat"` (concatenated along axis 0: its fused bias,
-#: Phi-3's `qkv_proj` and `gate_up_proj`), `"cat1"`
-#: (concatenated along axis 1: Mixtral's fused expert `gate_up_proj`).
-RULE_KINDS = ("same", "T", "cat_T", "cat", "cat1")
+#: Phi-3's `qkv_proj` and `gate_up_proj`, ModernBERT's `Wqkv` and `Wi`),
+#: `"cat1"` (concatenated along axis 1: Mixtral's fused expert
+#: `gate_up_proj`), `"lead"` (the stored tensor has `lead` leading axes of
+#: size 1: ViT's `cls_token` `(1, 1, d)` and position table `(1, N + 1, d)`).
+RULE_KINDS = ("same", "T", "cat_T", "cat", "cat1", "lead")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,26 +96,30 @@ class Rule:
     """One Hugging Face key and the blocklab parameter(s) it holds.
 
     Attributes:
-        hf: the `transformers` key (per-layer rules: relative to the layer
-            prefix, e.g. `"self_attn.q_proj.weight"`).
-        bl: the blocklab names (per-layer rules: relative to the block,
-            e.g. `("attention.W_q.weight",)`).
+        hf: the `transformers` key (a family's `layer_rules`: relative to the
+            layer prefix, e.g. `"self_attn.q_proj.weight"`; its `rules` and
+            `global_rules`: absolute).
+        bl: the blocklab names (`layer_rules`: relative to the block, e.g.
+            `("attention.W_q.weight",)`; else absolute).
         kind: the layout, one of `RULE_KINDS`.
         sizes: for `"cat"`, the length of each part along axis 0 when they
             differ (Phi-3's fused `qkv_proj`: $Hp, Kp, Kp$ rows); `()`:
             equal parts.
+        lead: for `"lead"`, the number of leading axes of size 1.
     """
 
     hf: str
     bl: tuple[str, ...]
     kind: str = "same"
     sizes: tuple[int, ...] = ()
+    lead: int = 0
 
     def __post_init__(self):
         check_choice("Rule", "kind", self.kind, RULE_KINDS)
 
     def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """The Hugging Face array from the blocklab arrays (in `bl` order)."""
+        arrays = [np.asarray(a) for a in arrays]
         if self.kind == "same":
             return arrays[0]
         if self.kind == "T":
@@ -116,6 +128,8 @@ class Rule:
             return np.concatenate([a.T for a in arrays], axis=1)
         if self.kind == "cat":
             return np.concatenate(arrays, axis=0)
+        if self.kind == "lead":
+            return arrays[0].reshape((1,) * self.lead + arrays[0].shape)
         return np.concatenate(arrays, axis=1)  # "cat1"
 
     def from_hf(self, array: np.ndarray) -> list[np.ndarray]:
@@ -130,18 +144,22 @@ class Rule:
         if self.kind == "cat":
             cuts = np.cumsum(self.sizes)[:-1] if self.sizes else n
             return [np.ascontiguousarray(a) for a in np.split(array, cuts, axis=0)]
+        if self.kind == "lead":
+            return [array.reshape(array.shape[self.lead :])]
         return [np.ascontiguousarray(a) for a in np.split(array, n, axis=1)]
 
     def hf_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         """The Hugging Face shape from the blocklab shapes (in `bl` order)."""
         if self.kind == "same":
-            return shapes[0]
+            return tuple(shapes[0])
         if self.kind == "T":
-            return shapes[0][::-1]
+            return tuple(shapes[0])[::-1]
         if self.kind == "cat_T":
             return (shapes[0][1], sum(s[0] for s in shapes))
         if self.kind == "cat":
             return (sum(s[0] for s in shapes), *shapes[0][1:])
+        if self.kind == "lead":
+            return (1,) * self.lead + tuple(shapes[0])
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
 
@@ -239,23 +257,44 @@ def model_global_rules(cfg: DecoderConfig) -> list[Rule]:
 
 
 @dataclasses.dataclass(frozen=True)
-class HFFamily:
-    """How one `transformers` model family maps onto `DecoderLM`.
+class Family:
+    """How one `transformers` model family maps onto a blocklab model.
+
+    One type for every family, decoders (`DecoderLM`) and encoders or
+    encoder–decoders (`EncoderModel`, `EncoderDecoderLM`) alike: a config
+    mapping in both directions and the `Rule`s of its state dict. A family
+    states its rules in one of two layouts: per layer (`layer_prefix`,
+    `layer_rules`, `global_rules`: the decoders, whose layers are one scanned
+    stack) or all at once (`rules`: the encoders). Everything else is
+    optional, with the decoders' behaviour as default.
 
     Attributes:
-        name: short name (`"llama"`), accepted as `family=` by
-            `to_huggingface_state_dict` / `load_huggingface_state_dict`.
-        classes: the `transformers` model class names it converts.
-        to_config: `to_config(hf_config) -> DecoderConfig`; raises
-            `ConfigError` naming any unsupported field and its value. It reads
-            the config with `getattr` only, so any attribute holder works.
+        name: short name (`"llama"`), accepted as `family=`.
+        classes: the `transformers` model class names it converts (the first
+            is what `save_pretrained` writes unless `model_class` says).
+        to_config: `to_config(hf_config, cls) -> cfg`, the blocklab config
+            of the model class `cls` (a family of one class may ignore it);
+            raises `ConfigError` naming any field blocklab does not implement
+            and its value (`understood` with `fields`). It reads the config
+            with `getattr` only, so any attribute holder works.
         hf_fields: `hf_fields(cfg) -> dict`, the `transformers` config fields
-            of a `DecoderConfig` (the inverse of `to_config` on the configs the
-            family can express; see `unsupported_settings`).
-        layer_prefix: the prefix of layer `i`'s keys, with `{i}`.
-        layer_rules: `layer_rules(cfg)` -> the `Rule`s of one layer.
-        global_rules: `global_rules(cfg)` -> the `Rule`s outside the layers
-            (embeddings, final norm, untied head), with absolute names.
+            of a blocklab config (the inverse of `to_config` on the configs
+            the family can express; see `unsupported_settings`).
+        layer_prefix: per-layer layout: the prefix of layer `i`'s keys, with
+            `{i}`.
+        layer_rules: per-layer layout: `layer_rules(cfg)` -> the `Rule`s of
+            one layer (names relative to the prefix and to the block).
+        global_rules: per-layer layout: `global_rules(cfg)` -> the `Rule`s
+            outside the layers (embeddings, final norm, untied head).
+        rules: all-at-once layout: `rules(cfg, cls)` -> every `Rule`, with
+            absolute names on both sides.
+        build: `build(cfg, key=key)` -> the blocklab model; `None`:
+            `DecoderLM`.
+        model_class: `model_class(cfg) -> cls`, the `transformers` class of a
+            blocklab config; `None`: `classes[0]`.
+        owns: `owns(model) -> bool`, the blocklab models it exports; `None`:
+            every `DecoderLM` (which of them it can express is then
+            `unsupported_settings`).
         dropout_fields: config fields holding dropout rates, refused while
             the PyTorch model is in training mode.
         fields: every config field the family understands, with its
@@ -265,40 +304,172 @@ class HFFamily:
         variant_of: the name of a family this one generalizes (Mistral is a
             Llama with a window); when both can express a config, inference
             (`resolve_family` without `family=`) picks `variant_of`.
-        model_type: the `model_type` of its `config.json` (what
-            `save_pretrained` writes and `load_pretrained` recognizes when
-            `architectures` is absent); `None`: `name`.
+        model_types: the `model_type`s of its `config.json` (the first is
+            what `save_pretrained` writes; any is recognized by
+            `load_pretrained` when `architectures` is absent); `()`:
+            `(name,)`.
         stored_as: `stored_as(cfg)` -> `{state-dict key: StoredAs}` for the
             tensors a checkpoint file stores in another layout than the
             state dict (`None`: every tensor as in the state dict).
+        tied: `tied(cfg, cls) -> {stored key: the stored key it equals}`,
+            tensors `transformers` ties and `save_pretrained` leaves out (a
+            file may still hold them: they are checked equal and dropped);
+            `None`: the decoders' rule, `lm_head.weight` tied to the token
+            embedding when `cfg.tie_embeddings`.
+        ignored: stored keys that `transformers` itself ignores on load.
+        unused: `unused(cls) -> prefixes`: tensors of the family's other
+            classes that `cls` does not use and that `transformers` leaves
+            out when it loads them into `cls` (BERT's pre-training
+            checkpoints hold the pooler and the next-sentence head); any
+            other extra tensor is refused.
+        untie: `untie(cfg) -> cfg` with its own head, for a family whose
+            stored head may differ from the tied embedding (T5: `transformers`
+            then keeps them untied); `None`: a differing tied tensor is an
+            error.
+        constants: `constants(cfg, cls) -> {blocklab parameter: value}`, the
+            parameters the `transformers` model does not have, with the
+            constant they hold there (ModernBERT's LayerNorm biases without
+            `norm_bias`); export refuses a model whose parameter differs.
+        disk_name: `disk_name(key)`: the name on disk of an in-memory
+            state-dict key, for a family that `transformers` renames on load
+            (ViT); `None`: the same names.
+        base_prefix: the prefix of the base model's tensors in the head
+            classes (`"bert."`). A stored key is read with or without it.
+        from_keys: `from_keys(cfg, cls, keys) -> cfg`: the config as the
+            stored tensors settle what `config.json` does not say (`BertModel`:
+            the pooler is there iff its tensors are).
+        generation: `save_pretrained` writes `generation_config.json` even
+            when none is given (the decoders and T5 / umT5, whose
+            `transformers` classes generate).
     """
 
     name: str
     classes: tuple[str, ...]
-    to_config: Callable[[Any], DecoderConfig]
-    hf_fields: Callable[[DecoderConfig], dict[str, Any]]
-    layer_prefix: str
-    layer_rules: Callable[[DecoderConfig], list[Rule]]
-    global_rules: Callable[[DecoderConfig], list[Rule]]
+    to_config: Callable[..., Any]
+    hf_fields: Callable[[Any], dict[str, Any]]
+    layer_prefix: str = ""
+    layer_rules: Callable[[Any], list[Rule]] | None = None
+    global_rules: Callable[[Any], list[Rule]] | None = None
+    rules: Callable[[Any, str], list[Rule]] | None = None
+    build: Callable[..., Any] | None = None
+    model_class: Callable[[Any], str] | None = None
+    owns: Callable[[Any], bool] | None = None
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     variant_of: str | None = None
-    model_type: str | None = None
-    stored_as: Callable[[DecoderConfig], Mapping[str, StoredAs]] | None = None
+    model_types: tuple[str, ...] = ()
+    stored_as: Callable[[Any], Mapping[str, StoredAs]] | None = None
+    tied: Callable[[Any, str], Mapping[str, str]] | None = None
+    ignored: tuple[str, ...] = ()
+    unused: Callable[[str], tuple[str, ...]] = lambda cls: ()
+    untie: Callable[[Any], Any] | None = None
+    constants: Callable[[Any, str], Mapping[str, float]] = lambda cfg, cls: {}
+    disk_name: Callable[[str], str] | None = None
+    base_prefix: str = ""
+    from_keys: Callable[[Any, str, frozenset], Any] = lambda cfg, cls, keys: cfg
+    generation: bool = False
+
+    def __post_init__(self):
+        layered = self.layer_rules is not None and self.global_rules is not None
+        if layered == (self.rules is not None) or (
+            layered and "{i}" not in self.layer_prefix
+        ):
+            raise ConfigError(
+                f"Family {self.name!r}: give either rules= (every key, absolute "
+                "names) or layer_prefix= (with '{i}'), layer_rules= and "
+                f"global_rules=; got rules={self.rules!r}, layer_prefix="
+                f"{self.layer_prefix!r}, layer_rules={self.layer_rules!r}, "
+                f"global_rules={self.global_rules!r}."
+            )
+        if not self.model_types:
+            object.__setattr__(self, "model_types", (self.name,))
+
+    @property
+    def layered(self) -> bool:
+        """Whether the family's rules are per layer (a `DecoderLM`'s stack)."""
+        return self.rules is None
+
+    def class_of(self, cfg: Any) -> str:
+        """The `transformers` class of the blocklab config `cfg`."""
+        return self.classes[0] if self.model_class is None else self.model_class(cfg)
+
+    def exports(self, model: Any) -> bool:
+        """Whether the family exports `model` (`owns`)."""
+        if self.owns is None:
+            return isinstance(model, DecoderLM)
+        return bool(self.owns(model))
+
+    def make(self, cfg: Any, *, key: Any) -> Any:
+        """The blocklab model of `cfg` (`build`)."""
+        if self.build is None:
+            return DecoderLM(cfg, key=key)
+        return self.build(cfg, key=key)
+
+    def tied_keys(self, cfg: Any, cls: str) -> Mapping[str, str]:
+        """`tied(cfg, cls)`: the stored keys tied to another."""
+        if self.tied is not None:
+            return self.tied(cfg, cls)
+        if self.layered and cfg.tie_embeddings:
+            return {"lm_head.weight": self.all_rules(cfg, cls)[0].hf}
+        return {}
+
+    def all_rules(self, cfg: Any, cls: str | None = None) -> list[Rule]:
+        """Every `Rule` of the state dict, absolute names on both sides
+        (per-layer layout: embeddings first, then the layers, then the rest,
+        PyTorch's order)."""
+        if self.rules is not None:
+            return list(self.rules(cfg, cls or self.class_of(cfg)))
+        rules = self.global_rules(cfg)
+        embed = ("token_emb.weight", "pos_emb.weight")
+        out = [r for r in rules if r.bl[0] in embed]
+        layer = self.layer_rules(cfg)
+        for i in range(cfg.num_blks):
+            prefix = self.layer_prefix.format(i=i)
+            out.extend(
+                dataclasses.replace(
+                    r,
+                    hf=prefix + r.hf,
+                    bl=tuple(f"stack.blocks.{i}.{b}" for b in r.bl),
+                )
+                for r in layer
+            )
+        out.extend(r for r in rules if r.bl[0] not in embed)
+        return out
 
 
-#: Registered families by short name (`register_family` adds one).
-FAMILIES: dict[str, HFFamily] = {}
+#: Registered families by short name (`register_family` adds one; every
+#: module of `interop.families` registers its own when imported).
+FAMILIES: dict[str, Family] = {}
 
 
-def register_family(family: HFFamily) -> HFFamily:
-    """Add `family` to `FAMILIES` (replacing one of the same name); returns it."""
-    if not isinstance(family, HFFamily):
+def register_family(family: Family) -> Family:
+    """Add `family` to `FAMILIES` (replacing one of the same name); returns it.
+
+    Raises:
+        ConfigError: `family` is not a `Family`, or another registered family
+            already converts one of its classes (both named).
+    """
+    if not isinstance(family, Family):
         raise ConfigError(
-            f"register_family: family must be an HFFamily, got {type(family).__name__}."
+            f"register_family: family must be a Family, got {type(family).__name__}."
         )
+    for other in FAMILIES.values():
+        taken = sorted(set(other.classes) & set(family.classes))
+        if other.name != family.name and taken:
+            raise ConfigError(
+                f"register_family: the family {family.name!r} converts {taken}, "
+                f"which the registered family {other.name!r} already converts; a "
+                "class has one family (give it another class, or register it "
+                f"under the name {other.name!r} to replace that family)."
+            )
     FAMILIES[family.name] = family
     return family
+
+
+def decoder_families() -> dict[str, Family]:
+    """The registered families of the per-layer layout (`Family.layered`):
+    those converting a `DecoderLM`."""
+    return {name: f for name, f in FAMILIES.items() if f.layered}
 
 
 def register_llama_layout(
@@ -309,13 +480,13 @@ def register_llama_layout(
     layer_rules: Callable[[DecoderConfig], list[Rule]],
     fields: Mapping[str, Any],
     **options: Any,
-) -> HFFamily:
+) -> Family:
     """Register the family `name` of the model class `cls` with the state-dict
     layout of Llama and the families built on its code: layer `i`'s keys under
     `model.layers.{i}.`, then `model_global_rules`. `options`: the other
-    `HFFamily` fields. Returns the family."""
+    `Family` fields. Returns the family."""
     return register_family(
-        HFFamily(
+        Family(
             name=name,
             classes=(cls,),
             to_config=to_config,
@@ -329,11 +500,12 @@ def register_llama_layout(
     )
 
 
-def _class_names() -> list[str]:
-    return sorted(c for f in FAMILIES.values() for c in f.classes)
+def _class_names(families: Mapping[str, Family] | None = None) -> list[str]:
+    families = FAMILIES if families is None else families
+    return sorted(c for f in families.values() for c in f.classes)
 
 
-def family_for_class(name: str) -> HFFamily:
+def family_for_class(name: str) -> Family:
     """The family converting the `transformers` model class `name`."""
     for family in FAMILIES.values():
         if name in family.classes:
@@ -409,13 +581,16 @@ def _same(a: Any, b: Any) -> bool:
 _ABSENT = "(absent)"
 
 
-def unsupported_settings(cfg: DecoderConfig, family: HFFamily) -> list[str]:
+def unsupported_settings(cfg: DecoderConfig, family: Family) -> list[str]:
     """The settings of `cfg` that `family` cannot express (empty: it can).
 
     Each entry names the setting, the model's value and the value the family's
     config mapping gives (`to_config(hf_fields(cfg))`), e.g.
     `"norm='gemma_rms' (llama: 'rms')"`, or quotes the mapping's refusal.
+    A family of encoders (not `Family.layered`) expresses no `DecoderConfig`.
     """
+    if not family.layered:
+        return [f"the {family.name} family converts {list(family.classes)}, no decoder"]
     try:
         theirs = family.to_config(types.SimpleNamespace(**family.hf_fields(cfg)))
     except ConfigError as err:
@@ -431,7 +606,7 @@ def unsupported_settings(cfg: DecoderConfig, family: HFFamily) -> list[str]:
 
 def resolve_family(
     owner: str, cfg: DecoderConfig, family: str | None, *, check: bool
-) -> HFFamily:
+) -> Family:
     """The family named by `family` (a short name or a class name), or the one
     family that can express `cfg` when `family` is None.
 
@@ -446,19 +621,20 @@ def resolve_family(
             express (with `check`), naming each setting; or, inferred, no
             family (or several) that can express `cfg`.
     """
+    families = decoder_families()
     if family is not None:
-        fam = FAMILIES.get(family)
+        fam = families.get(family)
         if fam is None:
-            fam = next((f for f in FAMILIES.values() if family in f.classes), None)
+            fam = next((f for f in families.values() if family in f.classes), None)
         if fam is None:
             raise ConfigError(
-                f"{owner}: family must be one of {sorted(FAMILIES)} or the class "
-                f"names {_class_names()}, got family={family!r}."
+                f"{owner}: family must be one of {sorted(families)} or the class "
+                f"names {_class_names(families)}, got family={family!r}."
             )
         problems = unsupported_settings(cfg, fam) if check else []
         if problems:
             able = [
-                f.name for f in FAMILIES.values() if not unsupported_settings(cfg, f)
+                f.name for f in families.values() if not unsupported_settings(cfg, f)
             ]
             hint = f" Families that can: {able}." if able else ""
             raise ConfigError(
@@ -467,12 +643,12 @@ def resolve_family(
                 f"{'; '.join(problems)}.{hint}"
             )
         return fam
-    reasons = {f.name: unsupported_settings(cfg, f) for f in FAMILIES.values()}
+    reasons = {f.name: unsupported_settings(cfg, f) for f in families.values()}
     found = [name for name, why in reasons.items() if not why]
     # a variant (Mistral) yields to the family it generalizes (Llama)
-    found = [n for n in found if FAMILIES[n].variant_of not in found]
+    found = [n for n in found if families[n].variant_of not in found]
     if len(found) == 1:
-        return FAMILIES[found[0]]
+        return families[found[0]]
     if found:
         raise ConfigError(
             f"{owner}: several Hugging Face families express this DecoderConfig "
@@ -567,7 +743,7 @@ def understood(cls: str, hf_config: Any, fields: Mapping[str, Any]) -> Any:
             name,
             value,
             "blocklab converts only the config fields it understands (the "
-            "family's HFFamily.fields and hf_common.HARMLESS_FIELDS); this one "
+            "family's Family.fields and hf_common.HARMLESS_FIELDS); this one "
             "could change the model",
         )
     out = types.SimpleNamespace()
@@ -807,3 +983,37 @@ def llama_like_fields(cfg: DecoderConfig) -> dict[str, Any]:
         hidden_act=hf_gated_act(cfg.act),
         rope_parameters=rope_fields(cfg.rope_theta),
     )
+
+
+#: BERT / ViT `hidden_act` -> blocklab's `act` (their `"gelu"` is the exact
+#: erf GELU, `"gelu_new"` the tanh one), and blocklab's `act` -> `hidden_act`.
+BERT_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
+             "relu": "relu"}  # fmt: skip
+HF_BERT_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+
+
+def label_fields(num_labels: int) -> dict[str, dict]:
+    """`id2label` and `label2id` of a classifier of `num_labels` classes
+    (`transformers`' default names `LABEL_i`)."""
+    return {
+        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
+    }
+
+
+def stack_rules(
+    num_blks: int, hf_prefix: str, layer: Sequence[tuple[str, str, bool]]
+) -> list[Rule]:
+    """The absolute `Rule`s of a stack's layers: for layer $i$ and each `(hf,
+    ours, biased)` of `layer`, `{hf_prefix}{i}.{hf}.weight` holds
+    `stack.blocks.{i}.{ours}.weight` (and `.bias` the bias when `biased`)."""
+    return [
+        Rule(f"{hf_prefix}{i}.{hf}.{n}", (f"stack.blocks.{i}.{ours}.{n}",))
+        for i in range(num_blks)
+        for hf, ours, biased in layer
+        for n in (("weight", "bias") if biased else ("weight",))
+    ]
+
+
+#: The former name of `Family` (kept while callers move; not exported).
+HFFamily = Family

@@ -1,31 +1,22 @@
-r"""Encoder and encoder–decoder families of `transformers`: registry and conversion.
+r"""The conversion of the families whose rules are stated all at once.
 
-The decoder families (`interop.hf_common.HFFamily`) map a `transformers`
-config onto a `DecoderConfig`; the families here (BERT, ModernBERT, ViT, T5 /
-umT5, one module each: `interop.bert`, `.modernbert`, `.vit`, `.t5`) map one
-onto the config of an encoder or encoder–decoder model of `blocklab.nn`, and
-state-dict keys onto its parameters. Each is an `EncoderFamily`:
-
-- `to_config(hf_config, cls)`: the blocklab config of the model class `cls`,
-  refusing by name every config field that changes the maths and is not
-  implemented (an allow-list, `FIELDS` of each module, read by
-  `hf_common.understood`);
-- `hf_fields(cfg)`: the way back (the `transformers` config fields);
-- `rules(cfg, cls)`: every stored tensor, its blocklab parameter(s) and its
-  layout (`EncRule`), with absolute names on both sides;
-- `build(cfg, key)`: the blocklab model.
-
-`from_huggingface`, `load_pretrained` and `save_pretrained` dispatch here for
-the classes and `model_type`s registered in `ENCODER_FAMILIES`. Loading reads
-each stored tensor once (safetensors, no torch); the folder's keys and shapes
-are checked against the rules before any tensor is converted.
+The encoder and encoder–decoder families (BERT, ModernBERT, ViT, T5 / mT5 /
+umT5, Whisper: modules of `interop.families`) are `Family`s like the
+decoders, registered in the one `FAMILIES`; they state every stored tensor
+at once (`Family.rules`, absolute names) instead of per layer, and may tie,
+ignore, rename or hold constant some of them (`Family.tied`, `ignored`,
+`disk_name`, `constants`). `from_huggingface`, `load_pretrained`,
+`save_pretrained`, `to_huggingface_state_dict` and
+`load_huggingface_state_dict` read that from the family and come here for
+such a family. Loading reads each stored tensor once (safetensors, no
+torch); the folder's keys and shapes are checked against the rules before
+any tensor is converted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +25,9 @@ import jax
 import numpy as np
 
 from .._io import atomic_dir, check_folder_target, check_writable
-from .._validate import ConfigError, check_bool, check_choice
+from .._validate import ConfigError, check_bool
 from ..training.checkpoint import CheckpointError
-from .hf_common import eval_config
+from .hf_common import FAMILIES, Family, eval_config
 from .porting import (
     _converted,
     _is_param,
@@ -57,9 +48,6 @@ from .safetensors_io import (
 )
 
 __all__ = [
-    "ENCODER_FAMILIES",
-    "EncRule",
-    "EncoderFamily",
     "encoder_family_for_class",
     "encoder_family_of_config",
     "encoder_from_huggingface",
@@ -68,189 +56,23 @@ __all__ = [
     "is_encoder_model",
     "load_encoder_pretrained",
     "load_encoder_state_dict",
-    "register_encoder_family",
     "save_encoder_pretrained",
 ]
 
-#: The layouts of an `EncRule`: `"same"` (copied), `"T"` (transposed), `"cat"`
-#: (the blocklab arrays concatenated along axis 0: ModernBERT's fused `Wqkv`
-#: and `Wi`), `"lead"` (the stored tensor has `lead` leading axes of size 1:
-#: ViT's `cls_token` `(1, 1, d)` and position table `(1, N + 1, d)`).
-ENC_RULE_KINDS = ("same", "T", "cat", "lead")
 
-#: BERT / ViT `hidden_act` -> blocklab's `act` (their `"gelu"` is the exact
-#: erf GELU, `"gelu_new"` the tanh one), and blocklab's `act` -> `hidden_act`.
-BERT_ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-             "relu": "relu"}  # fmt: skip
-HF_BERT_ACTS = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
-
-
-@dataclasses.dataclass(frozen=True)
-class EncRule:
-    """One stored tensor `hf` and the blocklab parameter(s) `bl` it holds.
-
-    Names are absolute on both sides (`"bert.encoder.layer.0.attention.self.
-    query.weight"`, `("encoder.stack.blocks.0.attention.W_q.weight",)`).
-    """
-
-    hf: str
-    bl: tuple[str, ...]
-    kind: str = "same"
-    lead: int = 0
-
-    def __post_init__(self):
-        check_choice("EncRule", "kind", self.kind, ENC_RULE_KINDS)
-
-    def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        if self.kind == "same":
-            return np.asarray(arrays[0])
-        if self.kind == "T":
-            return np.ascontiguousarray(np.asarray(arrays[0]).T)
-        if self.kind == "cat":
-            return np.concatenate([np.asarray(a) for a in arrays], axis=0)
-        a = np.asarray(arrays[0])
-        return a.reshape((1,) * self.lead + a.shape)
-
-    def from_hf(self, array: np.ndarray) -> list[np.ndarray]:
-        if self.kind == "same":
-            return [array]
-        if self.kind == "T":
-            return [np.ascontiguousarray(array.T)]
-        if self.kind == "cat":
-            return [
-                np.ascontiguousarray(a) for a in np.split(array, len(self.bl), axis=0)
-            ]
-        return [array.reshape(array.shape[self.lead :])]
-
-    def hf_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-        if self.kind == "same":
-            return tuple(shapes[0])
-        if self.kind == "T":
-            return tuple(shapes[0])[::-1]
-        if self.kind == "cat":
-            return (sum(s[0] for s in shapes), *shapes[0][1:])
-        return (1,) * self.lead + tuple(shapes[0])
-
-
-def label_fields(num_labels: int) -> dict[str, dict]:
-    """`id2label` and `label2id` of a classifier of `num_labels` classes
-    (`transformers`' default names `LABEL_i`)."""
-    return {
-        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
-        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
-    }
-
-
-def layer_rules(
-    num_blks: int, hf_prefix: str, layer: Sequence[tuple[str, str, bool]]
-) -> list[EncRule]:
-    """The `EncRule`s of a stack's layers: for layer $i$ and each `(hf, ours,
-    biased)` of `layer`, `{hf_prefix}{i}.{hf}.weight` holds
-    `stack.blocks.{i}.{ours}.weight` (and `.bias` the bias when `biased`)."""
-    return [
-        EncRule(f"{hf_prefix}{i}.{hf}.{n}", (f"stack.blocks.{i}.{ours}.{n}",))
-        for i in range(num_blks)
-        for hf, ours, biased in layer
-        for n in (("weight", "bias") if biased else ("weight",))
-    ]
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderFamily:
-    """How one `transformers` encoder (or encoder–decoder) family maps onto blocklab.
-
-    Attributes:
-        name: short name (`"bert"`), accepted as `family=`.
-        classes: the `transformers` model classes it converts (the first is
-            what `save_pretrained` writes when the model does not say).
-        model_types: the `model_type`s of its `config.json`; the first is
-            written.
-        to_config: `to_config(hf_config, cls) -> cfg`; refuses (naming the
-            field and its value) what blocklab does not implement.
-        hf_fields: `hf_fields(cfg) -> dict` of `transformers` config fields.
-        rules: `rules(cfg, cls) -> list[EncRule]`.
-        build: `build(cfg, key) -> model`.
-        model_class: `model_class(cfg) -> cls`: the `transformers` class of a
-            blocklab config (what `save_pretrained` names in `architectures`).
-        owns: `owns(model) -> bool`: the blocklab models it exports.
-        dropout_fields: config fields holding dropout rates, refused while
-            the PyTorch model is in training mode.
-        tied: `tied(cfg, cls) -> {stored key: the stored key it equals}`,
-            tensors `transformers` ties and `save_pretrained` leaves out (a
-            file may still hold them: they are checked equal and dropped).
-        ignored: stored keys that `transformers` itself ignores on load.
-        unused: `unused(cls) -> prefixes`: tensors of the family's other
-            classes that `cls` does not use and that `transformers` leaves
-            out when it loads them into `cls` (BERT's pre-training
-            checkpoints, `bert-base-uncased` among them, are stored with
-            `architectures` `BertForMaskedLM` but also hold the pooler
-            `bert.pooler.*` and the next-sentence head
-            `cls.seq_relationship.*`); any other extra tensor is refused.
-        untie: `untie(cfg) -> cfg` with its own head, for a family whose
-            stored head may differ from the tied embedding (T5: `transformers`
-            then keeps them untied); `None`: a differing tied tensor is an
-            error.
-        constants: `constants(cfg, cls) -> {blocklab parameter: value}`, the
-            parameters the `transformers` model does not have, with the
-            constant they hold there (ModernBERT's LayerNorm biases without
-            `norm_bias`: 0; its layer 0's absent attention norm); export
-            refuses a model whose parameter differs from it.
-        disk_name: `disk_name(key)`: the name on disk of an in-memory
-            state-dict key, for a family that `transformers` renames on load
-            (ViT); `None`: the same names.
-        base_prefix: the prefix of the base model's tensors in the head
-            classes (`"bert."`; the base class, `BertModel`, has none). A
-            stored key is read with or without it, as `transformers` reads a
-            base folder into a head class and a head folder into the base.
-        from_keys: `from_keys(cfg, cls, keys) -> cfg`: the config as the
-            stored tensors settle what `config.json` does not say (`BertModel`,
-            `ViTModel`: the pooler is there iff its tensors are; `keys` are the
-            stored names with `base_prefix` removed).
-    """
-
-    name: str
-    classes: tuple[str, ...]
-    model_types: tuple[str, ...]
-    to_config: Callable[[Any, str], Any]
-    hf_fields: Callable[[Any], dict[str, Any]]
-    rules: Callable[[Any, str], list[EncRule]]
-    build: Callable[..., Any]
-    model_class: Callable[[Any], str]
-    owns: Callable[[Any], bool]
-    dropout_fields: tuple[str, ...] = ()
-    tied: Callable[[Any, str], Mapping[str, str]] = lambda cfg, cls: {}
-    ignored: tuple[str, ...] = ()
-    unused: Callable[[str], tuple[str, ...]] = lambda cls: ()
-    untie: Callable[[Any], Any] | None = None
-    disk_name: Callable[[str], str] | None = None
-    constants: Callable[[Any, str], Mapping[str, float]] = lambda cfg, cls: {}
-    base_prefix: str = ""
-    from_keys: Callable[[Any, str, frozenset], Any] = lambda cfg, cls, keys: cfg
-
-
-#: Registered encoder families by short name.
-ENCODER_FAMILIES: dict[str, EncoderFamily] = {}
-
-
-def register_encoder_family(family: EncoderFamily) -> EncoderFamily:
-    """Add `family` to `ENCODER_FAMILIES`; returns it."""
-    if not isinstance(family, EncoderFamily):
-        raise ConfigError(
-            "register_encoder_family: family must be an EncoderFamily, got "
-            f"{type(family).__name__}."
-        )
-    ENCODER_FAMILIES[family.name] = family
-    return family
+def _encoder_families() -> list[Family]:
+    """The registered families of the all-at-once layout (`Family.rules`)."""
+    return [f for f in FAMILIES.values() if not f.layered]
 
 
 def is_encoder_class(name: str) -> bool:
     """Whether the `transformers` class `name` is an encoder family's."""
-    return any(name in f.classes for f in ENCODER_FAMILIES.values())
+    return any(name in f.classes for f in _encoder_families())
 
 
-def encoder_family_for_class(name: str) -> EncoderFamily:
+def encoder_family_for_class(name: str) -> Family:
     """The family converting the `transformers` model class `name`."""
-    for fam in ENCODER_FAMILIES.values():
+    for fam in _encoder_families():
         if name in fam.classes:
             return fam
     raise ConfigError(f"from_huggingface: the model class {name} is not supported.")
@@ -258,12 +80,12 @@ def encoder_family_for_class(name: str) -> EncoderFamily:
 
 def is_encoder_model(model: Any) -> bool:
     """Whether some encoder family exports `model`."""
-    return any(f.owns(model) for f in ENCODER_FAMILIES.values())
+    return any(f.exports(model) for f in _encoder_families())
 
 
 def encoder_family_of_config(
     raw: Mapping[str, Any],
-) -> tuple[EncoderFamily, str] | None:
+) -> tuple[Family, str] | None:
     """The encoder family and model class of a `config.json` (its
     `architectures[0]`, else its `model_type`'s first class), or `None`."""
     archs = raw.get("architectures")
@@ -282,25 +104,26 @@ def encoder_family_of_config(
                 return fam, name
         return None
     model_type = raw.get("model_type")
-    for fam in ENCODER_FAMILIES.values():
+    for fam in _encoder_families():
         if model_type in fam.model_types:
             return fam, fam.classes[0]
     return None
 
 
-def _family(owner: str, model: Any, family: str | None) -> EncoderFamily:
+def _family(owner: str, model: Any, family: str | None) -> Family:
     if family is not None:
-        fam = ENCODER_FAMILIES.get(family) or next(
-            (f for f in ENCODER_FAMILIES.values() if family in f.classes), None
+        fams = {f.name: f for f in _encoder_families()}
+        fam = fams.get(family) or next(
+            (f for f in fams.values() if family in f.classes), None
         )
-        if fam is None or not fam.owns(model):
+        if fam is None or not fam.exports(model):
             raise ConfigError(
                 f"{owner}: family={family!r} is not an encoder family that can "
                 f"express a {type(model).__name__}; encoder families: "
-                f"{sorted(ENCODER_FAMILIES)}."
+                f"{sorted(fams)}."
             )
         return fam
-    found = [f for f in ENCODER_FAMILIES.values() if f.owns(model)]
+    found = [f for f in _encoder_families() if f.exports(model)]
     if len(found) != 1:
         raise ConfigError(
             f"{owner}: no single encoder family expresses this "
@@ -319,7 +142,7 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _complete(model: Any, fam: EncoderFamily, cfg: Any) -> Any:
+def _complete(model: Any, fam: Family, cfg: Any) -> Any:
     """A model whose every leaf is concrete: the abstract leaves of a skeleton
     (per-layer windows, RoPE bases: integers) come from a model built for
     `cfg` in one compiled program that returns only them (its random weights
@@ -334,7 +157,7 @@ def _complete(model: Any, fam: EncoderFamily, cfg: Any) -> Any:
 
     @eqx.filter_jit
     def data(key):
-        return eqx.filter(fam.build(cfg, key=key), lambda x: not _is_param(x))
+        return eqx.filter(fam.make(cfg, key=key), lambda x: not _is_param(x))
 
     built = jax.tree_util.tree_leaves(data(jax.random.key(0)), is_leaf=is_none)
     return treedef.unflatten(
@@ -397,15 +220,15 @@ def _sources(expected: Any, stored: set[str], prefix: str) -> dict[str, str]:
     return out
 
 
-def _skeleton(fam: EncoderFamily, cfg: Any) -> Any:
-    return eqx.filter_eval_shape(lambda k: fam.build(cfg, key=k), jax.random.key(0))
+def _skeleton(fam: Family, cfg: Any) -> Any:
+    return eqx.filter_eval_shape(lambda k: fam.make(cfg, key=k), jax.random.key(0))
 
 
-def _family_of_config(owner: str, cfg: Any) -> EncoderFamily:
+def _family_of_config(owner: str, cfg: Any) -> Family:
     found = []
-    for fam in ENCODER_FAMILIES.values():
+    for fam in _encoder_families():
         try:
-            if fam.owns(_skeleton(fam, cfg)):
+            if fam.exports(_skeleton(fam, cfg)):
                 found.append(fam)
         except (ConfigError, TypeError, AttributeError):
             continue
@@ -436,12 +259,12 @@ def load_encoder_state_dict(
     """
     owner = "load_huggingface_state_dict"
     if family:
-        fam = ENCODER_FAMILIES.get(family) or encoder_family_for_class(family)
+        fam = FAMILIES.get(family) or encoder_family_for_class(family)
     else:
         fam = _family_of_config(owner, cfg)
-    cls = cls or fam.model_class(cfg)
+    cls = cls or fam.class_of(cfg)
     given = {k: v for k, v in hf_state_dict.items() if k not in fam.ignored}
-    for key, source in fam.tied(cfg, cls).items():
+    for key, source in fam.tied_keys(cfg, cls).items():
         if key in given:
             a = _to_numpy(given[key])
             b = _to_numpy(given[source]) if source in given else None
@@ -454,7 +277,7 @@ def load_encoder_state_dict(
                     "but differs from it."
                 )
             del given[key]
-    rules = fam.rules(cfg, cls)
+    rules = fam.all_rules(cfg, cls)
     skeleton = _skeleton(fam, cfg)
     shapes = param_shapes(skeleton)
     expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
@@ -492,7 +315,7 @@ def encoder_state_dict(
     """The `transformers` state dict of an encoder-family `model`
     (`{key: numpy array}`, tied tensors left out as `save_pretrained` does)."""
     fam = _family("to_huggingface_state_dict", model, family)
-    cls = fam.model_class(model.cfg)
+    cls = fam.class_of(model.cfg)
     ours = state_dict(model)
     for name, value in fam.constants(model.cfg, cls).items():
         if not np.all(ours[name] == value):
@@ -501,7 +324,9 @@ def encoder_state_dict(
                 f"is {value} there), but this model's differs from {value}; the "
                 "transformers model would compute other outputs."
             )
-    return {r.hf: r.to_hf([ours[b] for b in r.bl]) for r in fam.rules(model.cfg, cls)}
+    return {
+        r.hf: r.to_hf([ours[b] for b in r.bl]) for r in fam.all_rules(model.cfg, cls)
+    }
 
 
 def encoder_from_huggingface(hf_model: Any) -> Any:
@@ -523,7 +348,7 @@ def encoder_from_huggingface(hf_model: Any) -> Any:
 def load_encoder_pretrained(
     folder: Path,
     raw: Mapping[str, Any],
-    fam: EncoderFamily,
+    fam: Family,
     cls: str,
     *,
     dtype=None,
@@ -575,7 +400,7 @@ def load_encoder_pretrained(
     with open_catalog(folder) as catalog:
         stored = set(catalog.keys())
         cfg = fam.from_keys(cfg, cls, _base_keys(stored, fam.base_prefix))
-        for key, source in fam.tied(cfg, cls).items():
+        for key, source in fam.tied_keys(cfg, cls).items():
             if key in stored:
                 a = catalog.read(key)
                 b = catalog.read(source) if source in stored else None
@@ -588,7 +413,7 @@ def load_encoder_pretrained(
                         "of config.json but the stored tensors differ."
                     )
                 stored.discard(key)
-        rules = fam.rules(cfg, cls)
+        rules = fam.all_rules(cfg, cls)
         skeleton = _skeleton(fam, cfg)
         shapes = param_shapes(skeleton)
         stored -= set(fam.ignored)
@@ -669,7 +494,7 @@ def save_encoder_pretrained(
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
     fam = _family(owner, model, family)
     cfg = model.cfg
-    cls = fam.model_class(cfg)
+    cls = fam.class_of(cfg)
     fields = dict(fam.hf_fields(cfg))
     if token_ids:
         fields.update(token_ids)
@@ -679,7 +504,7 @@ def save_encoder_pretrained(
     sizes = [(k, v.nbytes) for k, v in tensors.items()]
     num_params = sum(v.size for v in tensors.values())
     generation = None
-    if getattr(fam, "name", "") in ("t5", "umt5") or generation_config is not None:
+    if fam.generation or generation_config is not None:
         generation = dict(generation_config or {"_from_model_config": True})
         for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
             if k in config and k not in generation:

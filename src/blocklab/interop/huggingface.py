@@ -10,12 +10,13 @@ and returns a `blocklab.DecoderLM` whose logits equal the PyTorch model's
 `load_huggingface_state_dict` (or `hf_model.load_state_dict` after
 `torch.from_numpy`) reads back bit for bit.
 
-This module is the conversion machinery only. Each family is an `HFFamily`
-in its own module (`interop.gpt2`, `.llama`, `.olmo2`, `.gemma3`, `.mixtral`,
-`.mistral`, `.qwen2`, `.qwen3`, `.gemma2`, `.phi3`),
-built on the public helpers of `interop.hf_common`, and registered in
-`FAMILIES` when imported (this module imports them all); `register_family`
-adds another without touching this module.
+This module is the conversion machinery only. Each family is a `Family` in
+its own module of `interop.families` (`gpt2`, `llama`, `olmo2`, `gemma3`,
+`mixtral`, `mistral`, `qwen2`, `qwen3`, `gemma2`, `phi3`; the encoders
+`bert`, `modernbert`, `vit`, `t5`, `whisper`), built on the public helpers
+of `interop.hf_common`, and registered in `FAMILIES` when imported (this
+module imports the package, which imports every module in it);
+`register_family` adds another without touching this module.
 
 Export refuses what the target cannot express: `to_huggingface_state_dict`
 raises `ConfigError` naming every setting of the model that the family's
@@ -26,7 +27,6 @@ logits. `torch` is imported only inside the functions that need it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..models.encoder_config import EncoderConfig, EncoderDecoderConfig
 from . import families  # noqa: F401 - registers every family module
 from .hf_common import (
     FAMILIES,
-    HFFamily,
+    Family,
     Rule,
     eval_config,
     family_for_class,
@@ -60,7 +60,7 @@ from .porting import check_keys, load_state_dict, param_shapes, state_dict
 
 __all__ = [
     "FAMILIES",
-    "HFFamily",
+    "Family",
     "Rule",
     "from_huggingface",
     "hf_config_to_decoder",
@@ -70,24 +70,10 @@ __all__ = [
 ]
 
 
-def _all_rules(cfg: DecoderConfig, fam: HFFamily) -> list[tuple[str, Rule]]:
-    """(absolute hf key, rule with absolute blocklab names) for every key:
-    embeddings first, then the layers, then the rest (PyTorch's order)."""
-    rules = fam.global_rules(cfg)
-    embed = ("token_emb.weight", "pos_emb.weight")
-    out = [(r.hf, r) for r in rules if r.bl[0] in embed]
-    layer = fam.layer_rules(cfg)
-    for i in range(cfg.num_blks):
-        prefix = fam.layer_prefix.format(i=i)
-        out.extend(
-            (
-                prefix + r.hf,
-                dataclasses.replace(r, bl=tuple(f"stack.blocks.{i}.{b}" for b in r.bl)),
-            )
-            for r in layer
-        )
-    out.extend((r.hf, r) for r in rules if r.bl[0] not in embed)
-    return out
+def _all_rules(cfg: DecoderConfig, fam: Family) -> list[tuple[str, Rule]]:
+    """(hf key, rule) for every key of a decoder family, absolute names
+    (`Family.all_rules`: embeddings first, then the layers, then the rest)."""
+    return [(r.hf, r) for r in fam.all_rules(cfg)]
 
 
 def hf_config_to_decoder(hf_config: Any, class_name: str) -> DecoderConfig:
@@ -97,7 +83,14 @@ def hf_config_to_decoder(hf_config: Any, class_name: str) -> DecoderConfig:
         ConfigError: an unsupported class, or a config field (named, with its
             value) that blocklab does not implement.
     """
-    return family_for_class(class_name).to_config(hf_config)
+    fam = family_for_class(class_name)
+    if not fam.layered:
+        raise ConfigError(
+            f"hf_config_to_decoder: the model class {class_name} is of the "
+            f"{fam.name} family, which converts no decoder (its models come from "
+            "from_huggingface or load_pretrained)."
+        )
+    return fam.to_config(hf_config, class_name)
 
 
 def to_huggingface_state_dict(
@@ -125,7 +118,7 @@ def to_huggingface_state_dict(
             `"gemma3"`, `"mixtral"`, `"mistral"`, `"qwen2"`, `"qwen3"`,
             `"gemma2"`, `"phi3"`) or a class name; `None`: the one
             registered family that can express the model's config (a variant,
-            `HFFamily.variant_of`, yields to the family it generalizes).
+            `Family.variant_of`, yields to the family it generalizes).
 
     Raises:
         ConfigError: `model` is not a `DecoderLM`, `family` is unknown, or the

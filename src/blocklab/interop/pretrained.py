@@ -4,7 +4,8 @@ r"""Checkpoint folders as `transformers` ships them, in and out, without torch.
 `transformers` (`config.json` + `model.safetensors`, or shards with
 `model.safetensors.index.json`) into a `DecoderLM`; `save_pretrained(model,
 path)` writes one that `transformers.AutoModelForCausalLM.from_pretrained`
-loads. Both go through the family registry (`interop.hf_common.FAMILIES`):
+loads. Both go through the one family registry (`interop.hf_common.FAMILIES`,
+every module of `interop.families`), decoders and encoders alike:
 
 - `config.json` names the family (`architectures[0]`, else `model_type`), whose
   `to_config` maps it to a `DecoderConfig` and refuses, by name, any field
@@ -81,15 +82,15 @@ from ..training.checkpoint import CheckpointError
 from ..training.plan import PRESET_CONFIGS
 from .hf_common import (
     FAMILIES,
-    HFFamily,
+    Family,
     StoredAs,
+    decoder_families,
     family_for_class,
     legacy_rope,
     resolve_family,
     rope_fields,
 )
 from .hf_encoder import (
-    ENCODER_FAMILIES,
     encoder_family_of_config,
     is_encoder_model,
     load_encoder_pretrained,
@@ -209,13 +210,14 @@ def _standardize(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _family_of(raw: Mapping[str, Any], where: Path) -> HFFamily:
+def _family_of(raw: Mapping[str, Any], where: Path) -> Family:
     archs = raw.get("architectures")
     model_type = raw.get("model_type")
+    families = decoder_families()
     typed = [
         f
-        for f in FAMILIES.values()
-        if model_type is not None and model_type == (f.model_type or f.name)
+        for f in families.values()
+        if model_type is not None and model_type in f.model_types
     ]
     if archs:
         if isinstance(archs, str) or not isinstance(archs, list):
@@ -223,13 +225,13 @@ def _family_of(raw: Mapping[str, Any], where: Path) -> HFFamily:
                 f"load_pretrained: {where}: architectures must be a list of class "
                 f"names, got {archs!r}."
             )
-        named: dict[str, HFFamily] = {}  # family name -> family, in order
+        named: dict[str, Family] = {}  # family name -> family, in order
         for name in archs:
-            if any(name in f.classes for f in FAMILIES.values()):
+            if any(name in f.classes for f in families.values()):
                 fam = family_for_class(name)
                 named.setdefault(fam.name, fam)
         if not named:
-            supported = sorted(c for f in FAMILIES.values() for c in f.classes)
+            supported = sorted(c for f in families.values() for c in f.classes)
             raise ConfigError(
                 f"load_pretrained: {where}: architectures={archs!r} names no "
                 f"supported model class; supported: {supported} (register others "
@@ -248,12 +250,12 @@ def _family_of(raw: Mapping[str, Any], where: Path) -> HFFamily:
                 f"({', '.join(names)}); transformers builds the model of "
                 "model_type, so the folder does not say which model it holds. Make "
                 "them agree (e.g. model_type="
-                f"{fams[0].model_type or fams[0].name!r} for {fams[0].classes[0]})."
+                f"{fams[0].model_types[0]!r} for {fams[0].classes[0]})."
             )
         return fams[0]
     if typed:
         return typed[0]
-    types_ = sorted(f.model_type or f.name for f in FAMILIES.values())
+    types_ = sorted(t for f in families.values() for t in f.model_types)
     raise ConfigError(
         f"load_pretrained: {where}: no architectures entry, and model_type="
         f"{model_type!r} is not one of {types_}."
@@ -274,7 +276,7 @@ def pretrained_config(path: str | os.PathLike) -> DecoderConfig:
     return _config(read_config(folder), folder / CONFIG_NAME)[1]
 
 
-def _config(raw: dict[str, Any], where: Path) -> tuple[HFFamily, DecoderConfig]:
+def _config(raw: dict[str, Any], where: Path) -> tuple[Family, DecoderConfig]:
     fam = _family_of(raw, where)
     try:
         cfg = fam.to_config(types.SimpleNamespace(**raw))
@@ -508,7 +510,8 @@ def load_pretrained(
     if model_class is not None:
         raise ConfigError(
             f"{owner}: model_class= is for the encoder families' folders "
-            f"({list(ENCODER_FAMILIES)}); {folder} holds a decoder."
+            f"({[n for n, f in FAMILIES.items() if not f.layered]}); {folder} "
+            "holds a decoder."
         )
     fam, cfg = _config(raw, folder / CONFIG_NAME)
     cfg = _with_usage(owner, cfg, raw, folder)
@@ -524,7 +527,7 @@ def _part_shapes(stored: StoredAs, shape: tuple[int, ...]) -> list[tuple[int, ..
 
 
 def _match(
-    cfg: DecoderConfig, fam: HFFamily, catalog: Catalog, folder: Path
+    cfg: DecoderConfig, fam: Family, catalog: Catalog, folder: Path
 ) -> tuple[DecoderConfig, dict[str, tuple[str, ...] | str]]:
     """Check the stored keys and shapes against the config (before any data is
     read); returns the config (untied when the file unties it) and, per
@@ -628,7 +631,7 @@ def _leaf_path(names) -> str:
 
 def _assemble(
     cfg: DecoderConfig,
-    fam: HFFamily,
+    fam: Family,
     catalog: Catalog,
     stored_of: dict[str, str],
     target_dtype: np.dtype | None,
@@ -757,7 +760,7 @@ def _dtype_name(model: DecoderLM) -> str:
 
 
 def hf_config_dict(
-    model: DecoderLM, fam: HFFamily, token_ids: Mapping[str, Any]
+    model: DecoderLM, fam: Family, token_ids: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The `config.json` of `model` for `fam`: the family's fields plus
     `architectures`, `model_type`, `dtype` and `token_ids`."""
@@ -765,7 +768,7 @@ def hf_config_dict(
     fields.update(token_ids)
     fields.update(
         architectures=[fam.classes[0]],
-        model_type=fam.model_type or fam.name,
+        model_type=fam.model_types[0],
         dtype=_dtype_name(model),
     )
     return {k: _json_value(v) for k, v in sorted(fields.items())}

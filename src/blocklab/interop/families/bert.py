@@ -25,15 +25,16 @@ from typing import Any
 
 from ...models.encoder import EncoderModel
 from ...models.encoder_config import EncoderConfig
-from ..hf_common import refuse, understood
-from ..hf_encoder import (
+from ..hf_common import (
     BERT_ACTS,
     HF_BERT_ACTS,
-    EncoderFamily,
-    EncRule,
+    Family,
+    Rule,
     label_fields,
-    layer_rules,
-    register_encoder_family,
+    refuse,
+    register_family,
+    stack_rules,
+    understood,
 )
 
 __all__ = ["BERT", "bert_config", "bert_fields", "bert_rules"]
@@ -165,16 +166,16 @@ def _expressible(cfg: Any) -> bool:
     )  # fmt: skip
 
 
-def bert_rules(cfg: EncoderConfig, cls: str) -> list[EncRule]:
+def bert_rules(cfg: EncoderConfig, cls: str) -> list[Rule]:
     """Every stored tensor of the class `cls` and its blocklab parameter."""
     p = "" if cls == _BASE else "bert."
     rules = [
-        EncRule(p + "embeddings.word_embeddings.weight", ("token_emb.weight",)),
-        EncRule(p + "embeddings.position_embeddings.weight", ("pos_emb.weight",)),
-        EncRule(p + "embeddings.token_type_embeddings.weight", ("type_emb.weight",)),
+        Rule(p + "embeddings.word_embeddings.weight", ("token_emb.weight",)),
+        Rule(p + "embeddings.position_embeddings.weight", ("pos_emb.weight",)),
+        Rule(p + "embeddings.token_type_embeddings.weight", ("type_emb.weight",)),
     ]
     for n in ("weight", "bias"):
-        rules.append(EncRule(f"{p}embeddings.LayerNorm.{n}", (f"emb_norm.{n}",)))
+        rules.append(Rule(f"{p}embeddings.LayerNorm.{n}", (f"emb_norm.{n}",)))
     layer = [
         ("attention.self.query", "attention.W_q", True),
         ("attention.self.key", "attention.W_k", True),
@@ -185,23 +186,23 @@ def bert_rules(cfg: EncoderConfig, cls: str) -> list[EncRule]:
         ("output.dense", "ffn.W_2", True),
         ("output.LayerNorm", "norm2", True),
     ]
-    rules += layer_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
+    rules += stack_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
     if cls == _MLM:
         t = "cls.predictions."
         for hf, ours in (("transform.dense", "mlm_dense"),
                          ("transform.LayerNorm", "mlm_norm")):  # fmt: skip
             for n in ("weight", "bias"):
-                rules.append(EncRule(f"{t}{hf}.{n}", (f"{ours}.{n}",)))
-        rules.append(EncRule(t + "bias", ("mlm_bias",)))
+                rules.append(Rule(f"{t}{hf}.{n}", (f"{ours}.{n}",)))
+        rules.append(Rule(t + "bias", ("mlm_bias",)))
         if not cfg.tie_embeddings:
-            rules.append(EncRule(t + "decoder.weight", ("mlm_decoder.weight",)))
+            rules.append(Rule(t + "decoder.weight", ("mlm_decoder.weight",)))
     elif cls == _SEQ:
         for n in ("weight", "bias"):
-            rules.append(EncRule(f"{p}pooler.dense.{n}", (f"pooler_dense.{n}",)))
-            rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+            rules.append(Rule(f"{p}pooler.dense.{n}", (f"pooler_dense.{n}",)))
+            rules.append(Rule(f"classifier.{n}", (f"classifier.{n}",)))
     elif cfg.pooler == "tanh":
         for n in ("weight", "bias"):
-            rules.append(EncRule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
+            rules.append(Rule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
     return rules
 
 
@@ -231,8 +232,8 @@ def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
     return out
 
 
-BERT = register_encoder_family(
-    EncoderFamily(
+BERT = register_family(
+    Family(
         name="bert",
         classes=(_MLM, _SEQ, _BASE),
         model_types=("bert",),

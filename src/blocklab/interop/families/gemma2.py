@@ -68,7 +68,7 @@ FIELDS = {
 }
 
 
-def gemma2_config(hf: Any) -> DecoderConfig:
+def gemma2_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `Gemma2Config`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
     softcaps = {}

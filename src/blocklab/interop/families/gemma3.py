@@ -132,7 +132,7 @@ def gemma_config(cls: str, hf: Any, **extra: Any) -> DecoderConfig:
     )
 
 
-def gemma3_config(hf: Any) -> DecoderConfig:
+def gemma3_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `Gemma3TextConfig`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
     if get_field(hf, "text_config") is not None:
@@ -214,5 +214,5 @@ GEMMA3 = register_llama_layout(
     gemma3_fields,
     gemma3_layer,
     FIELDS,
-    model_type="gemma3_text",
+    model_types=("gemma3_text",),
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...models.decoder_config import DecoderConfig
 from ..hf_common import (
-    HFFamily,
+    Family,
     Rule,
     biased,
     get_field,
@@ -61,7 +61,7 @@ FIELDS = {
 }
 
 
-def gpt2_config(hf: Any) -> DecoderConfig:
+def gpt2_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `GPT2Config`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
     act = get_field(hf, "activation_function")
@@ -158,7 +158,7 @@ def gpt2_global(cfg: DecoderConfig) -> list[Rule]:
 
 
 GPT2 = register_family(
-    HFFamily(
+    Family(
         name="gpt2",
         classes=(_CLS,),
         to_config=gpt2_config,

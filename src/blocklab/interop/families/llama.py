@@ -45,7 +45,7 @@ FIELDS = {
 }
 
 
-def llama_config(hf: Any) -> DecoderConfig:
+def llama_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `LlamaConfig`; refuses what blocklab lacks."""
     hf = understood("LlamaForCausalLM", hf, FIELDS)
     return llama_like(

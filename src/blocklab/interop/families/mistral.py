@@ -50,7 +50,7 @@ FIELDS = {
 }
 
 
-def mistral_config(hf: Any) -> DecoderConfig:
+def mistral_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `MistralConfig`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
     if hf.layer_types is not None:

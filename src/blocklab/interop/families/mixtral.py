@@ -61,7 +61,7 @@ FIELDS = {
 }
 
 
-def mixtral_config(hf: Any) -> MoEDecoderConfig:
+def mixtral_config(hf: Any, cls: str | None = None) -> MoEDecoderConfig:
     """The `MoEDecoderConfig` of a `MixtralConfig`; refuses what blocklab lacks."""
     cls = "MixtralForCausalLM"
     hf = understood(cls, hf, FIELDS)

@@ -25,8 +25,16 @@ from typing import Any
 
 from ...models.encoder import EncoderModel
 from ...models.encoder_config import EncoderConfig
-from ..hf_common import LAYER_TYPES, refuse, rope_theta, understood
-from ..hf_encoder import EncoderFamily, EncRule, label_fields, register_encoder_family
+from ..hf_common import (
+    LAYER_TYPES,
+    Family,
+    Rule,
+    label_fields,
+    refuse,
+    register_family,
+    rope_theta,
+    understood,
+)
 
 __all__ = ["MODERNBERT", "modernbert_config", "modernbert_fields", "modernbert_rules"]
 
@@ -276,51 +284,51 @@ def _expressible(cfg: Any) -> bool:
     )  # fmt: skip
 
 
-def modernbert_rules(cfg: EncoderConfig, cls: str = _MLM) -> list[EncRule]:
+def modernbert_rules(cfg: EncoderConfig, cls: str = _MLM) -> list[Rule]:
     """Every stored tensor and its blocklab parameter."""
     b = cfg.block
     m = "" if cls == _BASE else "model."
     rules = [
-        EncRule(m + "embeddings.tok_embeddings.weight", ("token_emb.weight",)),
-        EncRule(m + "embeddings.norm.weight", ("emb_norm.weight",)),
+        Rule(m + "embeddings.tok_embeddings.weight", ("token_emb.weight",)),
+        Rule(m + "embeddings.norm.weight", ("emb_norm.weight",)),
     ]
     for i in range(cfg.num_blks):
         h, o = f"{m}layers.{i}.", f"stack.blocks.{i}."
         if i > 0:
-            rules.append(EncRule(h + "attn_norm.weight", (o + "norm1.weight",)))
+            rules.append(Rule(h + "attn_norm.weight", (o + "norm1.weight",)))
         qkv = tuple(f"{o}attention.W_{n}.weight" for n in "qkv")
-        rules.append(EncRule(h + "attn.Wqkv.weight", qkv, "cat"))
-        rules.append(EncRule(h + "attn.Wo.weight", (o + "attention.W_o.weight",)))
+        rules.append(Rule(h + "attn.Wqkv.weight", qkv, "cat"))
+        rules.append(Rule(h + "attn.Wo.weight", (o + "attention.W_o.weight",)))
         if b.attn_bias:
             qkv_b = tuple(f"{o}attention.W_{n}.bias" for n in "qkv")
-            rules.append(EncRule(h + "attn.Wqkv.bias", qkv_b, "cat"))
-            rules.append(EncRule(h + "attn.Wo.bias", (o + "attention.W_o.bias",)))
-        rules.append(EncRule(h + "mlp_norm.weight", (o + "norm2.weight",)))
+            rules.append(Rule(h + "attn.Wqkv.bias", qkv_b, "cat"))
+            rules.append(Rule(h + "attn.Wo.bias", (o + "attention.W_o.bias",)))
+        rules.append(Rule(h + "mlp_norm.weight", (o + "norm2.weight",)))
         wi = (o + "ffn.W_g.weight", o + "ffn.W_1.weight")
-        rules.append(EncRule(h + "mlp.Wi.weight", wi, "cat"))
-        rules.append(EncRule(h + "mlp.Wo.weight", (o + "ffn.W_2.weight",)))
+        rules.append(Rule(h + "mlp.Wi.weight", wi, "cat"))
+        rules.append(Rule(h + "mlp.Wo.weight", (o + "ffn.W_2.weight",)))
         if b.ffn_bias:
             wi_b = (o + "ffn.W_g.bias", o + "ffn.W_1.bias")
-            rules.append(EncRule(h + "mlp.Wi.bias", wi_b, "cat"))
-            rules.append(EncRule(h + "mlp.Wo.bias", (o + "ffn.W_2.bias",)))
-    rules.append(EncRule(m + "final_norm.weight", ("norm.weight",)))
+            rules.append(Rule(h + "mlp.Wi.bias", wi_b, "cat"))
+            rules.append(Rule(h + "mlp.Wo.bias", (o + "ffn.W_2.bias",)))
+    rules.append(Rule(m + "final_norm.weight", ("norm.weight",)))
     if cls == _BASE:
         return rules
     dense, norm = ("mlm_dense", "mlm_norm") if cls == _MLM else (
         "pooler_dense", "pooler_norm"
     )  # fmt: skip
-    rules.append(EncRule("head.dense.weight", (f"{dense}.weight",)))
+    rules.append(Rule("head.dense.weight", (f"{dense}.weight",)))
     if cfg.head_bias:
-        rules.append(EncRule("head.dense.bias", (f"{dense}.bias",)))
-    rules.append(EncRule("head.norm.weight", (f"{norm}.weight",)))
+        rules.append(Rule("head.dense.bias", (f"{dense}.bias",)))
+    rules.append(Rule("head.norm.weight", (f"{norm}.weight",)))
     if cls == _MLM:
         if cfg.decoder_bias:
-            rules.append(EncRule("decoder.bias", ("mlm_bias",)))
+            rules.append(Rule("decoder.bias", ("mlm_bias",)))
         if not cfg.tie_embeddings:
-            rules.append(EncRule("decoder.weight", ("mlm_decoder.weight",)))
+            rules.append(Rule("decoder.weight", ("mlm_decoder.weight",)))
     else:
         for n in ("weight", "bias"):
-            rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+            rules.append(Rule(f"classifier.{n}", (f"classifier.{n}",)))
     return rules
 
 
@@ -343,8 +351,8 @@ def _tied(cfg: EncoderConfig, cls: str) -> dict[str, str]:
     return {}
 
 
-MODERNBERT = register_encoder_family(
-    EncoderFamily(
+MODERNBERT = register_family(
+    Family(
         name="modernbert",
         classes=(_MLM, _SEQ, _BASE),
         model_types=("modernbert",),

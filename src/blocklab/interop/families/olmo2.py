@@ -41,7 +41,7 @@ FIELDS = {
 }
 
 
-def olmo2_config(hf: Any) -> DecoderConfig:
+def olmo2_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of an `Olmo2Config`; refuses what blocklab lacks."""
     hf = understood("Olmo2ForCausalLM", hf, FIELDS)
     return llama_like(hf, "Olmo2ForCausalLM", DecoderConfig.olmo2)

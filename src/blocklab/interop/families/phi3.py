@@ -62,7 +62,7 @@ FIELDS = {
 }
 
 
-def phi3_config(hf: Any) -> DecoderConfig:
+def phi3_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `Phi3Config`; refuses what blocklab lacks."""
     hf = understood(_CLS, hf, FIELDS)
     for field in ("rope_parameters", "rope_scaling"):

@@ -113,7 +113,7 @@ def qwen_fields(cfg: DecoderConfig) -> dict[str, Any]:
     )
 
 
-def qwen2_config(hf: Any) -> DecoderConfig:
+def qwen2_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `Qwen2Config`; refuses what blocklab lacks."""
     return qwen_config(_CLS, hf, FIELDS, attn_bias=True, attn_out_bias=False)
 

@@ -34,7 +34,7 @@ _CLS = "Qwen3ForCausalLM"
 FIELDS = {**QWEN2_FIELDS, "head_dim": 128, "attention_bias": False}
 
 
-def qwen3_config(hf: Any) -> DecoderConfig:
+def qwen3_config(hf: Any, cls: str | None = None) -> DecoderConfig:
     """The `DecoderConfig` of a `Qwen3Config`; refuses what blocklab lacks."""
     return qwen_config(_CLS, hf, FIELDS, qk_norm="head")
 

@@ -38,8 +38,7 @@ from typing import Any
 from ...models.encoder import EncoderModel
 from ...models.encoder_config import EncoderConfig, EncoderDecoderConfig
 from ...models.encoder_decoder import EncoderDecoderLM
-from ..hf_common import Derived, refuse, understood
-from ..hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from ..hf_common import Derived, Family, Rule, refuse, register_family, understood
 
 __all__ = [
     "MT5", "T5", "T5_ENCODER", "UMT5", "UMT5_ENCODER", "t5_config", "t5_fields",
@@ -237,22 +236,22 @@ def _encoder_expressible(cfg: Any, relative_bias: str = "shared") -> bool:
     )  # fmt: skip
 
 
-def _ffn(cfg: Any, hf: str, ours: str) -> list[EncRule]:
+def _ffn(cfg: Any, hf: str, ours: str) -> list[Rule]:
     if cfg.block.gated:
         pairs = (("wi_0", "W_g"), ("wi_1", "W_1"), ("wo", "W_2"))
     else:
         pairs = (("wi", "W_1"), ("wo", "W_2"))
     return [
-        EncRule(f"{hf}.DenseReluDense.{h}.weight", (f"{ours}.ffn.{o}.weight",))
+        Rule(f"{hf}.DenseReluDense.{h}.weight", (f"{ours}.ffn.{o}.weight",))
         for h, o in pairs
     ]
 
 
-def _attn(hf: str, ours: str) -> list[EncRule]:
-    return [EncRule(f"{hf}.{n}.weight", (f"{ours}.W_{n}.weight",)) for n in "qkvo"]
+def _attn(hf: str, ours: str) -> list[Rule]:
+    return [Rule(f"{hf}.{n}.weight", (f"{ours}.W_{n}.weight",)) for n in "qkvo"]
 
 
-def _rel(cfg: Any, stack: str, num_blks: int) -> list[EncRule]:
+def _rel(cfg: Any, stack: str, num_blks: int) -> list[Rule]:
     """The relative position bias tables of a stack: layer 0's (T5, mT5), or
     every layer's (umT5)."""
     hf = f"{stack}.block.{{}}.layer.0.SelfAttention.relative_attention_bias.weight"
@@ -261,41 +260,37 @@ def _rel(cfg: Any, stack: str, num_blks: int) -> list[EncRule]:
     else:
         ours = "enc_rel_bias" if stack == "encoder" else "dec_rel_bias"
     if cfg.relative_bias == "shared":
-        return [EncRule(hf.format(0), (f"{ours}.weight",))]
-    return [
-        EncRule(hf.format(i), (f"{ours}.blocks.{i}.weight",)) for i in range(num_blks)
-    ]
+        return [Rule(hf.format(0), (f"{ours}.weight",))]
+    return [Rule(hf.format(i), (f"{ours}.blocks.{i}.weight",)) for i in range(num_blks)]
 
 
-def t5_rules(
-    cfg: EncoderDecoderConfig | EncoderConfig, cls: str = _CLS
-) -> list[EncRule]:
+def t5_rules(cfg: EncoderDecoderConfig | EncoderConfig, cls: str = _CLS) -> list[Rule]:
     """Every stored tensor and its blocklab parameter."""
-    rules = [EncRule("shared.weight", ("token_emb.weight",))]
+    rules = [Rule("shared.weight", ("token_emb.weight",))]
     encoder_only = isinstance(cfg, EncoderConfig)
     stack = "stack" if encoder_only else "encoder"
     for i in range(cfg.num_blks):
         e, o = f"encoder.block.{i}.layer", f"{stack}.blocks.{i}"
         rules += _attn(f"{e}.0.SelfAttention", f"{o}.attention")
-        rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
+        rules.append(Rule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
         rules += _ffn(cfg, f"{e}.1", o)
-        rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
+        rules.append(Rule(f"{e}.1.layer_norm.weight", (f"{o}.norm2.weight",)))
     rules += _rel(cfg, "encoder", cfg.num_blks)
     if encoder_only:
-        return [*rules, EncRule("encoder.final_layer_norm.weight", ("norm.weight",))]
-    rules.append(EncRule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
+        return [*rules, Rule("encoder.final_layer_norm.weight", ("norm.weight",))]
+    rules.append(Rule("encoder.final_layer_norm.weight", ("enc_norm.weight",)))
     for i in range(cfg.num_decoder_blks):
         e, o = f"decoder.block.{i}.layer", f"decoder.blocks.{i}"
         rules += _attn(f"{e}.0.SelfAttention", f"{o}.attention")
-        rules.append(EncRule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
+        rules.append(Rule(f"{e}.0.layer_norm.weight", (f"{o}.norm1.weight",)))
         rules += _attn(f"{e}.1.EncDecAttention", f"{o}.cross_attn")
-        rules.append(EncRule(f"{e}.1.layer_norm.weight", (f"{o}.norm_cross.weight",)))
+        rules.append(Rule(f"{e}.1.layer_norm.weight", (f"{o}.norm_cross.weight",)))
         rules += _ffn(cfg, f"{e}.2", o)
-        rules.append(EncRule(f"{e}.2.layer_norm.weight", (f"{o}.norm2.weight",)))
+        rules.append(Rule(f"{e}.2.layer_norm.weight", (f"{o}.norm2.weight",)))
     rules += _rel(cfg, "decoder", cfg.num_decoder_blks)
-    rules.append(EncRule("decoder.final_layer_norm.weight", ("dec_norm.weight",)))
+    rules.append(Rule("decoder.final_layer_norm.weight", ("dec_norm.weight",)))
     if not cfg.tie_embeddings:
-        rules.append(EncRule("lm_head.weight", ("head.weight",)))
+        rules.append(Rule("lm_head.weight", ("head.weight",)))
     return rules
 
 
@@ -319,13 +314,13 @@ def _untie(cfg: EncoderDecoderConfig) -> EncoderDecoderConfig:
 
 def _register(
     name: str, cls: str, model_type: str, model: type, owns: Any, **extra: Any
-) -> EncoderFamily:
+) -> Family:
     """Register one family of T5's layout: `transformers` class `cls`
     (`model_type`), built as `model` (`EncoderDecoderLM` or `EncoderModel`),
-    exporting the models `owns` accepts; `extra`: further `EncoderFamily`
+    exporting the models `owns` accepts; `extra`: further `Family`
     fields."""
-    return register_encoder_family(
-        EncoderFamily(
+    return register_family(
+        Family(
             name=name,
             classes=(cls,),
             model_types=(model_type,),
@@ -342,7 +337,7 @@ def _register(
     )
 
 
-def _family(name: str, cls: str, owns: Any) -> EncoderFamily:
+def _family(name: str, cls: str, owns: Any) -> Family:
     return _register(
         name,
         cls,
@@ -353,6 +348,7 @@ def _family(name: str, cls: str, owns: Any) -> EncoderFamily:
             "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
         ),
         untie=_untie,
+        generation=True,
     )
 
 

@@ -24,15 +24,16 @@ from typing import Any
 
 from ...models.encoder import EncoderModel
 from ...models.encoder_config import EncoderConfig
-from ..hf_common import refuse, understood
-from ..hf_encoder import (
+from ..hf_common import (
     BERT_ACTS,
     HF_BERT_ACTS,
-    EncoderFamily,
-    EncRule,
+    Family,
+    Rule,
     label_fields,
-    layer_rules,
-    register_encoder_family,
+    refuse,
+    register_family,
+    stack_rules,
+    understood,
 )
 
 __all__ = ["VIT", "vit_config", "vit_fields", "vit_rules"]
@@ -166,15 +167,15 @@ def _expressible(cfg: Any) -> bool:
     )  # fmt: skip
 
 
-def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
+def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[Rule]:
     """Every stored tensor (names on disk) and its blocklab parameter."""
     p = "" if cls == _BASE else "vit."
     e = p + "embeddings."
     rules = [
-        EncRule(e + "cls_token", ("vit_emb.cls_token",), "lead", 2),
-        EncRule(e + "position_embeddings", ("vit_emb.pos_emb",), "lead", 1),
-        EncRule(e + "patch_embeddings.projection.weight", ("vit_emb.patch.weight",)),
-        EncRule(e + "patch_embeddings.projection.bias", ("vit_emb.patch.bias",)),
+        Rule(e + "cls_token", ("vit_emb.cls_token",), "lead", lead=2),
+        Rule(e + "position_embeddings", ("vit_emb.pos_emb",), "lead", lead=1),
+        Rule(e + "patch_embeddings.projection.weight", ("vit_emb.patch.weight",)),
+        Rule(e + "patch_embeddings.projection.bias", ("vit_emb.patch.bias",)),
     ]
     b = cfg.block
     layer = [
@@ -187,13 +188,13 @@ def vit_rules(cfg: EncoderConfig, cls: str = _CLS) -> list[EncRule]:
         ("output.dense", "ffn.W_2", True),
         ("layernorm_after", "norm2", True),
     ]
-    rules += layer_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
+    rules += stack_rules(cfg.num_blks, f"{p}encoder.layer.", layer)
     for n in ("weight", "bias"):
-        rules.append(EncRule(f"{p}layernorm.{n}", (f"norm.{n}",)))
+        rules.append(Rule(f"{p}layernorm.{n}", (f"norm.{n}",)))
         if cls == _CLS:
-            rules.append(EncRule(f"classifier.{n}", (f"classifier.{n}",)))
+            rules.append(Rule(f"classifier.{n}", (f"classifier.{n}",)))
         elif cfg.pooler == "tanh":
-            rules.append(EncRule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
+            rules.append(Rule(f"pooler.dense.{n}", (f"pooler_dense.{n}",)))
     return rules
 
 
@@ -204,8 +205,8 @@ def _from_keys(cfg: EncoderConfig, cls: str, keys: frozenset) -> EncoderConfig:
     return cfg
 
 
-VIT = register_encoder_family(
-    EncoderFamily(
+VIT = register_family(
+    Family(
         name="vit",
         classes=(_CLS, _BASE),
         model_types=("vit",),

@@ -31,8 +31,7 @@ from typing import Any
 
 from ...models.encoder_config import EncoderDecoderConfig
 from ...models.encoder_decoder import EncoderDecoderLM
-from ..hf_common import refuse, understood
-from ..hf_encoder import EncoderFamily, EncRule, register_encoder_family
+from ..hf_common import Family, Rule, refuse, register_family, understood
 
 __all__ = ["WHISPER", "whisper_config", "whisper_fields", "whisper_rules"]
 
@@ -217,22 +216,22 @@ def _expressible(cfg: Any) -> bool:
     )  # fmt: skip
 
 
-def _attn(hf: str, ours: str) -> list[EncRule]:
+def _attn(hf: str, ours: str) -> list[Rule]:
     """q, v, out: weight and bias; k: weight only (its bias is a constant 0)."""
     rules = []
     projections = (("q_proj", "W_q", True), ("k_proj", "W_k", False),
                    ("v_proj", "W_v", True), ("out_proj", "W_o", True))  # fmt: skip
     for h, o, biased in projections:
         for n in ("weight", "bias") if biased else ("weight",):
-            rules.append(EncRule(f"{hf}.{h}.{n}", (f"{ours}.{o}.{n}",)))
+            rules.append(Rule(f"{hf}.{h}.{n}", (f"{ours}.{o}.{n}",)))
     return rules
 
 
-def _affine(hf: str, ours: str) -> list[EncRule]:
-    return [EncRule(f"{hf}.{n}", (f"{ours}.{n}",)) for n in ("weight", "bias")]
+def _affine(hf: str, ours: str) -> list[Rule]:
+    return [Rule(f"{hf}.{n}", (f"{ours}.{n}",)) for n in ("weight", "bias")]
 
 
-def _layer(hf: str, ours: str, cross: bool) -> list[EncRule]:
+def _layer(hf: str, ours: str, cross: bool) -> list[Rule]:
     rules = _attn(f"{hf}.self_attn", f"{ours}.attention")
     rules += _affine(f"{hf}.self_attn_layer_norm", f"{ours}.norm1")
     if cross:
@@ -244,29 +243,29 @@ def _layer(hf: str, ours: str, cross: bool) -> list[EncRule]:
     return rules
 
 
-def whisper_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[EncRule]:
+def whisper_rules(cfg: EncoderDecoderConfig, cls: str = _CLS) -> list[Rule]:
     """Every stored tensor and its blocklab parameter (on-disk names, which
     `transformers` 5.24 keeps in memory too)."""
     e, d = "model.encoder", "model.decoder"
     rules = [
-        EncRule(f"{e}.conv1.weight", ("audio_emb.conv1_weight",)),
-        EncRule(f"{e}.conv1.bias", ("audio_emb.conv1_bias",)),
-        EncRule(f"{e}.conv2.weight", ("audio_emb.conv2_weight",)),
-        EncRule(f"{e}.conv2.bias", ("audio_emb.conv2_bias",)),
-        EncRule(f"{e}.embed_positions.weight", ("audio_emb.pos_emb",)),
+        Rule(f"{e}.conv1.weight", ("audio_emb.conv1_weight",)),
+        Rule(f"{e}.conv1.bias", ("audio_emb.conv1_bias",)),
+        Rule(f"{e}.conv2.weight", ("audio_emb.conv2_weight",)),
+        Rule(f"{e}.conv2.bias", ("audio_emb.conv2_bias",)),
+        Rule(f"{e}.embed_positions.weight", ("audio_emb.pos_emb",)),
     ]
     for i in range(cfg.num_blks):
         rules += _layer(f"{e}.layers.{i}", f"encoder.blocks.{i}", cross=False)
     rules += _affine(f"{e}.layer_norm", "enc_norm")
     rules += [
-        EncRule(f"{d}.embed_tokens.weight", ("token_emb.weight",)),
-        EncRule(f"{d}.embed_positions.weight", ("dec_pos_emb.weight",)),
+        Rule(f"{d}.embed_tokens.weight", ("token_emb.weight",)),
+        Rule(f"{d}.embed_positions.weight", ("dec_pos_emb.weight",)),
     ]
     for i in range(cfg.num_decoder_blks):
         rules += _layer(f"{d}.layers.{i}", f"decoder.blocks.{i}", cross=True)
     rules += _affine(f"{d}.layer_norm", "dec_norm")
     if not cfg.tie_embeddings:
-        rules.append(EncRule("proj_out.weight", ("head.weight",)))
+        rules.append(Rule("proj_out.weight", ("head.weight",)))
     return rules
 
 
@@ -285,8 +284,8 @@ def _constants(cfg: EncoderDecoderConfig, cls: str) -> dict[str, float]:
     return out
 
 
-WHISPER = register_encoder_family(
-    EncoderFamily(
+WHISPER = register_family(
+    Family(
         name="whisper",
         classes=(_CLS,),
         model_types=("whisper",),
