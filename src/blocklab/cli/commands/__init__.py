@@ -65,6 +65,14 @@ def add_out_dir(parser, default: str, *, what: str = "PNG plots") -> None:
     )
 
 
+def add_no_progress(parser) -> None:
+    """`--no-progress`: no estimate line and no progress bars on stderr."""
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no estimate and no progress bars on stderr",
+    )  # fmt: skip
+
+
 def print_with_figures(args, result, *tables: Callable[[], str]) -> int:
     """Write `result`'s figures into `--out`, then print: one JSON object (the
     result's, with the figures' paths) under `--json`, else each of `tables`

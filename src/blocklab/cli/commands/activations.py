@@ -11,6 +11,7 @@ from ...experiments._render import dumps
 from ...experiments._seeds import check_seeds
 from ...nn.ffn import ACTS
 from .._format import minutes
+from . import add_no_progress
 
 NAME = "activations"
 ALIASES = ("train",)
@@ -66,10 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--png", default="train_losses.png",
         help="where to write the loss curves (default: %(default)s)",
     )  # fmt: skip
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def _options(args: argparse.Namespace) -> dict:

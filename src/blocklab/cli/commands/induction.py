@@ -14,7 +14,8 @@ from ..._validate import check_int
 from ...experiments import induction as study
 from ...experiments._seeds import check_seeds
 from .._format import minutes
-from . import add_out_dir, add_protocol, print_with_figures
+from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
+from ._overrides import add_seeds_and_steps, study_protocol
 
 NAME = "induction"
 HELP = "induction heads: train, find (prefix matching), ablate, patch, lenses"
@@ -27,19 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: a few minutes on 2 cores; quick: the report's size; full: an "
         "accelerator",
     )  # fmt: skip
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=None, metavar="SEED",
-        help="the seeds (default: the protocol's), trained as one vmapped sweep",
-    )  # fmt: skip
-    parser.add_argument(
-        "--steps", type=int, default=None, metavar="N",
-        help="training steps (default: the protocol's)",
-    )  # fmt: skip
+    add_seeds_and_steps(parser)
     add_out_dir(parser, "induction")
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -48,18 +39,9 @@ def validate(args: argparse.Namespace) -> None:
     check_int("blocklab induction", "--steps", args.steps, min=1, optional=True)
 
 
-def _protocol(args: argparse.Namespace):
-    protocol = study.PROTOCOLS[args.protocol]
-    if args.seeds is not None:
-        protocol = protocol.replace(seeds=tuple(args.seeds))
-    if args.steps is not None:
-        protocol = protocol.replace(steps=args.steps)
-    return protocol
-
-
 def estimate(args: argparse.Namespace) -> str:
     """The line `blocklab` prints before the run (stderr)."""
-    p = _protocol(args)
+    p = study_protocol(study.PROTOCOLS, args)
     return (
         f"protocol {args.protocol}, {len(p.seeds)} seeds x {p.steps} steps, about "
         f"{minutes(study.estimate_seconds(p))} on 2 CPU cores"
@@ -67,6 +49,6 @@ def estimate(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    protocol = _protocol(args)
+    protocol = study_protocol(study.PROTOCOLS, args)
     result = study.run_induction(protocol, progress=not args.no_progress)
     return print_with_figures(args, result, result.table)

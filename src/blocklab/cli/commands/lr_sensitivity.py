@@ -19,7 +19,7 @@ from ...experiments import lr_sensitivity as study
 from ...experiments._render import dumps
 from ...experiments._seeds import MAX_SEED, check_seed
 from .._format import minutes
-from . import add_out_dir
+from . import add_no_progress, add_out_dir
 
 NAME = "lr_sensitivity"
 ALIASES = ("lr-sweep",)
@@ -52,10 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="a non-negative int seed")
     add_out_dir(parser, "lr_sensitivity")
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def protocol_of(args: argparse.Namespace) -> study.LRProtocol:

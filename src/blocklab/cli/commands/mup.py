@@ -9,7 +9,7 @@ import argparse
 
 from ...experiments import mup as study
 from .._format import minutes
-from . import add_out_dir, add_protocol, print_with_figures
+from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
 
 NAME = "mup"
 HELP = "μP: coordinate check (both parametrizations) and learning-rate transfer"
@@ -23,10 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "an accelerator; report/quick: the coordinate check only",
     )  # fmt: skip
     add_out_dir(parser, "mup")
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def estimate(args: argparse.Namespace) -> str:

@@ -10,7 +10,7 @@ import argparse
 
 from ...experiments import proxies as study
 from .._format import minutes
-from . import add_out_dir, add_protocol, print_with_figures
+from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
 
 NAME = "proxies"
 HELP = "small-scale proxies: LR sensitivity vs width/depth per intervention"
@@ -27,10 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(study.VARIANTS), help="interventions to run (default: all)",
     )  # fmt: skip
     add_out_dir(parser, "proxies")
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def estimate(args: argparse.Namespace) -> str:

@@ -15,7 +15,8 @@ import argparse
 from ..._validate import check_int
 from ...experiments import real_text as study
 from ...experiments._seeds import check_seeds
-from . import add_out_dir, add_protocol, print_with_figures
+from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
+from ._overrides import add_seeds_and_steps, study_protocol
 
 NAME = "real_text"
 HELP = "real text: byte-level BPE vs bytes in bits per byte; save, reload, generate"
@@ -28,15 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: a few minutes on 2 cores; quick: the report's size; full: an "
         "accelerator",
     )  # fmt: skip
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=None, metavar="SEED",
-        help="the seeds (default: the protocol's), trained as one vmapped sweep "
-        "per model",
-    )  # fmt: skip
-    parser.add_argument(
-        "--steps", type=int, default=None, metavar="N",
-        help="training steps of each model (default: the protocol's)",
-    )  # fmt: skip
+    add_seeds_and_steps(parser, per_model=True)
     parser.add_argument(
         "--prompt", default=None, metavar="TEXT",
         help="the prompt the saved model continues (default: the protocol's)",
@@ -52,10 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "transformers is installed)",
     )  # fmt: skip
     add_out_dir(parser, "real_text")
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="no estimate and no progress bars on stderr",
-    )  # fmt: skip
+    add_no_progress(parser)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -68,13 +58,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def _protocol(args: argparse.Namespace) -> study.RealTextProtocol:
-    protocol = study.PROTOCOLS[args.protocol]
-    changes = {
-        "seeds": None if args.seeds is None else tuple(args.seeds),
-        "steps": args.steps,
-        "prompt": args.prompt,
-    }
-    return protocol.replace(**{k: v for k, v in changes.items() if v is not None})
+    return study_protocol(study.PROTOCOLS, args, prompt=args.prompt)
 
 
 def estimate(args: argparse.Namespace) -> str:
