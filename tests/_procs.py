@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 
 def run(args, *, env=None, timeout=300):
@@ -55,3 +56,21 @@ def script_json(code, *args, devices, timeout=900):
     )
     assert rc == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
+
+
+#: The first lines of a child script in which `import torch` and `import
+#: transformers` raise ImportError (the script checks that they do).
+NO_TORCH_PRELUDE = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None  # `import torch` raises ImportError
+    sys.modules["transformers"] = None
+    for name in ("torch", "transformers"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+        else:
+            raise SystemExit(f"the shim let {name} in")
+    """
+)

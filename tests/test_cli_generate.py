@@ -23,7 +23,7 @@ import textwrap
 
 import jax
 import pytest
-from _procs import run  # noqa: E402
+from _procs import NO_TORCH_PRELUDE, run  # noqa: E402
 from strict_json import strict_object
 from test_streaming import chain_model, write_tokenizer
 
@@ -156,18 +156,9 @@ def test_chat_and_sampling_options_are_those_of_stream_text(folder, capsys):
     assert obj["sampling"] == {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 3}
 
 
-NO_TORCH = textwrap.dedent(
+NO_TORCH = NO_TORCH_PRELUDE + textwrap.dedent(
     """
-    import runpy, sys
-    sys.modules["torch"] = None  # `import torch` raises ImportError
-    sys.modules["transformers"] = None
-    for name in ("torch", "transformers"):
-        try:
-            __import__(name)
-        except ImportError:
-            pass
-        else:
-            raise SystemExit(f"the shim let {name} in")
+    import runpy
     sys.argv = ["blocklab", "generate", *sys.argv[1:]]
     runpy.run_module("blocklab.cli", run_name="__main__")
     """

@@ -36,7 +36,7 @@ from blocklab.data.datasets import corpus_path
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from _procs import run  # noqa: E402
+from _procs import NO_TORCH_PRELUDE, run  # noqa: E402
 
 #: Not in the training text: non-ASCII (some characters never seen, so byte
 #: fallback), emoji (a skin tone, a ZWJ family, a flag), leading and trailing
@@ -529,18 +529,9 @@ def test_stop_ids_add_generation_config_eos_ids(folders, tmp_path):
     assert tok.stop_ids == (1, *end_of_turn) == tuple(ref)
 
 
-NO_TORCH = textwrap.dedent(
+NO_TORCH = NO_TORCH_PRELUDE + textwrap.dedent(
     """
-    import json, sys
-    sys.modules["torch"] = None  # `import torch` raises ImportError
-    sys.modules["transformers"] = None
-    for name in ("torch", "transformers"):
-        try:
-            __import__(name)
-        except ImportError:
-            pass
-        else:
-            raise SystemExit(f"the shim let {name} in")
+    import json
     import blocklab as bl
 
     folders, texts, chat = json.loads(sys.argv[1])
