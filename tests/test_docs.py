@@ -361,3 +361,164 @@ def test_every_python_block_of_the_page_runs_in_order(page, tmp_path):
     if skipped:
         lines = ", ".join(str(line) for line, _ in skipped)
         pytest.skip(f"{page}: blocks at lines {lines} need packages not installed")
+
+
+# ------------------------------------------------------------- the site
+def _site_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+
+
+def _is_remote(url: str) -> bool:
+    """A URL with a scheme (`https:`) or protocol-relative (`//host/...`)."""
+    return bool(re.match(r"([a-z][a-z0-9+.-]*:|//)", url, re.I))
+
+
+def test_the_site_loads_no_script_style_or_font_from_the_network():
+    config = _site_config()
+    assets = [*config.get("extra_javascript", []), *config.get("extra_css", [])]
+    assert any("mathjax" in a for a in assets)
+    for asset in assets:
+        path = asset if isinstance(asset, str) else asset["path"]
+        assert not _is_remote(path), f"mkdocs.yml loads {path} from the network"
+        assert (DOCS / path).is_file(), f"mkdocs.yml names {path}, not in docs/"
+    assert config["theme"].get("font") is False  # no Google Fonts
+    assert not _is_remote("javascripts/mathjax/tex-chtml-full.js")
+    assert _is_remote("https://unpkg.com/mathjax@3/es5/tex-mml-chtml.js")
+    assert _is_remote("//cdn.example/x.js")
+
+
+#: The assets a built page loads: `<script src=...>` and stylesheet links.
+_ASSET = re.compile(
+    r"<script[^>]*\bsrc=\"([^\"]+)\"|<link[^>]*rel=\"stylesheet\"[^>]*href=\"([^\"]+)\""
+)
+
+
+def test_the_built_site_renders_maths_offline(tmp_path):
+    """A page with formulas, built with the site's own settings (less the API
+    reference's plugin, which takes a minute), loads MathJax and its fonts
+    from files of the site, and nothing from the network."""
+    import json
+
+    site = tmp_path / "site"
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(
+        json.dumps(  # JSON is YAML
+            {
+                "INHERIT": str(ROOT / "mkdocs.yml"),
+                "docs_dir": str(DOCS),
+                "site_dir": str(site),
+                "plugins": ["search"],
+                "hooks": [str(DOCS / "_hooks" / "families.py")],
+                "nav": [{"Looking inside": "guides/interp.md"}],
+            }
+        ),
+        encoding="utf-8",
+    )
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "-q", "-f", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    page = site / "guides" / "interp" / "index.html"
+    html = page.read_text(encoding="utf-8")
+    assert html.count('class="arithmatex"') >= 5  # the formulas, left for MathJax
+    assets = [a or b for a, b in _ASSET.findall(html)]
+    for asset in assets:
+        assert not _is_remote(asset), f"the page loads {asset} from the network"
+        assert (page.parent / asset).resolve().is_file(), asset
+    scripts = [a for a in assets if "mathjax" in a]
+    assert len(scripts) == 2, scripts  # its settings, then MathJax itself
+    mathjax = (page.parent / scripts[-1]).resolve()
+    assert mathjax.stat().st_size > 1_000_000  # the whole component, not a stub
+    # MathJax's CHTML output loads its fonts from beside the script
+    fonts = mathjax.parent / "output" / "chtml" / "fonts" / "woff-v2"
+    assert len(list(fonts.glob("MathJax_*.woff"))) >= 20
+    assert (fonts / "MathJax_Main-Regular.woff").is_file()
+    assert "fontURL" not in (DOCS / "javascripts" / "mathjax.js").read_text("utf-8")
+
+
+def test_the_stylesheet_wraps_code_and_keeps_names_in_tables_whole():
+    css = (DOCS / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
+    rules = {k.strip(): v for k, v in re.findall(r"([^{}]+?)\{([^}]*)\}", css)}
+    assert "white-space: pre-wrap" in rules[".md-typeset pre > code"]
+    table = rules[".md-typeset table:not([class]) code"]
+    assert "word-break: normal" in table and "overflow-wrap: normal" in table
+
+
+# ------------------------------------------------ generated from the code
+def _families_hook():
+    spec = importlib.util.spec_from_file_location(
+        "families_hook", DOCS / "_hooks" / "families.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as mkdocs loads it (its dataclass needs it)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _registered_classes() -> dict[str, list[str]]:
+    """family name -> `transformers` classes, read from the registries."""
+    import blocklab  # noqa: F401  (registers every family)
+    from blocklab.interop import FAMILIES
+
+    registries = [FAMILIES]
+    try:  # the encoders' own registry, while there are two
+        from blocklab.interop.hf_encoder import ENCODER_FAMILIES
+    except ImportError:
+        pass
+    else:
+        registries.append(ENCODER_FAMILIES)
+    return {n: list(f.classes) for r in registries for n, f in r.items()}
+
+
+def test_the_families_page_lists_every_registered_family_and_class():
+    hook = _families_hook()
+    page = hook.on_page_markdown(read("docs/families.md"), None, None, None)
+    assert "{{" not in page
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    registered = _registered_classes()
+    assert len(rows) == len(registered) >= 19
+    for name, classes in registered.items():
+        (row,) = [r for r in rows if r.startswith(f"| `{name}` |")]
+        for cls in classes:
+            assert f"`{cls}`" in row, (name, cls)
+    for cls in ("LlamaForCausalLM", "GPT2LMHeadModel", "BertModel", "T5EncoderModel"):
+        assert f"`{cls}`" in page  # by hand: a registry that lost them fails
+    assert f"convert the {len(registered)} families" in " ".join(page.split())
+
+
+def test_the_readme_counts_the_registered_families():
+    families = _families_hook().registered()
+    decoders = sum(f.kind == "decoder" for f in families)
+    readme = " ".join(read("README.md").split())
+    assert f"converts {len(families)} families" in readme
+    assert f"{decoders} decoders" in readme
+    assert f"{len(families) - decoders} encoders and encoder–decoders" in readme
+
+
+def test_the_report_pages_count_its_sections():
+    """The README and the install page say how many sections the report has,
+    and which ones its last timing run did not measure (report_times.json)."""
+    from blocklab.cli.commands import REPORT_SECTIONS
+    from blocklab.experiments import timing
+
+    measured = timing.measured_report_times("cpu")["sections"]
+    unmeasured = [name for name in REPORT_SECTIONS if name not in measured]
+    readme = " ".join(read("README.md").split())
+    install = " ".join(read("docs/install.md").split())
+    assert f"It has {len(REPORT_SECTIONS)} sections" in readme
+    assert f"the {len(measured)} it had then" in readme
+    assert f"figures: {len(REPORT_SECTIONS)} sections" in install
+    assert f"for the {len(measured)} sections the report had then" in install
+    for name in REPORT_SECTIONS:
+        assert f"`{name}`" in install
+    for name in unmeasured:
+        assert name in readme and name in install
