@@ -101,7 +101,7 @@ from ..models import DecoderConfig, DecoderLM
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
-from .protocol import report_estimate_hook, report_section_hook
+from .protocol import check_protocol, report_estimate_hook, report_section_hook
 
 __all__ = [
     "CPU",
@@ -826,11 +826,9 @@ def run_induction(
         An `InductionResult`.
     """
     owner = "run_induction"
-    if not isinstance(protocol, InductionProtocol):
-        raise ConfigError(
-            f"{owner}: protocol must be an InductionProtocol ({sorted(PROTOCOLS)}), "
-            f"got {type(protocol).__name__}."
-        )
+    check_protocol(
+        owner, protocol, InductionProtocol, str(sorted(PROTOCOLS)), article="an"
+    )
     lenses = check_bool(owner, "lenses", lenses)
     progress = check_bool(owner, "progress", progress)
     p = protocol

@@ -58,7 +58,7 @@ from . import proxies
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seed
 from .plotting import line_plot
-from .protocol import report_estimate_hook, report_section_hook
+from .protocol import check_protocol, report_estimate_hook, report_section_hook
 from .proxies import LogitProbe, lr_sensitivity
 
 __all__ = [
@@ -454,11 +454,13 @@ def run_study(
         progress: a tqdm bar per model.
     """
     owner = "run_study"
-    if not isinstance(protocol, LRProtocol):
-        raise ConfigError(
-            f"{owner}: protocol must be an LRProtocol (FULL, CPU, QUICK or "
-            f"FULL.replace(...)), got {type(protocol).__name__}."
-        )
+    check_protocol(
+        owner,
+        protocol,
+        LRProtocol,
+        "FULL, CPU, QUICK or FULL.replace(...)",
+        article="an",
+    )
     lrs = _check_lrs(owner, lrs)
     seed = check_seed(owner, "seed", seed)
     p = protocol

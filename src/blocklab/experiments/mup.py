@@ -47,7 +47,7 @@ from ..training.optimizers import optimizer as make_optimizer
 from ..training.step import init_state, make_train_step
 from ..training.sweep import sweep_grid, train_sweep
 from ._render import figure_links, json_floats, markdown_table
-from .protocol import report_estimate_hook, report_section_hook
+from .protocol import check_protocol, report_estimate_hook, report_section_hook
 
 __all__ = [
     "ACTIVATIONS",
@@ -654,11 +654,7 @@ def estimate_seconds(protocol: MupProtocol) -> float:
 def run_study(protocol: Any = CPU, *, progress: bool = False) -> MupResult:
     """Coordinate check in both parametrizations (base width: the smallest),
     then the transfer study when `protocol.transfer`."""
-    if not isinstance(protocol, MupProtocol):
-        raise ConfigError(
-            f"mup.run_study: protocol must be a MupProtocol ({sorted(PROTOCOLS)}), "
-            f"got {type(protocol).__name__}."
-        )
+    check_protocol("mup.run_study", protocol, MupProtocol, str(sorted(PROTOCOLS)))
     p = protocol
     coord = {
         name: coord_check(

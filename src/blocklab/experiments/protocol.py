@@ -40,11 +40,25 @@ __all__ = [
     "STUDIES",
     "STUDY_NAMES",
     "Study",
+    "check_protocol",
     "check_report_flags",
     "report_estimate_hook",
     "report_section_hook",
     "study",
 ]
+
+
+def check_protocol(
+    owner: str, protocol: object, cls: type, names: str, *, article: str = "a"
+) -> None:
+    """`ConfigError` unless `protocol` is a `cls` (a study's protocol type);
+    the message names `owner`, the type (after `article`), `names` (the
+    study's protocols) and the type that came."""
+    if not isinstance(protocol, cls):
+        raise ConfigError(
+            f"{owner}: protocol must be {article} {cls.__name__} ({names}), got "
+            f"{type(protocol).__name__}."
+        )
 
 
 def check_report_flags(

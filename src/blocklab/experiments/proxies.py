@@ -50,7 +50,7 @@ from ..training.optimizers import optimizer as make_optimizer
 from ..training.step import validation_loss
 from ..training.sweep import SweepResult, train_sweep
 from ._render import figure_links, json_floats, markdown_table
-from .protocol import report_estimate_hook, report_section_hook
+from .protocol import check_protocol, report_estimate_hook, report_section_hook
 
 __all__ = [
     "CPU",
@@ -461,11 +461,7 @@ def run_study(
 ) -> ProxiesResult:
     """Run every variant at every point of `protocol` (one sweep per point)."""
     owner = "proxies.run_study"
-    if not isinstance(protocol, ProxiesProtocol):
-        raise ConfigError(
-            f"{owner}: protocol must be a ProxiesProtocol (FULL, CPU, QUICK), got "
-            f"{type(protocol).__name__}."
-        )
+    check_protocol(owner, protocol, ProxiesProtocol, "FULL, CPU, QUICK")
     variants = tuple(check_choice(owner, "variants[i]", v, tuple(VARIANTS))
                      for v in variants)  # fmt: skip
     if not variants:

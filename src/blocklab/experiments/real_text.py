@@ -95,7 +95,7 @@ from ..training.losses import token_cross_entropy
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
-from .protocol import report_estimate_hook, report_section_hook
+from .protocol import check_protocol, report_estimate_hook, report_section_hook
 
 __all__ = [
     "CPU",
@@ -723,11 +723,7 @@ def run_real_text(
         A `RealTextResult`.
     """
     owner = "run_real_text"
-    if not isinstance(protocol, RealTextProtocol):
-        raise ConfigError(
-            f"{owner}: protocol must be a RealTextProtocol ({sorted(PROTOCOLS)}), "
-            f"got {type(protocol).__name__}."
-        )
+    check_protocol(owner, protocol, RealTextProtocol, str(sorted(PROTOCOLS)))
     progress = check_bool(owner, "progress", progress)
     if check_transformers is not None:
         check_transformers = check_bool(owner, "check_transformers", check_transformers)
