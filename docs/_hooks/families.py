@@ -25,35 +25,21 @@ class Family:
 def registered() -> list[Family]:
     """Every family `blocklab.interop` registers, decoders first, by name."""
     import blocklab  # noqa: F401  (importing blocklab registers every family)
-    from blocklab.interop import FAMILIES, hf_encoder
+    from blocklab.interop import FAMILIES
 
-    # While the encoders have their own registry (issue 43 makes the two one).
-    every = [*FAMILIES.values(), *getattr(hf_encoder, "ENCODER_FAMILIES", {}).values()]
     families = [
         Family(
             f.name,
-            "decoder" if _layered(f) else _encoder_kind(f.classes),
+            "decoder" if f.layered else _encoder_kind(f.classes),
             tuple(f.classes),
-            _model_types(f),
-            getattr(f, "variant_of", None),
+            tuple(f.model_types),
+            f.variant_of,
         )
-        for f in every
+        for f in FAMILIES.values()
     ]
     by_name = lambda f: f.name  # noqa: E731
     decoders = sorted((f for f in families if f.kind == "decoder"), key=by_name)
     return decoders + sorted((f for f in families if f.kind != "decoder"), key=by_name)
-
-
-def _layered(family) -> bool:
-    """A decoder: its tensors are laid out per layer (`model.layers.{i}.`)."""
-    layered = getattr(family, "layered", None)
-    return hasattr(family, "layer_rules") if layered is None else bool(layered)
-
-
-def _model_types(family) -> tuple[str, ...]:
-    """The `model_type`s of its `config.json`: `model_types`, else `model_type`."""
-    types = tuple(getattr(family, "model_types", ()))
-    return types or (getattr(family, "model_type", None) or family.name,)
 
 
 def _encoder_kind(classes) -> str:
