@@ -66,6 +66,7 @@ from .._validate import ConfigError, check_bool, check_int
 from ..models import CharLM, DecoderLM
 from ..models.decoding import model_limits
 from ..training.losses import token_cross_entropy
+from ._checks import check_text_list
 
 __all__ = ["EvalResult", "TextScore", "evaluate_text"]
 
@@ -216,7 +217,9 @@ def evaluate_text(
         )
     batch_size = check_int(_OWNER, "batch_size", batch_size, min=1)
     progress = check_bool(_OWNER, "progress", progress)
-    docs = [texts] if isinstance(texts, str) else _text_list(texts)
+    docs = check_text_list(
+        _OWNER, "texts", [texts] if isinstance(texts, str) else texts
+    )
     names = (
         ["texts"]
         if isinstance(texts, str)
@@ -415,22 +418,6 @@ def _window_nll(
         (split(h), split(targets), split(mask)),
     )
     return jnp.sum(parts, axis=0)
-
-
-def _text_list(texts: Any) -> list[str]:
-    """`texts` as a list of str, refused by name otherwise."""
-    if not isinstance(texts, (list, tuple)) or not texts:
-        raise ConfigError(
-            f"{_OWNER}: texts must be a non-empty str or a non-empty list of str, "
-            f"got {texts!r:.60} of type {type(texts).__name__}."
-        )
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"{_OWNER}: texts[{i}] must be a str, got {text!r:.60} of type "
-                f"{type(text).__name__}."
-            )
-    return list(texts)
 
 
 def _tags(tags: Any, count: int) -> list[str | None]:
