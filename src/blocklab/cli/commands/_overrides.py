@@ -1,8 +1,13 @@
-"""A study protocol's `--seeds` and `--steps` on the command line: the options
-and the protocol with them applied (`blocklab induction`, `blocklab
-real-text`)."""
+"""A study protocol on the command line (`blocklab induction`, `blocklab
+real-text`): `--protocol`'s help, the `--seeds` and `--steps` options, and
+the protocol with them applied."""
 
 from collections.abc import Mapping
+
+#: `--protocol`'s help for a study whose `cpu` protocol takes a few minutes.
+PROTOCOL_HELP = (
+    "cpu: a few minutes on 2 cores; quick: the report's size; full: an accelerator"
+)
 
 
 def add_seeds_and_steps(parser, *, per_model: bool = False) -> None:

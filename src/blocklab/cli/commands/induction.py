@@ -15,7 +15,7 @@ from ...experiments import induction as study
 from ...experiments._seeds import check_seeds
 from .._format import minutes
 from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
-from ._overrides import add_seeds_and_steps, study_protocol
+from ._overrides import PROTOCOL_HELP, add_seeds_and_steps, study_protocol
 
 NAME = "induction"
 HELP = "induction heads: train, find (prefix matching), ablate, patch, lenses"
@@ -23,11 +23,7 @@ OUTPUT_DIRS = ("out",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_protocol(
-        parser, study.PROTOCOLS,
-        help="cpu: a few minutes on 2 cores; quick: the report's size; full: an "
-        "accelerator",
-    )  # fmt: skip
+    add_protocol(parser, study.PROTOCOLS, help=PROTOCOL_HELP)
     add_seeds_and_steps(parser)
     add_out_dir(parser, "induction")
     add_no_progress(parser)

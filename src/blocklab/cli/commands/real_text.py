@@ -16,7 +16,7 @@ from ..._validate import check_int
 from ...experiments import real_text as study
 from ...experiments._seeds import check_seeds
 from . import add_no_progress, add_out_dir, add_protocol, print_with_figures
-from ._overrides import add_seeds_and_steps, study_protocol
+from ._overrides import PROTOCOL_HELP, add_seeds_and_steps, study_protocol
 
 NAME = "real_text"
 HELP = "real text: byte-level BPE vs bytes in bits per byte; save, reload, generate"
@@ -24,11 +24,7 @@ OUTPUT_DIRS = ("out", "save")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_protocol(
-        parser, study.PROTOCOLS,
-        help="cpu: a few minutes on 2 cores; quick: the report's size; full: an "
-        "accelerator",
-    )  # fmt: skip
+    add_protocol(parser, study.PROTOCOLS, help=PROTOCOL_HELP)
     add_seeds_and_steps(parser, per_model=True)
     parser.add_argument(
         "--prompt", default=None, metavar="TEXT",
