@@ -13,6 +13,10 @@ window.MathJax = {
   },
 };
 
-document$.subscribe(() => {
-  MathJax.typesetPromise();
-});
+// mkdocs-material's page observable: typeset again when a page is swapped in
+// (MathJax typesets the first page itself when it starts).
+if (typeof document$ !== "undefined") {
+  document$.subscribe(() => {
+    if (MathJax.typesetPromise) MathJax.typesetPromise();
+  });
+}
