@@ -66,7 +66,7 @@ from .._validate import ConfigError, check_bool, check_int
 from ..models import CharLM, DecoderLM
 from ..models.decoding import model_limits
 from ..training.losses import token_cross_entropy
-from ._checks import check_text_list
+from ._checks import check_ids_in_vocab, check_text_list
 
 __all__ = ["EvalResult", "TextScore", "evaluate_text"]
 
@@ -458,12 +458,4 @@ def _encode(tokenizer: Any, text: str, name: str, vocab: int) -> np.ndarray:
             "needed (a document's first token is context only, so nothing "
             f"would be scored). Text: {text!r:.60}"
         )
-    outside = (ids < 0) | (ids >= vocab)
-    if outside.any():
-        i = int(np.argmax(outside))
-        raise ConfigError(
-            f"{_OWNER}: tokenizer.encode({name}) gave token id {int(ids[i])} at "
-            f"index {i}, outside the model's vocabulary [0, vocab_size={vocab}); "
-            "use the tokenizer the model was trained with."
-        )
-    return ids.astype(np.int32)
+    return check_ids_in_vocab(_OWNER, f"tokenizer.encode({name})", ids, vocab)
