@@ -474,8 +474,9 @@ def _registered_classes() -> dict[str, list[str]]:
 
 def test_the_families_page_lists_every_registered_family_and_class():
     hook = _families_hook()
-    page = hook.on_page_markdown(read("docs/families.md"), None, None, None)
-    assert "{{" not in page
+    markdown = read("docs/families.md")
+    page = hook.on_page_markdown(markdown, None, None, None)  # what the site shows
+    assert page == markdown, "docs/families.md is stale: python docs/_hooks/families.py"
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     registered = _registered_classes()
     assert len(rows) == len(registered) >= 19
@@ -485,7 +486,20 @@ def test_the_families_page_lists_every_registered_family_and_class():
             assert f"`{cls}`" in row, (name, cls)
     for cls in ("LlamaForCausalLM", "GPT2LMHeadModel", "BertModel", "T5EncoderModel"):
         assert f"`{cls}`" in page  # by hand: a registry that lost them fails
-    assert f"convert the {len(registered)} families" in " ".join(page.split())
+    assert f"blocklab converts {len(registered)} families" in page
+
+
+def test_the_generated_part_is_replaced_whole():
+    hook = _families_hook()
+    one = hook.Family("llama", "decoder", ("LlamaForCausalLM",), ("llama",))
+    page = f"intro\n{hook.BEGIN}\nold text\n| `gone` |\n{hook.END}\noutro\n"
+    out = hook.render(page, [one])
+    assert out.startswith(f"intro\n{hook.BEGIN}\nblocklab converts 1 families")
+    assert "old text" not in out and "`gone`" not in out
+    assert "| `llama` | decoder | `LlamaForCausalLM` | `llama` |" in out
+    assert out.endswith(f"{hook.END}\noutro\n")
+    assert hook.render(out, [one]) == out
+    assert hook.render("no markers\n", [one]) == "no markers\n"
 
 
 def test_the_readme_counts_the_registered_families():
