@@ -451,6 +451,8 @@ def test_the_stylesheet_wraps_code_and_keeps_names_in_tables_whole():
     assert "white-space: pre-wrap" in rules[".md-typeset pre > code"]
     table = rules[".md-typeset table:not([class]) code"]
     assert "word-break: normal" in table and "overflow-wrap: normal" in table
+    first = rules[".md-typeset table:not([class]) td:first-child code"]
+    assert "white-space: nowrap" in first  # a site's name is not split at its dots
 
 
 # ------------------------------------------------ generated from the code
