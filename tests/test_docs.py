@@ -395,12 +395,13 @@ _ASSET = re.compile(
 )
 
 
-def test_the_built_site_renders_maths_offline(tmp_path):
-    """A page with formulas, built with the site's own settings (less the API
-    reference's plugin, which takes a minute), loads MathJax and its fonts
-    from files of the site, and nothing from the network."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    """The site built with its own settings (less the API reference's plugin,
+    which takes a minute), into a temporary folder; its `site/` folder."""
     import json
 
+    tmp_path = tmp_path_factory.mktemp("site")
     site = tmp_path / "site"
     config = tmp_path / "mkdocs.yml"
     config.write_text(
@@ -426,7 +427,13 @@ def test_the_built_site_renders_maths_offline(tmp_path):
         timeout=600,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    page = site / "guides" / "interp" / "index.html"
+    return site
+
+
+def test_the_built_site_renders_maths_offline(built_site):
+    """A page with formulas loads MathJax and its fonts from files of the
+    site, and nothing from the network."""
+    page = built_site / "guides" / "interp" / "index.html"
     html = page.read_text(encoding="utf-8")
     assert html.count('class="arithmatex"') >= 5  # the formulas, left for MathJax
     assets = [a or b for a, b in _ASSET.findall(html)]
@@ -442,6 +449,25 @@ def test_the_built_site_renders_maths_offline(tmp_path):
     assert len(list(fonts.glob("MathJax_*.woff"))) >= 20
     assert (fonts / "MathJax_Main-Regular.woff").is_file()
     assert "fontURL" not in (DOCS / "javascripts" / "mathjax.js").read_text("utf-8")
+
+
+def test_a_browser_typesets_every_formula_offline(built_site):
+    """Where a headless Chromium is installed: the page opened from file://
+    (no network) ends with one typeset formula per formula of the page."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    page = built_site / "guides" / "interp" / "index.html"
+    formulas = page.read_text(encoding="utf-8").count('class="arithmatex"')
+    dom = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu",
+         "--disable-dev-shm-usage", "--virtual-time-budget=10000", "--dump-dom",
+         page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert dom.count("<mjx-container") == formulas >= 5
 
 
 def test_the_stylesheet_wraps_code_and_keeps_names_in_tables_whole():
