@@ -208,6 +208,17 @@ def test_the_old_module_paths_are_gone(module):
     importlib.import_module(f"blocklab.interop.families.{module}")
 
 
+def test_the_second_conversion_module_is_gone():
+    """The encoders' own machinery (`hf_encoder`: its family type, rule type,
+    registry, loader and saver) is folded into the one path."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("blocklab.interop.hf_encoder")
+    import blocklab.interop as interop
+
+    for name in ("HFFamily", "EncoderFamily", "EncRule", "ENCODER_FAMILIES"):
+        assert not hasattr(interop, name), name
+
+
 @pytest.mark.parametrize(
     "rule, ours, theirs",
     [

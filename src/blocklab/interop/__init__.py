@@ -1,15 +1,17 @@
 """Interoperation: Hugging Face families, PyTorch state dicts, checkpoint folders.
 
-`huggingface` is the conversion machinery; each of the 10 families (GPT-2,
-Llama, Mistral, Qwen 2, Qwen 3, OLMo 2, Gemma 2, Gemma 3, Phi-3, Mixtral) is a
-module (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
-`gemma3`, `phi3`, `mixtral`) built on the public helpers of `hf_common`;
-`porting` maps PyTorch state dicts; `pretrained`
-reads and writes checkpoint folders (config.json + safetensors, through
-`safetensors_io`) without torch; `peft` reads and writes PEFT adapter folders.
-torch and transformers are imported lazily, only when a torch model is passed.
-Text in, text out is one layer up (`blocklab.text`); a folder's tokenizer is
-data (`blocklab.data.load_tokenizer`).
+Every `transformers` family is one module of `interop.families` (the
+decoders `gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma2`,
+`gemma3`, `phi3`, `mixtral`; the encoders and encoder–decoders `bert`,
+`modernbert`, `vit`, `t5` for T5 / mT5 / umT5, `whisper`), each a `Family`
+built on the public helpers of `hf_common` and registered in the one
+`FAMILIES` when the package imports it; `huggingface` is the conversion
+machinery (`from_huggingface`, the state dicts); `porting` maps PyTorch
+state dicts; `pretrained` reads and writes checkpoint folders (config.json +
+safetensors, through `safetensors_io`) without torch; `peft` reads and writes
+PEFT adapter folders. torch and transformers are imported lazily, only when a
+torch model is passed. Text in, text out is one layer up (`blocklab.text`);
+a folder's tokenizer is data (`blocklab.data.load_tokenizer`).
 """
 
 from .hf_common import StoredAs

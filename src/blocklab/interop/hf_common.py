@@ -1,10 +1,11 @@
 r"""What every Hugging Face family shares: rules, the registry, config helpers.
 
-A family (one module each: `gpt2`, `llama`, `olmo2`, `gemma3`, `mixtral`) is
-a `Family`: a config mapping in both directions (`to_config`: the
-`transformers` config -> `DecoderConfig`, refusing every field blocklab does
-not implement; `hf_fields`: a `DecoderConfig` -> the `transformers` config
-fields) and the `Rule`s that map state-dict keys onto blocklab parameters.
+A family (one module each in `interop.families`: `gpt2`, `llama`, ...,
+`bert`, `t5`, `whisper`) is a `Family`, decoders and encoders alike: a config
+mapping in both directions (`to_config`: the `transformers` config -> the
+blocklab config, refusing every field blocklab does not implement;
+`hf_fields`: the way back) and the `Rule`s that map state-dict keys onto
+blocklab parameters, per layer (the decoders) or all at once (the encoders).
 The public helpers below are what the family modules build on; the conversion
 itself (`from_huggingface`, ...) lives in `interop.huggingface`.
 

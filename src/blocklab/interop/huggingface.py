@@ -49,14 +49,7 @@ from .hf_common import (
     register_family,
     resolve_family,
 )
-from .hf_encoder import (
-    encoder_from_huggingface,
-    encoder_state_dict,
-    is_encoder_class,
-    is_encoder_model,
-    load_encoder_state_dict,
-)
-from .porting import check_keys, load_state_dict, param_shapes, state_dict
+from .porting import _is_param, check_keys, load_state_dict, param_shapes, state_dict
 
 __all__ = [
     "FAMILIES",
@@ -98,9 +91,10 @@ def to_huggingface_state_dict(
 ) -> dict[str, np.ndarray]:
     """The `transformers` state dict of `model`: `{key: numpy array}`.
 
-    A `DecoderLM`, or an encoder-family model (`interop.hf_encoder`: BERT,
-    ModernBERT, ViT, T5), whose tied tensors are left out as
-    `save_pretrained` of `transformers` leaves them out.
+    A `DecoderLM`, or an encoder-family model (BERT, ModernBERT, ViT, T5,
+    Whisper), whose tied tensors are left out as `save_pretrained` of
+    `transformers` leaves them out. One path for every family: its rules
+    (`Family.all_rules`), after its constants are checked.
 
     Keys and layouts are those of the family's PyTorch model (`Conv1D`
     transposed and `c_attn` fused for GPT-2); a tied head has no
@@ -125,19 +119,39 @@ def to_huggingface_state_dict(
             family cannot express the model (naming each setting: a window,
             an attention scale, QK-norm, a norm placement, experts, ...).
     """
-    if is_encoder_model(model):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
-        return encoder_state_dict(model, family=family)
+    owner = "to_huggingface_state_dict"
+    fam = _exporting_family(owner, model, family)
+    cls = fam.class_of(model.cfg)
+    ours = state_dict(model)
+    for name, value in fam.constants(model.cfg, cls).items():
+        if not np.all(ours[name] == value):
+            raise ConfigError(
+                f"{owner}: the {cls} has no parameter {name} (it is {value} there), "
+                f"but this model's differs from {value}; the transformers model "
+                "would compute other outputs."
+            )
+    return {
+        r.hf: r.to_hf([ours[b] for b in r.bl]) for r in fam.all_rules(model.cfg, cls)
+    }
+
+
+def _exporting_family(owner: str, model: Any, family: str | None) -> Family:
+    """The family that exports `model`: named by `family` (a short name or a
+    class name), else inferred: among the families whose `Family.owns`
+    accepts the model, the one that can express it (`resolve_family` for a
+    `DecoderLM`: its config mapping reproduces every setting).
+
+    Raises:
+        ConfigError: no family (or several) exports `model`, or the named one
+            cannot (each setting named).
+    """
+    if _is_flat_model(model):  # the all-at-once layout: the encoders
+        return _flat_family(owner, model, family)
     if not isinstance(model, DecoderLM):
         raise ConfigError(
-            f"to_huggingface_state_dict: model must be a DecoderLM, got "
-            f"{type(model).__name__}."
+            f"{owner}: model must be a DecoderLM, got {type(model).__name__}."
         )
-    fam = resolve_family("to_huggingface_state_dict", model.cfg, family, check=True)
-    ours = state_dict(model)
-    return {
-        hf: rule.to_hf([ours[b] for b in rule.bl])
-        for hf, rule in _all_rules(model.cfg, fam)
-    }
+    return resolve_family(owner, model.cfg, family, check=True)
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -161,7 +175,7 @@ def load_huggingface_state_dict(
     """A `DecoderLM` with every weight taken from a `transformers` state dict.
 
     With an `EncoderConfig` or `EncoderDecoderConfig`, the encoder-family
-    model of that config instead (`interop.hf_encoder`).
+    model of that config instead (BERT, ModernBERT, ViT, T5, Whisper).
 
     Args:
         model_or_config: a `DecoderLM` (its structure is kept, its weights
@@ -179,7 +193,7 @@ def load_huggingface_state_dict(
             differs from the tied embedding.
     """
     if isinstance(model_or_config, (EncoderConfig, EncoderDecoderConfig)):
-        return load_encoder_state_dict(model_or_config, hf_state_dict, family=family)
+        return _load_flat_state_dict(model_or_config, hf_state_dict, family=family)
     if isinstance(model_or_config, DecoderLM):
         model = model_or_config
     elif isinstance(model_or_config, DecoderConfig):
@@ -311,9 +325,9 @@ def from_huggingface(hf_model: Any) -> Any:
     `Gemma3ForCausalLM` (text), `MixtralForCausalLM`, `MistralForCausalLM`,
     `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma2ForCausalLM`,
     `Phi3ForCausalLM`, and any class added with `register_family`.
-    Encoders and encoder–decoders (`interop.hf_encoder`: BERT, ModernBERT,
-    ViT, T5) give an `EncoderModel` or an `EncoderDecoderLM` instead, whose
-    outputs equal the PyTorch model's.
+    Encoders and encoder–decoders (BERT, ModernBERT, ViT, T5, Whisper) give
+    an `EncoderModel` or an `EncoderDecoderLM` instead, whose outputs equal
+    the PyTorch model's.
     The result's `model(ids)` ((T,) or (B, T) integer ids) returns the
     PyTorch model's logits (`hf_model(ids).logits`) in float32. Weights are
     converted to float32.
@@ -325,8 +339,8 @@ def from_huggingface(hf_model: Any) -> Any:
             the config ties but whose weights differ from the embedding.
     """
     cls = type(hf_model).__name__
-    if is_encoder_class(cls):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
-        return encoder_from_huggingface(hf_model)
+    if _is_flat_class(cls):  # the all-at-once layout: the encoders
+        return _flat_from_huggingface(hf_model)
     fam = family_for_class(cls)
     hf_config = eval_config(hf_model, cls, fam.dropout_fields)
     _check_model_matches_config(cls, hf_model, hf_config)
@@ -340,3 +354,185 @@ def from_huggingface(hf_model: Any) -> Any:
             if "lm_head.weight" not in sd:
                 sd = dict(sd, **{"lm_head.weight": head.weight})
     return load_huggingface_state_dict(cfg, sd, family=fam.name)
+
+
+# The all-at-once layout (Family.rules: the encoders) ----------------------------
+
+
+def _flat_families() -> list[Family]:
+    """The registered families of the all-at-once layout (`Family.rules`)."""
+    return [f for f in FAMILIES.values() if not f.layered]
+
+
+def _is_flat_class(name: str) -> bool:
+    """Whether the `transformers` class `name` is an encoder family's."""
+    return any(name in f.classes for f in _flat_families())
+
+
+def _flat_family_for_class(name: str) -> Family:
+    """The family converting the `transformers` model class `name`."""
+    for fam in _flat_families():
+        if name in fam.classes:
+            return fam
+    raise ConfigError(f"from_huggingface: the model class {name} is not supported.")
+
+
+def _is_flat_model(model: Any) -> bool:
+    """Whether some encoder family exports `model`."""
+    return any(f.exports(model) for f in _flat_families())
+
+
+def _flat_family(owner: str, model: Any, family: str | None) -> Family:
+    if family is not None:
+        fams = {f.name: f for f in _flat_families()}
+        fam = fams.get(family) or next(
+            (f for f in fams.values() if family in f.classes), None
+        )
+        if fam is None or not fam.exports(model):
+            raise ConfigError(
+                f"{owner}: family={family!r} is not an encoder family that can "
+                f"express a {type(model).__name__}; encoder families: "
+                f"{sorted(fams)}."
+            )
+        return fam
+    found = [f for f in _flat_families() if f.exports(model)]
+    if len(found) != 1:
+        raise ConfigError(
+            f"{owner}: no single encoder family expresses this "
+            f"{type(model).__name__} (candidates: {[f.name for f in found]}); "
+            "pass family=."
+        )
+    return found[0]
+
+
+def _complete(model: Any, fam: Family, cfg: Any) -> Any:
+    """A model whose every leaf is concrete: the abstract leaves of a skeleton
+    (per-layer windows, RoPE bases: integers) come from a model built for
+    `cfg` in one compiled program that returns only them (its random weights
+    are never computed), so the loaded parameters keep their placement."""
+
+    def is_none(x):
+        return x is None
+
+    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_none)
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return model
+
+    @eqx.filter_jit
+    def data(key):
+        return eqx.filter(fam.make(cfg, key=key), lambda x: not _is_param(x))
+
+    built = jax.tree_util.tree_leaves(data(jax.random.key(0)), is_leaf=is_none)
+    return treedef.unflatten(
+        [b if isinstance(x, jax.ShapeDtypeStruct) else x
+         for x, b in zip(leaves, built, strict=True)]
+    )  # fmt: skip
+
+
+def _base_keys(keys: Any, prefix: str) -> frozenset:
+    """The stored names with the base model's `prefix` removed."""
+    if not prefix:
+        return frozenset(keys)
+    return frozenset(k[len(prefix) :] if k.startswith(prefix) else k for k in keys)
+
+
+def _flat_skeleton(fam: Family, cfg: Any) -> Any:
+    return eqx.filter_eval_shape(lambda k: fam.make(cfg, key=k), jax.random.key(0))
+
+
+def _flat_family_of_cfg(owner: str, cfg: Any) -> Family:
+    found = []
+    for fam in _flat_families():
+        try:
+            if fam.exports(_flat_skeleton(fam, cfg)):
+                found.append(fam)
+        except (ConfigError, TypeError, AttributeError):
+            continue
+    if len(found) != 1:
+        raise ConfigError(
+            f"{owner}: no single encoder family expresses this "
+            f"{type(cfg).__name__} (candidates: {[f.name for f in found]}); pass "
+            "family=."
+        )
+    return found[0]
+
+
+def _load_flat_state_dict(
+    cfg: Any,
+    hf_state_dict: Mapping[str, Any],
+    *,
+    family: str | None = None,
+    cls: str | None = None,
+) -> Any:
+    """The blocklab model of `cfg` with every weight from a `transformers`
+    state dict of the family `family` (default: the one family that
+    expresses `cfg`) and class `cls` (default: the class of `cfg`). Tied
+    tensors may be present (they must equal what they tie to).
+
+    Raises:
+        ConfigError: a missing or unexpected key, a wrong shape (named), a
+            tied tensor that differs from its source.
+    """
+    owner = "load_huggingface_state_dict"
+    if family:
+        fam = FAMILIES.get(family) or _flat_family_for_class(family)
+    else:
+        fam = _flat_family_of_cfg(owner, cfg)
+    cls = cls or fam.class_of(cfg)
+    given = {k: v for k, v in hf_state_dict.items() if k not in fam.ignored}
+    for key, source in fam.tied_keys(cfg, cls).items():
+        if key in given:
+            a = _to_numpy(given[key])
+            b = _to_numpy(given[source]) if source in given else None
+            if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                if fam.untie is not None:
+                    cfg = fam.untie(cfg)
+                    continue
+                raise ConfigError(
+                    f"{owner}: {key} is tied to {source} in the {cls} of this config "
+                    "but differs from it."
+                )
+            del given[key]
+    rules = fam.all_rules(cfg, cls)
+    skeleton = _flat_skeleton(fam, cfg)
+    shapes = param_shapes(skeleton)
+    expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
+    missing = [k for k in expected if k not in given]
+    drop = fam.unused(cls)
+    unexpected = [k for k in given if k not in expected and not k.startswith(drop)]
+    if missing or unexpected:
+        raise ConfigError(
+            f"{owner}: the state dict does not match the {cls} of this config: "
+            f"missing keys {missing}; unexpected keys {unexpected}."
+        )
+    ours: dict[str, np.ndarray] = {}
+    for r in rules:
+        arr = _to_numpy(given[r.hf])
+        if tuple(arr.shape) != expected[r.hf]:
+            raise ConfigError(
+                f"{owner}: key {r.hf!r} has shape {tuple(arr.shape)}, the {cls} of "
+                f"this config expects {expected[r.hf]}."
+            )
+        ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+    ours.update(_constants(fam, cfg, cls, shapes))
+    return _complete(load_state_dict(skeleton, ours), fam, cfg)
+
+
+def _constants(fam, cfg, cls, shapes) -> dict[str, np.ndarray]:
+    return {
+        name: np.full(shapes[name], value, np.float32)
+        for name, value in fam.constants(cfg, cls).items()
+    }
+
+
+def _flat_from_huggingface(hf_model: Any) -> Any:
+    """The blocklab model of a `transformers` encoder-family PyTorch model
+    (float32 weights); its outputs equal the PyTorch model's."""
+    cls = type(hf_model).__name__
+    fam = _flat_family_for_class(cls)
+    hf_config = eval_config(hf_model, cls, fam.dropout_fields)
+    cfg = fam.to_config(hf_config, cls)
+    rename = fam.disk_name or (lambda k: k)
+    sd = {rename(k): v.float() for k, v in hf_model.state_dict().items()}
+    cfg = fam.from_keys(cfg, cls, _base_keys(sd, fam.base_prefix))
+    return _load_flat_state_dict(cfg, sd, family=fam.name, cls=cls)

@@ -87,16 +87,22 @@ from .hf_common import (
     decoder_families,
     family_for_class,
     legacy_rope,
-    resolve_family,
     rope_fields,
 )
-from .hf_encoder import (
-    encoder_family_of_config,
-    is_encoder_model,
-    load_encoder_pretrained,
-    save_encoder_pretrained,
+from .huggingface import (
+    _all_rules,
+    _base_keys,
+    _complete,
+    _constants,
+    _exporting_family,
+    _flat_families,
+    _flat_family_for_class,
+    _flat_skeleton,
+    _is_flat_class,
+    _is_flat_model,
+    _skeleton,
+    to_huggingface_state_dict,
 )
-from .huggingface import _all_rules, _skeleton
 from .porting import _converted, _float_dtype, _non_finite, _put, _walk, param_shapes
 from .safetensors_io import (
     CONFIG_NAME,
@@ -475,12 +481,12 @@ def load_pretrained(
             `transformers` class of its family (default: its
             `architectures`), e.g. `"BertModel"` for the encoder of a
             `BertForMaskedLM` folder, its head left out (see
-            `interop.hf_encoder.load_encoder_pretrained`); a tensor the class
+            `_load_flat_pretrained`); a tensor the class
             has and the folder lacks is refused by name.
 
     Returns:
         A `DecoderLM` (a `MoEDecoderConfig` model for Mixtral); for the
-        encoder families (`interop.hf_encoder`: BERT, ModernBERT, ViT, T5) an
+        encoder families (BERT, ModernBERT, ViT, T5, Whisper) an
         `EncoderModel` or `EncoderDecoderLM` (for a base class such as
         `BertModel`, one without heads: `model(ids)` is the last hidden
         state, `model.pooler_output(h)` the pooled output).
@@ -501,9 +507,9 @@ def load_pretrained(
     target_dtype = _float_dtype(owner, dtype, "the stored dtypes")
     sharding_of = _resolve_sharding(sharding)
     raw = read_config(folder)
-    encoder = encoder_family_of_config(raw)
-    if encoder is not None:  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
-        return load_encoder_pretrained(
+    encoder = _flat_family_of_config(raw)
+    if encoder is not None:  # a family of the all-at-once layout: the encoders
+        return _load_flat_pretrained(
             folder, raw, *encoder, dtype=target_dtype, sharding_of=sharding_of,
             model_class=model_class,
         )  # fmt: skip
@@ -987,17 +993,12 @@ def save_pretrained(
             reason; nothing is left behind).
     """
     owner = "save_pretrained"
-    if is_encoder_model(model):  # BERT, ModernBERT, ViT, T5 (interop.hf_encoder)
-        if source is not None:
-            raise ConfigError(
-                f"{owner}: source= is not implemented for the encoder families; "
-                "pass token_ids= and generation_config= instead."
-            )
-        return save_encoder_pretrained(
-            model, path, max_shard_size=max_shard_size, overwrite=overwrite,
-            family=family, token_ids=token_ids, generation_config=generation_config,
-        )  # fmt: skip
-    if not isinstance(model, DecoderLM):
+    if _is_flat_model(model) and source is not None:
+        raise ConfigError(
+            f"{owner}: source= is not implemented for the encoder families; "
+            "pass token_ids= and generation_config= instead."
+        )
+    if not _is_flat_model(model) and not isinstance(model, DecoderLM):
         raise ConfigError(
             f"{owner}: model must be a DecoderLM, got {type(model).__name__}."
         )
@@ -1006,7 +1007,12 @@ def save_pretrained(
     overwrite = check_bool(owner, "overwrite", overwrite)
     check_folder_target(folder, owner=owner, overwrite=overwrite)
     check_writable(folder / CONFIG_NAME, owner=owner, name="path")
-    fam = resolve_family(owner, model.cfg, family, check=True)
+    fam = _exporting_family(owner, model, family)
+    if not fam.layered:  # every tensor at once: no per-layer streaming
+        return _save_flat_pretrained(
+            model, folder, fam, max_bytes=max_bytes, overwrite=overwrite,
+            token_ids=token_ids, generation_config=generation_config,
+        )  # fmt: skip
     ids, generation = _usage(
         owner, model.cfg.vocab_size, source, token_ids, generation_config, model.cfg
     )
@@ -1070,5 +1076,239 @@ def save_pretrained(
         ):
             (tmp / name).write_text(
                 json.dumps(content, indent=2, sort_keys=True) + "\n"
+            )
+    return folder
+
+
+# The all-at-once layout (Family.rules: the encoders) ----------------------------
+
+
+def _flat_family_of_config(
+    raw: Mapping[str, Any],
+) -> tuple[Family, str] | None:
+    """The encoder family and model class of a `config.json` (its
+    `architectures[0]`, else its `model_type`'s first class), or `None`."""
+    archs = raw.get("architectures")
+    if isinstance(archs, list):
+        for name in archs:
+            if isinstance(name, str) and _is_flat_class(name):
+                fam = _flat_family_for_class(name)
+                model_type = raw.get("model_type")
+                if model_type is not None and model_type not in fam.model_types:
+                    raise CheckpointError(
+                        f"load_pretrained: config.json names architectures="
+                        f"{archs!r} but model_type={model_type!r}; transformers "
+                        f"builds the model of model_type (the {fam.name} family's "
+                        f"are {list(fam.model_types)})."
+                    )
+                return fam, name
+        return None
+    model_type = raw.get("model_type")
+    for fam in _flat_families():
+        if model_type in fam.model_types:
+            return fam, fam.classes[0]
+    return None
+
+
+def _placed(
+    skeleton: Any,
+    ours: Mapping[str, np.ndarray],
+    dtype: Any,
+    sharding_of: Callable[[str], Any],
+) -> Any:
+    """`skeleton` with every parameter from `ours` (`{state-dict name: array}`),
+    in `dtype` (`None`: the skeleton's), each put straight onto the devices of
+    `sharding_of(path)` (`None`: the default device)."""
+
+    def take(names, leaf):
+        path = _leaf_path(names)
+        if isinstance(names, str):
+            array = np.asarray(ours[names])
+        else:
+            array = np.stack([np.asarray(ours[n]) for n in names])
+        target = np.dtype(leaf.dtype if dtype is None else dtype)
+        array = _converted(array, target, path, what="parameter", hint="")
+        return _put(array, sharding_of(path))
+
+    return _walk(skeleton, take)
+
+
+def _sources(expected: Any, stored: set[str], prefix: str) -> dict[str, str]:
+    """`{expected key: its stored key}`: the key itself, else the key with the
+    base model's `prefix` removed or added (a base folder read into a head
+    class, a head folder read into the base class)."""
+    out = {}
+    for key in expected:
+        if key in stored:
+            out[key] = key
+        elif prefix and key.startswith(prefix) and key[len(prefix) :] in stored:
+            out[key] = key[len(prefix) :]
+        elif prefix and not key.startswith(prefix) and prefix + key in stored:
+            out[key] = prefix + key
+    return out
+
+
+def _load_flat_pretrained(
+    folder: Path,
+    raw: Mapping[str, Any],
+    fam: Family,
+    cls: str,
+    *,
+    dtype=None,
+    sharding_of: Callable[[str], Any] | None = None,
+    model_class: str | None = None,
+) -> Any:
+    """The model of a checkpoint folder of an encoder family (`raw`: its
+    `config.json`, `cls` the class it names). Keys and shapes are checked
+    before any tensor is read; each parameter goes straight onto the devices
+    of `sharding_of(path)` (as `load_pretrained`'s `sharding=`).
+
+    `model_class`, another class of the family, reads the folder as
+    `transformers`' `model_class.from_pretrained` does where that is exact:
+    the tensors it has must all be stored (with or without the base
+    model's prefix); stored tensors it lacks (the folder's heads) are left
+    out. A tensor it has that the folder lacks is refused by name, where
+    `transformers` would draw it at random; a base model's pooler is then
+    left out instead (`BertModel`, `ViTModel`: the pooler is there iff its
+    tensors are stored).
+
+    Raises:
+        ConfigError: a config field blocklab does not implement (named), a
+            `model_class` of another family.
+        CheckpointError: a missing or left-over key, a wrong shape, a
+            non-floating dtype, a NaN or infinity (named with its file).
+    """
+    import types
+
+    owner = "load_pretrained"
+    where = folder / CONFIG_NAME
+    stored_cls = cls
+    if model_class is not None:
+        if model_class not in fam.classes:
+            raise ConfigError(
+                f"{owner}: model_class={model_class!r} is not a class of the "
+                f"{fam.name} family of {where} (architectures {stored_cls}); its "
+                f"classes are {list(fam.classes)}."
+            )
+        cls = model_class
+    try:
+        cfg = fam.to_config(types.SimpleNamespace(**raw), cls)
+    except AttributeError as err:
+        name = getattr(err, "name", None) or str(err)
+        raise CheckpointError(
+            f"{owner}: {where} has no field {name!r}, which the {cls} config needs."
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(f"{owner}: {where}: {err}") from None
+    with open_catalog(folder) as catalog:
+        stored = set(catalog.keys())
+        cfg = fam.from_keys(cfg, cls, _base_keys(stored, fam.base_prefix))
+        for key, source in fam.tied_keys(cfg, cls).items():
+            if key in stored:
+                a = catalog.read(key)
+                b = catalog.read(source) if source in stored else None
+                if b is None or a.shape != b.shape or not np.array_equal(a, b):
+                    if fam.untie is not None:  # as transformers: keep both
+                        cfg = fam.untie(cfg)
+                        continue
+                    raise CheckpointError(
+                        f"{owner}: {folder}: {key} is tied to {source} by the {cls} "
+                        "of config.json but the stored tensors differ."
+                    )
+                stored.discard(key)
+        rules = fam.all_rules(cfg, cls)
+        skeleton = _flat_skeleton(fam, cfg)
+        shapes = param_shapes(skeleton)
+        stored -= set(fam.ignored)
+        expected = {r.hf: r.hf_shape([shapes[b] for b in r.bl]) for r in rules}
+        sources = _sources(expected, stored, fam.base_prefix)
+        missing = [k for k in expected if k not in sources]
+        # reading another class of the family leaves the folder's heads out
+        drop = fam.unused(cls)
+        leftover = (
+            sorted(k for k in stored - set(sources.values()) if not k.startswith(drop))
+            if cls == stored_cls
+            else []
+        )
+        if missing or leftover:
+            whose = "its config.json" if cls == stored_cls else "model_class"
+            note = (
+                f" (transformers' {cls}.from_pretrained would draw them at random; "
+                "blocklab loads only stored weights)"
+                if cls != stored_cls and missing
+                else ""
+            )
+            raise CheckpointError(
+                f"{owner}: {folder}: the stored tensors do not match the {cls} of "
+                f"{whose}: missing keys {missing}{note}; left-over keys {leftover}."
+            )
+        for key, shape in expected.items():
+            info = catalog.infos[sources[key]]
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{owner}: {info.file}: tensor {sources[key]!r} has shape "
+                    f"{info.shape}; the config.json model expects {shape}."
+                )
+            info.check_float(owner, sources[key])
+        ours: dict[str, np.ndarray] = {}
+        for r in rules:
+            arr = catalog.read(sources[r.hf])
+            bad = _non_finite(arr)
+            if bad is not None:
+                raise CheckpointError(
+                    f"{owner}: {catalog.infos[sources[r.hf]].file}: tensor "
+                    f"{sources[r.hf]!r} {bad}."
+                )
+            ours.update(zip(r.bl, r.from_hf(arr), strict=True))
+            del arr
+    ours.update(_constants(fam, cfg, cls, shapes))
+    model = _placed(skeleton, ours, dtype, sharding_of or (lambda path: None))
+    return _complete(model, fam, cfg)
+
+
+def _save_flat_pretrained(
+    model: Any,
+    folder: Path,
+    fam: Family,
+    *,
+    max_bytes: int,
+    overwrite: bool,
+    token_ids: Mapping[str, Any] | None,
+    generation_config: Mapping[str, Any] | None,
+) -> Path:
+    """`save_pretrained` for a family of the all-at-once layout (arguments
+    checked there): `config.json`, `generation_config.json` when
+    `Family.generation` or given, `model.safetensors` or shards, atomic."""
+    owner = "save_pretrained"
+    cfg = model.cfg
+    cls = fam.class_of(cfg)
+    fields = dict(fam.hf_fields(cfg))
+    if token_ids:
+        fields.update(token_ids)
+    fields.update(architectures=[cls], model_type=fam.model_types[0], dtype="float32")
+    config = {k: _json_value(v) for k, v in sorted(fields.items())}
+    tensors = to_huggingface_state_dict(model, family=fam.name)
+    sizes = [(k, v.nbytes) for k, v in tensors.items()]
+    num_params = sum(v.size for v in tensors.values())
+    generation = None
+    if fam.generation or generation_config is not None:
+        generation = dict(generation_config or {"_from_model_config": True})
+        for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
+            if k in config and k not in generation:
+                generation[k] = config[k]
+    with atomic_dir(folder, owner=owner, overwrite=overwrite) as tmp:
+        for _ in write_shards(
+            tmp,
+            shard_plan(sizes, max_bytes),
+            tensors.__getitem__,
+            num_params=num_params,
+        ):
+            pass
+        (tmp / CONFIG_NAME).write_text(
+            json.dumps(config, indent=2, sort_keys=True) + "\n"
+        )
+        if generation is not None:
+            (tmp / GENERATION_CONFIG_NAME).write_text(
+                json.dumps(generation, indent=2, sort_keys=True) + "\n"
             )
     return folder
