@@ -230,11 +230,16 @@ def sweep_section(s: dict) -> dict:
 
     def sweep():
         blocklab.train_sweep(
-            make_model, data, p["steps"], model_keys=list(range(K)),
-            data_keys=list(range(100, 100 + K)), learning_rates=1e-3,
-            batch_size=p["batch"], steps_per_call=p["steps"], validate=False,
-            progress=False,
-        )  # fmt: skip
+            make_model,
+            data,
+            p["steps"],
+            model_keys=list(range(K)),
+            data_keys=list(range(100, 100 + K)),
+            run=blocklab.RunConfig(
+                batch_size=p["batch"], steps_per_call=p["steps"], progress=False
+            ),
+            sweep=blocklab.SweepConfig(learning_rates=1e-3, validate=False),
+        )
 
     times = {}
     for name, fn in (("sequential", sequential), ("sweep", sweep)):

@@ -116,8 +116,11 @@ def timed(fn):
 
 def lora_vs_full(a, base) -> dict:
     data = token_batches(a.vocab, a.batch_size, a.seq_len)
-    adapted = bl.lora(base, rank=a.rank, alpha=2.0 * a.rank, targets=PROJECTIONS,
-                      key=jax.random.key(1))  # fmt: skip
+    adapted = bl.lora(
+        base,
+        bl.LoRAConfig(rank=a.rank, alpha=2.0 * a.rank, targets=PROJECTIONS),
+        key=jax.random.key(1),
+    )
     out = {}
     for name, model, opt in (
         ("full", base, optax.adamw(1e-4)),
@@ -125,8 +128,14 @@ def lora_vs_full(a, base) -> dict:
     ):
 
         def run(model=model, opt=opt):
-            r = bl.train_model(model, data, opt, a.steps, key=jax.random.key(2),
-                               steps_per_call=a.steps, progress=False)  # fmt: skip
+            r = bl.train_model(
+                model,
+                data,
+                opt,
+                a.steps,
+                key=jax.random.key(2),
+                run=bl.RunConfig(steps_per_call=a.steps, progress=False),
+            )
             jax.block_until_ready(jax.tree.leaves(r.state.model))
             return r
 
@@ -151,15 +160,23 @@ def lora_vs_full(a, base) -> dict:
 def sweep_vs_runs(a, base) -> dict:
     K = a.members
     data = token_batches(a.vocab, a.sweep_batch_size, a.sweep_seq_len)
-    spec = {"rank": a.rank, "alpha": 2.0 * a.rank, "targets": PROJECTIONS}
+    spec = bl.LoRAConfig(rank=a.rank, alpha=2.0 * a.rank, targets=PROJECTIONS)
 
     def sweep(k, steps, memory=False):
         return bl.train_sweep(
-            base, data, steps, model_keys=list(range(k)),
-            data_keys=list(range(100, 100 + k)), learning_rates=1e-3,
-            adapters=spec, steps_per_call=steps, validate=False, progress=False,
-            memory_analysis=memory,
-        )  # fmt: skip
+            base,
+            data,
+            steps,
+            model_keys=list(range(k)),
+            data_keys=list(range(100, 100 + k)),
+            run=bl.RunConfig(steps_per_call=steps, progress=False),
+            sweep=bl.SweepConfig(
+                learning_rates=1e-3,
+                validate=False,
+                adapters=spec,
+                memory_analysis=memory,
+            ),
+        )
 
     mem1 = sweep(1, 1, memory=True).memory
     memK = sweep(K, 1, memory=True).memory
@@ -168,10 +185,19 @@ def sweep_vs_runs(a, base) -> dict:
 
     def sequential():
         for k in range(K):
-            start = bl.lora(base, rank=a.rank, alpha=2.0 * a.rank,
-                            targets=PROJECTIONS, key=jax.random.key(k))  # fmt: skip
-            r = bl.train_model(start, data, opt, a.steps, key=jax.random.key(100 + k),
-                               steps_per_call=a.steps, progress=False)  # fmt: skip
+            start = bl.lora(
+                base,
+                bl.LoRAConfig(rank=a.rank, alpha=2.0 * a.rank, targets=PROJECTIONS),
+                key=jax.random.key(k),
+            )
+            r = bl.train_model(
+                start,
+                data,
+                opt,
+                a.steps,
+                key=jax.random.key(100 + k),
+                run=bl.RunConfig(steps_per_call=a.steps, progress=False),
+            )
             jax.block_until_ready(jax.tree.leaves(r.state.model))
 
     def swept():

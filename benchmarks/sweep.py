@@ -34,6 +34,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
+from blocklab import RunConfig, SweepConfig  # noqa: E402
 from blocklab.training import distributed  # noqa: E402
 
 if "--child" in sys.argv:
@@ -91,11 +92,16 @@ def child(a: argparse.Namespace) -> None:
 
     def sweep():
         train_sweep(
-            make_model, data, a.steps, model_keys=list(range(a.members)),
-            data_keys=list(range(100, 100 + a.members)), learning_rates=1e-3,
-            batch_size=a.batch_size, steps_per_call=a.steps, validate=False,
-            progress=False,
-        )  # fmt: skip
+            make_model,
+            data,
+            a.steps,
+            model_keys=list(range(a.members)),
+            data_keys=list(range(100, 100 + a.members)),
+            run=RunConfig(
+                batch_size=a.batch_size, steps_per_call=a.steps, progress=False
+            ),
+            sweep=SweepConfig(learning_rates=1e-3, validate=False),
+        )
 
     sweep()
     best = float("inf")
@@ -211,11 +217,10 @@ def main() -> None:
             a.steps,
             model_keys=list(range(K)),
             data_keys=list(range(100, 100 + K)),
-            learning_rates=1e-3,
-            batch_size=a.batch_size,
-            steps_per_call=a.steps,
-            validate=False,
-            progress=False,
+            run=RunConfig(
+                batch_size=a.batch_size, steps_per_call=a.steps, progress=False
+            ),
+            sweep=SweepConfig(learning_rates=1e-3, validate=False),
         )
 
     times = {}

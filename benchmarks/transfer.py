@@ -77,11 +77,18 @@ def main(argv=None) -> dict:
 
     def sweep():
         r = bl.train_sweep(
-            make, data, steps, model_keys=grid["seed"], data_keys=grid["seed"] + 7,
-            learning_rates=grid["learning_rate"], optimizer=opt,
-            batch_size=args.batch_size, steps_per_call=chunk, validate=False,
-            progress=False,
-        )  # fmt: skip
+            make,
+            data,
+            steps,
+            model_keys=grid["seed"],
+            data_keys=grid["seed"] + 7,
+            run=bl.RunConfig(
+                batch_size=args.batch_size, steps_per_call=chunk, progress=False
+            ),
+            sweep=bl.SweepConfig(
+                learning_rates=grid["learning_rate"], optimizer=opt, validate=False
+            ),
+        )
         return np.asarray(r.losses[:, -1])
 
     def sequential():
@@ -96,10 +103,16 @@ def main(argv=None) -> dict:
                 init_state(model, opt), jnp.asarray(lr, jnp.float32),
             )  # fmt: skip
             r = bl.train_model(
-                model, data, opt, steps, key=jax.random.key(int(seed) + 7),
-                batch_size=args.batch_size, steps_per_call=chunk, state=state,
-                progress=False,
-            )  # fmt: skip
+                model,
+                data,
+                opt,
+                steps,
+                key=jax.random.key(int(seed) + 7),
+                state=state,
+                run=bl.RunConfig(
+                    batch_size=args.batch_size, steps_per_call=chunk, progress=False
+                ),
+            )
             out.append(r.losses[-1] if len(r.losses) == steps else np.nan)
         return np.asarray(out)
 

@@ -54,9 +54,14 @@ def loss_fn(model, batch, key):
 
 
 result = bl.train_model(
-    model, batch, optax.adamw(1e-3, weight_decay=0.0), steps, key=data_key,
-    loss_fn=loss_fn, progress=False,
-)  # fmt: skip
+    model,
+    batch,
+    optax.adamw(1e-3, weight_decay=0.0),
+    steps,
+    key=data_key,
+    loss_fn=loss_fn,
+    run=bl.RunConfig(progress=False),
+)
 k = max(len(result.losses) // 3, 1)
 print(
     f"MLM loss, first / last {k} steps: "

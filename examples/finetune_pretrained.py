@@ -57,9 +57,13 @@ with tempfile.TemporaryDirectory() as tmp:
 
     data = bl.TimeMachine(seq_len=T, num_train=2000 if tiny else 50000, num_val=50)
     result = bl.train_model(
-        model, data, optax.adamw(1e-3), steps, key=jax.random.key(1), batch_size=B,
-        progress=False,
-    )  # fmt: skip
+        model,
+        data,
+        optax.adamw(1e-3),
+        steps,
+        key=jax.random.key(1),
+        run=bl.RunConfig(batch_size=B, progress=False),
+    )
     k = max(1, len(result.losses) // 3)
     print(
         f"fine-tuned {steps} steps: loss {result.losses[:k].mean():.3f} -> "

@@ -69,9 +69,13 @@ def fine_tune(model, optimizer, data):
 
     def run():
         return bl.train_model(
-            model, data, optimizer, steps, key=jax.random.key(1), batch_size=B,
-            steps_per_call=steps, progress=False,
-        )  # fmt: skip
+            model,
+            data,
+            optimizer,
+            steps,
+            key=jax.random.key(1),
+            run=bl.RunConfig(batch_size=B, steps_per_call=steps, progress=False),
+        )
 
     result = run()  # compiles
     t0 = time.perf_counter()
@@ -84,7 +88,9 @@ data = bl.TimeMachine(seq_len=T, num_train=2000 if tiny else 50000, num_val=50)
 print(f"Llama: {bl.count_params(model)} parameters, {layers} layers, width {d}")
 
 full, full_step = fine_tune(model, optax.adamw(1e-3), data)
-adapted = bl.lora(model, rank=8, alpha=16.0, targets=PROJECTIONS, key=jax.random.key(2))
+adapted = bl.lora(
+    model, bl.LoRAConfig(rank=8, alpha=16.0, targets=PROJECTIONS), key=jax.random.key(2)
+)
 tuned, lora_step = fine_tune(adapted, lora_optimizer(optax.adamw(3e-3)), data)
 
 rows = [

@@ -81,9 +81,9 @@ def active_ffn_params(model):
 
 
 runs = {}
-for name, make, extra in (
-    ("dense", make_dense, {}),
-    ("moe", make_moe, {"loss_fn": bl.training.losses.moe_loss(), "probe": expert_load}),
+for name, make, loss_fn, probe in (
+    ("dense", make_dense, None, None),
+    ("moe", make_moe, bl.training.losses.moe_loss(), expert_load),
 ):
     result = bl.train_sweep(
         make,
@@ -91,11 +91,9 @@ for name, make, extra in (
         STEPS,
         model_keys=SEEDS,
         data_keys=[1000 + s for s in SEEDS],
-        learning_rates=1e-3,
-        batch_size=B,
-        steps_per_call=max(1, STEPS // 6),
-        validate=False,
-        **extra,
+        loss_fn=loss_fn,
+        run=bl.RunConfig(batch_size=B, steps_per_call=max(1, STEPS // 6)),
+        sweep=bl.SweepConfig(learning_rates=1e-3, validate=False, probe=probe),
     )
     val = np.array(
         [

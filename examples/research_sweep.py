@@ -103,15 +103,15 @@ def main() -> None:
         steps,
         model_keys=grid["seed"],
         data_keys=grid["seed"] + 1000,
-        hyperparams={
-            "learning_rate": grid["learning_rate"],
-            "weight_decay": grid["weight_decay"],
-        },
-        optimizer=bl.training.sweep.sweep_optimizer(optax.adamw, weight_decay=0.0),
         loss_fn=loss_fn,
-        batch_size=batch,
-        steps_per_call=10,
-        progress=False,
+        run=bl.RunConfig(batch_size=batch, steps_per_call=10, progress=False),
+        sweep=bl.SweepConfig(
+            hyperparams={
+                "learning_rate": grid["learning_rate"],
+                "weight_decay": grid["weight_decay"],
+            },
+            optimizer=bl.training.sweep.sweep_optimizer(optax.adamw, weight_decay=0.0),
+        ),
     )
     if not distributed.is_main_process():
         return

@@ -14,7 +14,7 @@ import os
 import jax
 import numpy as np
 
-from blocklab import CharLM, TimeMachine, train_sweep
+from blocklab import CharLM, RunConfig, SweepConfig, TimeMachine, train_sweep
 from blocklab.training.member_axis import member_mesh
 
 TINY = os.environ.get("BLOCKLAB_TINY") == "1"
@@ -40,9 +40,8 @@ result = train_sweep(
     STEPS,
     model_keys=model_keys,
     data_keys=data_keys,
-    learning_rates=member_lrs,
-    batch_size=BATCH,
-    steps_per_call=max(1, STEPS // 5),
+    run=RunConfig(batch_size=BATCH, steps_per_call=max(1, STEPS // 5)),
+    sweep=SweepConfig(learning_rates=member_lrs),
 )
 
 window = max(1, STEPS // 10)

@@ -89,9 +89,14 @@ def loss_fn(model, batch, key):
 
 lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 20, 1), steps)
 result = bl.train_model(
-    model, batch, optax.adamw(lr, weight_decay=0.0), steps, key=data_key,
-    loss_fn=loss_fn, progress=False,
-)  # fmt: skip
+    model,
+    batch,
+    optax.adamw(lr, weight_decay=0.0),
+    steps,
+    key=data_key,
+    loss_fn=loss_fn,
+    run=bl.RunConfig(progress=False),
+)
 k = max(len(result.losses) // 3, 1)
 print(
     f"loss, first / last {k} steps: "

@@ -193,12 +193,12 @@ def test_sweep_probe_records_the_diagnostics_of_every_member():
         4,
         model_keys=[0, 1],
         data_keys=[5, 6],
-        learning_rates=[1e-2, 3e-2],
-        batch_size=4,
-        steps_per_call=2,
-        probe=lambda m: model_diagnostics(m, ids),
-        validate=False,
-        progress=False,
+        run=bl.RunConfig(batch_size=4, steps_per_call=2, progress=False),
+        sweep=bl.SweepConfig(
+            learning_rates=[1e-2, 3e-2],
+            probe=lambda m: model_diagnostics(m, ids),
+            validate=False,
+        ),
     )
     np.testing.assert_array_equal(res.probe_steps, [0, 2, 4])
     assert res.probes["attn_entropy"].shape == (2, 3, 2, 2)  # K, evals, L, H

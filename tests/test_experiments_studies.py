@@ -19,7 +19,7 @@ from blocklab.experiments._seeds import check_seeds
 
 # ------------------------------------------------------------------ seeds
 def test_one_seed_rule():
-    assert check_seeds("f", "seeds", [0, np.int64(3), 2**32 - 1]) == (0, 3, 2**32 - 1)
+    assert check_seeds([0, np.int64(3), 2**32 - 1], _owner="f") == (0, 3, 2**32 - 1)
     for bad, message in [
         ([1, 1], "must be distinct"),
         ([-1], r"seeds\[0\] must lie in \[0, 4294967295\], got -1"),
@@ -30,7 +30,7 @@ def test_one_seed_rule():
         (3, "a sequence of int seeds"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            check_seeds("f", "seeds", bad)
+            check_seeds(bad, _owner="f")
 
 
 # ------------------------------------------------------------ activations

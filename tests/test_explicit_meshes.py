@@ -157,6 +157,7 @@ TRAIN = COMMON + textwrap.dedent(
     from blocklab.data import TimeMachine
     from blocklab.training.placement import on_mesh
     from blocklab.training.run import train_model
+    from blocklab import RunConfig, SweepConfig
     from blocklab.training.sharded_checkpoint import restore_sharded, save_sharded
 
     path = sys.argv[1]
@@ -165,8 +166,9 @@ TRAIN = COMMON + textwrap.dedent(
 
     def train(n, mesh=None, rules=None, **kw):
         return train_model(kw.pop("model", None), data, opt, n,
-                           key=jax.random.key(1), batch_size=8, steps_per_call=2,
-                           progress=False, mesh=mesh, rules=rules, **kw)
+                           key=jax.random.key(1), **kw,
+                           run=RunConfig(batch_size=8, steps_per_call=2,
+                                         progress=False, mesh=mesh, rules=rules))
 
     out = {}
     one = train(4, model=DENSE)
@@ -223,13 +225,14 @@ SLOW = COMMON + textwrap.dedent(
     """
     from blocklab.data import TimeMachine
     from blocklab.training.run import train_model
+    from blocklab import RunConfig, SweepConfig
 
     data = TimeMachine(seq_len=16, num_train=500, num_val=40)
 
     def train(model, mesh=None, rules=None):
         r = train_model(model, data, optax.adam(3e-3), 4, key=jax.random.key(1),
-                        batch_size=8, steps_per_call=2, progress=False, mesh=mesh,
-                        rules=rules)
+                        run=RunConfig(batch_size=8, steps_per_call=2,
+                                      progress=False, mesh=mesh, rules=rules))
         return r
 
     one = {k: train(m) for k, m in MODELS.items()}
@@ -260,6 +263,7 @@ HANDED_BACK = COMMON + textwrap.dedent(
     """
     from blocklab.data import TimeMachine
     from blocklab.training.run import train_model
+    from blocklab import RunConfig, SweepConfig
     from blocklab.training.sweep import train_sweep
 
     data = TimeMachine(seq_len=16, num_train=500, num_val=40)
@@ -268,13 +272,15 @@ HANDED_BACK = COMMON + textwrap.dedent(
         mesh = None if mk == "none" else make_mesh((2, 4), ("members", "data"), mk)
         r = train_sweep(lambda k: DecoderLM(DENSE.cfg, key=k), data, 2,
                         model_keys=[0, 1], data_keys=[5, 6],
-                        learning_rates=[1e-3, 3e-3], batch_size=8,
-                        steps_per_call=2, progress=False, mesh=mesh)
+                        run=RunConfig(batch_size=8, steps_per_call=2,
+                                      progress=False, mesh=mesh),
+                        sweep=SweepConfig(learning_rates=[1e-3, 3e-3]))
         w = r.state.model.stack.blocks.attention.W_q.weight
         out[mk] = [r.losses.tolist(), r.val_loss.tolist(), str(w.sharding.mesh)]
     mesh = jax.make_mesh((8,), ("data",))
     r = train_model(DENSE, data, optax.adam(3e-3), 2, key=jax.random.key(1),
-                    batch_size=8, steps_per_call=2, progress=False, mesh=mesh)
+                    run=RunConfig(batch_size=8, steps_per_call=2, progress=False,
+                                  mesh=mesh))
     out["train_model"] = sorted({str(a.sharding.mesh)
                                  for a in jax.tree_util.tree_leaves(r.state)})
     out["mesh"] = str(mesh)
@@ -372,4 +378,4 @@ def test_shard_refuses_what_is_not_a_mesh_of_auto_or_explicit_axes(
     with pytest.raises(
         ConfigError, match="restore_sharded" + match.removeprefix("shard")
     ):
-        check_mesh(mesh, "restore_sharded")
+        check_mesh(mesh, _owner="restore_sharded")

@@ -171,9 +171,9 @@ DIES_MID_SWEEP = textwrap.dedent(
         threading.Thread(target=die_after_30_steps, daemon=True).start()
     bl.train_sweep(
         lambda key: bl.CharLM(data.vocab_size, 16, 2, 1, max_len=8, key=key),
-        data, 1_000_000, model_keys=[0, 1], data_keys=[2, 3], learning_rates=1e-3,
-        loss_fn=loss, batch_size=4, steps_per_call=10, validate=False,
-        progress=False,
+        data, 1_000_000, model_keys=[0, 1], data_keys=[2, 3], loss_fn=loss,
+        run=bl.RunConfig(batch_size=4, steps_per_call=10, progress=False),
+        sweep=bl.SweepConfig(learning_rates=1e-3, validate=False),
     )
     print("finished", flush=True)
     """

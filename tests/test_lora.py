@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import blocklab as bl
+from blocklab import LoRAConfig, RunConfig, SweepConfig
 from blocklab._validate import ConfigError
 from blocklab.interp.capture import capture
 from blocklab.models.decoder import DecoderLM
@@ -81,10 +82,7 @@ def test_adapted_layer_equals_numpy(use_rslora, weight_first):
     model = _random_B(
         lora(
             _model(),
-            rank=4,
-            alpha=6.0,
-            targets=["q", "up"],
-            use_rslora=use_rslora,
+            LoRAConfig(rank=4, alpha=6.0, targets=["q", "up"], use_rslora=use_rslora),
             key=jax.random.key(1),
         ),
         jax.random.key(2),
@@ -112,10 +110,7 @@ def test_adapted_model_equals_numpy_merge(use_rslora):
     model = _random_B(
         lora(
             _model(),
-            rank=4,
-            alpha=8.0,
-            targets=ALL,
-            use_rslora=use_rslora,
+            LoRAConfig(rank=4, alpha=8.0, targets=ALL, use_rslora=use_rslora),
             key=jax.random.key(1),
         ),  # fmt: skip
         jax.random.key(2),
@@ -127,7 +122,9 @@ def test_adapted_model_equals_numpy_merge(use_rslora):
 
 def test_adapters_start_as_identity_and_are_stacked():
     base = _model(num_blks=3)
-    model = lora(base, rank=4, alpha=8.0, targets=ALL, key=jax.random.key(1))
+    model = lora(
+        base, LoRAConfig(rank=4, alpha=8.0, targets=ALL), key=jax.random.key(1)
+    )
     np.testing.assert_array_equal(model(IDS), base(IDS))
     layers = lora_layers(model)
     assert len(layers) == 7  # one node per projection, all layers in it
@@ -143,7 +140,7 @@ def test_adapters_start_as_identity_and_are_stacked():
 def test_merge_equals_adapted_and_unmerge_returns_base():
     base = _model()
     model = _random_B(
-        lora(base, rank=4, alpha=8.0, targets=ALL, key=jax.random.key(1)),
+        lora(base, LoRAConfig(rank=4, alpha=8.0, targets=ALL), key=jax.random.key(1)),
         jax.random.key(2),
     )
     merged = merge_lora(model)
@@ -174,7 +171,9 @@ def test_bf16_base_keeps_float32_adapters():
     base = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, _model()
     )
-    model = lora(base, rank=4, alpha=8.0, targets=["q"], key=jax.random.key(1))
+    model = lora(
+        base, LoRAConfig(rank=4, alpha=8.0, targets=["q"]), key=jax.random.key(1)
+    )
     node = model.stack.blocks.attention.W_q
     assert node.base.weight.dtype == jnp.bfloat16 and node.A.dtype == jnp.float32
     np.testing.assert_array_equal(model(IDS), base(IDS))
@@ -188,7 +187,9 @@ def _batches(key):
 @pytest.mark.slow
 def test_only_adapters_train():
     base = _model()
-    model = lora(base, rank=4, alpha=8.0, targets=ALL, key=jax.random.key(1))
+    model = lora(
+        base, LoRAConfig(rank=4, alpha=8.0, targets=ALL), key=jax.random.key(1)
+    )
     opt = lora_optimizer(optax.adamw(1e-2, weight_decay=0.1))
     step = eqx.filter_jit(make_train_step(opt, _batches))
     state = init_state(model, opt)
@@ -221,7 +222,9 @@ def test_optimizer_state_is_adapters_only():
     cfg = DecoderConfig.llama(256, 1024, 8, 2, num_kv_heads=2)
     model = eqx.filter_eval_shape(DecoderLM, cfg, key=jax.random.key(0))
     adapted = eqx.filter_eval_shape(
-        lambda m: lora(m, rank=8, alpha=16.0, targets=ALL, key=jax.random.key(1)),
+        lambda m: lora(
+            m, LoRAConfig(rank=8, alpha=16.0, targets=ALL), key=jax.random.key(1)
+        ),
         model,
     )
     full = _nbytes(jax.eval_shape(optax.adam(1e-3).init, eqx.filter(model, _inexact)))
@@ -236,7 +239,9 @@ def test_optimizer_state_is_adapters_only():
 def test_generate_with_adapters_equals_merged():
     model = _random_B(
         lora(
-            _model(max_len=64), rank=4, alpha=8.0, targets=ALL, key=jax.random.key(1)
+            _model(max_len=64),
+            LoRAConfig(rank=4, alpha=8.0, targets=ALL),
+            key=jax.random.key(1),
         ),  # fmt: skip
         jax.random.key(2),
     )
@@ -247,17 +252,17 @@ def test_generate_with_adapters_equals_merged():
     base_greedy = generate(_model(max_len=64), prompt, 30)
     assert not np.array_equal(greedy, base_greedy)
     key = jax.random.key(7)
-    sampled = generate(model, prompt, 30, key=key, temperature=1.0)
-    np.testing.assert_array_equal(
-        sampled, generate(merged, prompt, 30, key=key, temperature=1.0)
-    )
+    sampled = generate(model, prompt, 30, key=key)
+    np.testing.assert_array_equal(sampled, generate(merged, prompt, 30, key=key))
     assert sampled.shape[-1] == 35
 
 
 def test_capture_sees_the_adapted_model():
     model = _random_B(
         lora(
-            _model(), rank=4, alpha=8.0, targets=["q", "down"], key=jax.random.key(1)
+            _model(),
+            LoRAConfig(rank=4, alpha=8.0, targets=["q", "down"]),
+            key=jax.random.key(1),
         ),  # fmt: skip
         jax.random.key(2),
     )
@@ -276,24 +281,24 @@ def test_refusals():
     m = _model()
     k = jax.random.key(1)
     with pytest.raises(ConfigError, match="target 'x' is not a projection"):
-        lora(m, rank=4, alpha=8.0, targets=["x"], key=k)
+        lora(m, LoRAConfig(rank=4, alpha=8.0, targets=["x"]), key=k)
     with pytest.raises(ConfigError, match="'gate' names no layer"):
-        lora(_model(act="gelu"), rank=4, alpha=8.0, targets=["gate"], key=k)
+        lora(_model(act="gelu"), LoRAConfig(rank=4, alpha=8.0, targets=["gate"]), key=k)
     with pytest.raises(ConfigError, match="rank must lie"):
-        lora(m, rank=0, alpha=8.0, targets=["q"], key=k)
+        lora(m, LoRAConfig(rank=0, alpha=8.0, targets=["q"]), key=k)
     with pytest.raises(ConfigError, match=r"rank must lie in \[1, min"):
-        lora(m, rank=17, alpha=8.0, targets=["k"], key=k)  # k is 16 x 32
+        lora(m, LoRAConfig(rank=17, alpha=8.0, targets=["k"]), key=k)  # k is 16 x 32
     with pytest.raises(ConfigError, match="alpha must be finite"):
-        lora(m, rank=4, alpha=float("nan"), targets=["q"], key=k)
+        lora(m, LoRAConfig(rank=4, alpha=float("nan"), targets=["q"]), key=k)
     with pytest.raises(ConfigError, match="alpha must be finite"):
-        lora(m, rank=4, alpha=float("inf"), targets=["q"], key=k)
-    once = lora(m, rank=4, alpha=8.0, targets=["q"], key=k)
+        lora(m, LoRAConfig(rank=4, alpha=float("inf"), targets=["q"]), key=k)
+    once = lora(m, LoRAConfig(rank=4, alpha=8.0, targets=["q"]), key=k)
     with pytest.raises(ConfigError, match="adding adapters twice"):
-        lora(once, rank=4, alpha=8.0, targets=["q", "v"], key=k)
+        lora(once, LoRAConfig(rank=4, alpha=8.0, targets=["q", "v"]), key=k)
     with pytest.raises(ConfigError, match="'experts' is not supported yet"):
-        lora(m, rank=4, alpha=8.0, targets=["experts"], key=k)
+        lora(m, LoRAConfig(rank=4, alpha=8.0, targets=["experts"]), key=k)
     with pytest.raises(ConfigError, match="dropout"):
-        lora(m, rank=4, alpha=8.0, targets=["q"], dropout=0.1, key=k)
+        lora(m, LoRAConfig(rank=4, alpha=8.0, targets=["q"], dropout=0.1), key=k)
     with pytest.raises(ConfigError, match="no adapters"):
         unmerge_lora(m)
     assert isinstance(once.stack.blocks.attention.W_q, LoRALinear)
@@ -306,11 +311,20 @@ def test_train_model_trains_only_adapters():
     from blocklab.training.run import train_model
 
     base = _model()
-    model = lora(base, rank=4, alpha=8.0, targets=["q", "v", "down"],
-                 key=jax.random.key(1))  # fmt: skip
+    model = lora(
+        base,
+        LoRAConfig(rank=4, alpha=8.0, targets=["q", "v", "down"]),
+        key=jax.random.key(1),
+    )
     opt = lora_optimizer(optax.adam(1e-2))
-    result = train_model(model, _batches, opt, 4, key=jax.random.key(3),
-                         steps_per_call=2, progress=False)  # fmt: skip
+    result = train_model(
+        model,
+        _batches,
+        opt,
+        4,
+        key=jax.random.key(3),
+        run=RunConfig(steps_per_call=2, progress=False),
+    )
     trained = result.model
     got_base, _ = unmerge_lora(trained)
     leaves = jax.tree.leaves(eqx.filter(got_base, eqx.is_array))
@@ -333,20 +347,31 @@ def test_train_sweep_over_adapters_equals_single_runs():
     base = _model()
 
     def make(k):
-        return lora(base, rank=4, alpha=8.0, targets=["q", "v"], key=k)
+        return lora(base, LoRAConfig(rank=4, alpha=8.0, targets=["q", "v"]), key=k)
 
     opt = optax.inject_hyperparams(
         lambda learning_rate: lora_optimizer(optax.adam(learning_rate)),
         hyperparam_dtype=jnp.float32,
     )(learning_rate=1.0)
     rates = [1e-2, 3e-2, 1e-2, 3e-2]
-    result = train_sweep(make, _batches, 3, model_keys=[0, 0, 1, 1],
-                         data_keys=[0, 0, 1, 1], learning_rates=rates,
-                         optimizer=opt, progress=False, validate=False)  # fmt: skip
+    result = train_sweep(
+        make,
+        _batches,
+        3,
+        model_keys=[0, 0, 1, 1],
+        data_keys=[0, 0, 1, 1],
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(learning_rates=rates, optimizer=opt, validate=False),
+    )
     for k in (1, 2):
-        one = train_model(make(jax.random.key(k // 2)), _batches,
-                          lora_optimizer(optax.adam(rates[k])), 3,
-                          key=jax.random.key(k // 2), progress=False)  # fmt: skip
+        one = train_model(
+            make(jax.random.key(k // 2)),
+            _batches,
+            lora_optimizer(optax.adam(rates[k])),
+            3,
+            key=jax.random.key(k // 2),
+            run=RunConfig(progress=False),
+        )
         member = jax.tree.map(
             lambda a, k=k: a[k], eqx.filter(result.state.model, eqx.is_array)
         )
@@ -372,8 +397,11 @@ def test_block_and_stack_take_adapters():
     block = TransformerBlock(32, 4, key=jax.random.key(0))
     stack = Stack(lambda k: TransformerBlock(32, 4, key=k), 2, key=jax.random.key(0))
     for model, shape in ((block, (4, 32)), (stack, (2, 4, 32))):
-        adapted = lora(model, rank=4, alpha=2.0, targets=["o", "up"],
-                       key=jax.random.key(1))  # fmt: skip
+        adapted = lora(
+            model,
+            LoRAConfig(rank=4, alpha=2.0, targets=["o", "up"]),
+            key=jax.random.key(1),
+        )
         assert lora_layers(adapted)[next(iter(lora_layers(adapted)))].A.shape == shape
         np.testing.assert_array_equal(adapted(x), model(x))
         adapted = _random_B(adapted, jax.random.key(2))
@@ -392,11 +420,19 @@ def test_bf16_base_trains_float32_adapters(precision):
     base = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, _model()
     )
-    model = lora(base, rank=4, alpha=8.0, targets=["q", "down"],
-                 key=jax.random.key(1))  # fmt: skip
-    result = train_model(model, _batches, lora_optimizer(optax.adam(1e-2)), 3,
-                         key=jax.random.key(2), precision=precision,
-                         progress=False)  # fmt: skip
+    model = lora(
+        base,
+        LoRAConfig(rank=4, alpha=8.0, targets=["q", "down"]),
+        key=jax.random.key(1),
+    )
+    result = train_model(
+        model,
+        _batches,
+        lora_optimizer(optax.adam(1e-2)),
+        3,
+        key=jax.random.key(2),
+        run=RunConfig(precision=precision, progress=False),
+    )
     trained = result.model
     assert trained.stack.blocks.attention.W_q.A.dtype == jnp.float32
     assert trained.stack.blocks.attention.W_q.base.weight.dtype == jnp.bfloat16
@@ -418,8 +454,11 @@ def test_adapters_take_the_logical_axes_of_the_weight_they_adapt():
 
     cfg = bl.DecoderConfig(64, 32, 4, 2, num_kv_heads=2, positions="rope")
     base = bl.DecoderLM(cfg, key=jax.random.key(0))
-    model = bl.lora(base, rank=4, alpha=8.0, targets=("q", "o", "up", "down"),
-                    key=jax.random.key(1))  # fmt: skip
+    model = bl.lora(
+        base,
+        bl.LoRAConfig(rank=4, alpha=8.0, targets=("q", "o", "up", "down")),
+        key=jax.random.key(1),
+    )
     axes = logical_axes(model)
     plain = logical_axes(base)
     for name, proj in (("W_q", "attention"), ("W_o", "attention"),

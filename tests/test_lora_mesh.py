@@ -28,13 +28,14 @@ SCRIPT = textwrap.dedent(
     from blocklab.nn.lora import lora, lora_optimizer, unmerge_lora
     from blocklab.training.placement import mesh_of
     from blocklab.training.run import train_model
+    from blocklab import LoRAConfig, RunConfig
 
     # width 32 over data=8; 4 heads / 2 KV heads and FFN 64 over model=4
     base = DecoderLM(DecoderConfig.llama(
         vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2, num_kv_heads=2,
         ffn_width=64, max_len=16), key=jax.random.key(0))
-    model = lora(base, rank=4, alpha=8.0,
-                 targets=["q", "k", "v", "o", "gate", "up", "down"],
+    model = lora(base, LoRAConfig(rank=4, alpha=8.0,
+                 targets=["q", "k", "v", "o", "gate", "up", "down"]),
                  key=jax.random.key(1))
     data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
     E = AxisType.Explicit
@@ -49,8 +50,9 @@ SCRIPT = textwrap.dedent(
     out = {"devices": jax.device_count()}
     for name, (mesh, rules) in runs.items():
         r = train_model(model, data, lora_optimizer(optax.adam(1e-2)), 6,
-                        key=jax.random.key(2), batch_size=8, steps_per_call=3,
-                        progress=False, mesh=mesh, rules=rules)
+                        key=jax.random.key(2),
+                        run=RunConfig(batch_size=8, steps_per_call=3,
+                                      progress=False, mesh=mesh, rules=rules))
         blocks = r.state.model.stack.blocks
         res = {"losses": r.losses.tolist(), "val": r.val_loss, "specs": {},
                "adapters": {}}

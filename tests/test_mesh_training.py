@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent(
     from blocklab.data import TimeMachine
     from blocklab.training.placement import mesh_of
     from blocklab.training.run import train_model
+    from blocklab import RunConfig, SweepConfig
 
     jobs = json.loads(sys.argv[1])
     if jobs and jobs[0][0] == "launch":
@@ -88,8 +89,10 @@ SCRIPT = textwrap.dedent(
     for kind, spec, rules, precision in jobs:
         mesh = None if spec == "none" else mesh_of(spec)
         r = train_model(model(kind), data, optax.adamw(3e-3), 20,
-                        key=jax.random.key(1), batch_size=8, steps_per_call=10,
-                        progress=False, mesh=mesh, rules=rules, precision=precision)
+                        key=jax.random.key(1),
+                        run=RunConfig(batch_size=8, steps_per_call=10,
+                                      progress=False, mesh=mesh, rules=rules,
+                                      precision=precision))
         trained = (r.state.model, r.state.opt_state)
         dev = jax.local_devices()[0]
         full = sum(a.nbytes for a in jax.tree_util.tree_leaves(trained)
@@ -184,9 +187,10 @@ SWEEP = textwrap.dedent(
         "LlamaForCausalLM")
     data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
     r = train_sweep(lambda k: DecoderLM(cfg, key=k), data, 10, model_keys=[0, 1],
-                    data_keys=[5, 6], learning_rates=[1e-3, 3e-3], batch_size=8,
-                    steps_per_call=5, progress=False,
-                    mesh=None if spec == "none" else mesh_of(spec))
+                    data_keys=[5, 6],
+                    run=RunConfig(batch_size=8, steps_per_call=5, progress=False,
+                                  mesh=None if spec == "none" else mesh_of(spec)),
+                    sweep=SweepConfig(learning_rates=[1e-3, 3e-3]))
     w = r.state.model.stack.blocks.attention.W_q.weight
     print(json.dumps({"losses": r.losses.tolist(), "val": r.val_loss.tolist(),
                       "shard": list(w.addressable_shards[0].data.shape)}))
@@ -232,6 +236,7 @@ IDS = textwrap.dedent(
     from blocklab.training.sweep import train_sweep
     from blocklab.training.losses import lm_loss
     from blocklab.training.run import train_model
+    from blocklab import RunConfig, SweepConfig
     from blocklab.training.step import make_train_step, step_keys
 
     def facts(txt):
@@ -294,12 +299,13 @@ IDS = textwrap.dedent(
     out["step_hlo"] = facts(low.lowered.compile().as_text())
     # a vocabulary smaller than the data's: refused in train_model and train_sweep
     out["train"] = refused(lambda: train_model(
-        llama(16), data, opt, 2, key=jax.random.key(1), batch_size=8,
-        progress=False, mesh=mesh).losses)
+        llama(16), data, opt, 2, key=jax.random.key(1),
+        run=RunConfig(batch_size=8, progress=False, mesh=mesh)).losses)
     out["sweep"] = refused(lambda: train_sweep(
         lambda k: llama(16), data, 2, model_keys=[0, 1], data_keys=[5, 6],
-        learning_rates=[1e-3, 3e-3], batch_size=8, steps_per_call=2,
-        progress=False, mesh=mesh_of("members=2,data=4")).losses)
+        run=RunConfig(batch_size=8, steps_per_call=2, progress=False,
+                      mesh=mesh_of("members=2,data=4")),
+        sweep=SweepConfig(learning_rates=[1e-3, 3e-3])).losses)
     print(json.dumps(out))
     """
 )
@@ -392,7 +398,7 @@ def test_a_mesh_given_as_text_is_refused_by_name(plain_python):
     model = bl.CharLM(28, 16, 2, 1, key=jax.random.key(0))
     with pytest.raises(
         ConfigError,
-        match=r"train_model: mesh must be a jax.sharding.Mesh, got 'data=8'",
+        match=r"RunConfig: mesh must be a jax.sharding.Mesh or None, got 'data=8'",
     ):
         bl.train_model(
             model,
@@ -400,5 +406,5 @@ def test_a_mesh_given_as_text_is_refused_by_name(plain_python):
             optax.adam(1e-3),
             2,
             key=jax.random.key(0),
-            mesh="data=8",
+            run=bl.RunConfig(mesh="data=8"),
         )

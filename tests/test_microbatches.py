@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from blocklab import ConfigError, DecoderConfig, DecoderLM
+from blocklab import ConfigError, DecoderConfig, DecoderLM, RunConfig, SweepConfig
 from blocklab.training.run import train_model
 from blocklab.training.step import accumulate, make_train_step, split_microbatches
 
@@ -58,7 +58,7 @@ def _source(key):
 def _train(k, **kw):
     return train_model(
         _model(), _source, optax.sgd(0.5), 2, key=jax.random.key(1),
-        microbatches=k, progress=False, **kw,
+        run=RunConfig(microbatches=k, progress=False, **kw),
     )  # fmt: skip
 
 
@@ -98,11 +98,16 @@ def test_a_sweep_with_microbatches_takes_its_members_full_batch_steps():
 
     def sweep(k):
         return train_sweep(
-            _model(), _source, 2, data_keys=jax.random.split(jax.random.key(1), 2),
-            optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.5),
-            learning_rates=[0.5, 0.25], microbatches=k, progress=False,
-            steps_per_call=2,
-        )  # fmt: skip
+            _model(),
+            _source,
+            2,
+            data_keys=jax.random.split(jax.random.key(1), 2),
+            run=RunConfig(steps_per_call=2, microbatches=k, progress=False),
+            sweep=SweepConfig(
+                learning_rates=[0.5, 0.25],
+                optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.5),
+            ),
+        )
 
     full, two = sweep(1), sweep(2)
     np.testing.assert_allclose(two.losses, full.losses, rtol=1e-5)

@@ -13,6 +13,7 @@ from blocklab import (
     CharLM,
     DecoderConfig,
     DecoderLM,
+    RunConfig,
     TimeMachine,
     lm_loss,
     make_train_step,
@@ -162,8 +163,7 @@ def test_bf16_mixed_precision_keeps_float32_master_weights():
             3,
             key=jax.random.key(1),
             loss_fn=mse,
-            precision=p,
-            progress=False,
+            run=RunConfig(precision=p, progress=False),
         )  # fmt: skip
         for p in ("float32", "bf16")
     }

@@ -425,12 +425,9 @@ def test_vmapped_seed_sweep_trains_moe_blocks_with_aux_losses():
         30,
         model_keys=[0, 1],
         data_keys=[10, 11],
-        learning_rates=1e-2,
         loss_fn=bl.training.losses.moe_loss(aux_coef=0.01, z_coef=0.001),
-        batch_size=8,
-        steps_per_call=15,
-        validate=False,
-        progress=False,
+        run=bl.RunConfig(batch_size=8, steps_per_call=15, progress=False),
+        sweep=bl.SweepConfig(learning_rates=1e-2, validate=False),
     )
     losses = np.asarray(result.losses)
     assert losses.shape == (2, 30) and np.all(np.isfinite(losses))

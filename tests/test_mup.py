@@ -72,17 +72,24 @@ def test_transfer_sweep_members_equal_their_own_runs():
     opt = bl.optimizer(eqx.filter_eval_shape(make, jax.random.key(0)), warmup_steps=2)
     rates, seeds = [3e-3, 1e-2], [0, 1]
     res = bl.train_sweep(
-        make, data, 5, model_keys=seeds, data_keys=[s + 7 for s in seeds],
-        learning_rates=rates, optimizer=opt, batch_size=4, steps_per_call=5,
-        validate=False, progress=False,
-    )  # fmt: skip
+        make,
+        data,
+        5,
+        model_keys=seeds,
+        data_keys=[s + 7 for s in seeds],
+        run=bl.RunConfig(batch_size=4, steps_per_call=5, progress=False),
+        sweep=bl.SweepConfig(learning_rates=rates, optimizer=opt, validate=False),
+    )
     for k, (lr, seed) in enumerate(zip(rates, seeds, strict=True)):
         model = make(jax.random.key(seed))
         one = bl.train_model(
-            model, data, bl.optimizer(model, learning_rate=lr, warmup_steps=2), 5,
-            key=jax.random.key(seed + 7), batch_size=4, steps_per_call=5,
-            progress=False,
-        )  # fmt: skip
+            model,
+            data,
+            bl.optimizer(model, learning_rate=lr, warmup_steps=2),
+            5,
+            key=jax.random.key(seed + 7),
+            run=bl.RunConfig(batch_size=4, steps_per_call=5, progress=False),
+        )
         np.testing.assert_allclose(res.losses[k], one.losses, rtol=1e-5)
     # the two members differ (so a swap of rates or keys would show)
     assert np.max(np.abs(res.losses[0] - res.losses[1])) > 1e-2

@@ -193,9 +193,14 @@ def test_sweep_over_the_base_rate_matches_single_runs():
     opt = bl.optimizer(eqx.filter_eval_shape(make, jax.random.key(0)), warmup_steps=2)
     rates = [1e-3, 1e-2]
     res = bl.train_sweep(
-        make, data, 4, model_keys=[0, 0], data_keys=[1, 1], learning_rates=rates,
-        optimizer=opt, batch_size=4, steps_per_call=4, validate=False, progress=False,
-    )  # fmt: skip
+        make,
+        data,
+        4,
+        model_keys=[0, 0],
+        data_keys=[1, 1],
+        run=bl.RunConfig(batch_size=4, steps_per_call=4, progress=False),
+        sweep=bl.SweepConfig(learning_rates=rates, optimizer=opt, validate=False),
+    )
     for k, lr in enumerate(rates):
         one = bl.train_lm(
             make(jax.random.key(0)), data,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from blocklab import LoRAConfig
 from blocklab._validate import ConfigError
 from blocklab.interop.huggingface import from_huggingface
 from blocklab.interop.peft import load_adapter, save_adapter
@@ -127,10 +128,12 @@ def test_saved_adapter_loads_in_peft(tmp_path, use_rslora):
     adapted = _random_B(
         lora(
             from_huggingface(hf),
-            rank=4,
-            alpha=6.0,
-            use_rslora=use_rslora,
-            targets=["q", "k", "v", "o", "gate", "up", "down"],
+            LoRAConfig(
+                rank=4,
+                alpha=6.0,
+                targets=["q", "k", "v", "o", "gate", "up", "down"],
+                use_rslora=use_rslora,
+            ),
             key=jax.random.key(3),
         ),  # fmt: skip
         jax.random.key(4),
@@ -151,8 +154,12 @@ def test_saved_adapter_loads_in_peft(tmp_path, use_rslora):
 def test_mixed_ranks_save_rank_pattern(tmp_path):
     hf = _hf_llama()
     base = from_huggingface(hf)
-    model = lora(base, rank=4, alpha=8.0, targets=["q", "v"], key=jax.random.key(1))
-    model = lora(model, rank=2, alpha=3.0, targets=["down"], key=jax.random.key(2))
+    model = lora(
+        base, LoRAConfig(rank=4, alpha=8.0, targets=["q", "v"]), key=jax.random.key(1)
+    )
+    model = lora(
+        model, LoRAConfig(rank=2, alpha=3.0, targets=["down"]), key=jax.random.key(2)
+    )
     model = _random_B(model, jax.random.key(5))
     save_adapter(model, tmp_path / "ad")
     config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
@@ -168,9 +175,7 @@ def test_merged_model_loads_in_transformers(tmp_path):
     adapted = _random_B(
         lora(
             from_huggingface(_hf_llama()),
-            rank=4,
-            alpha=8.0,
-            targets=["q", "up"],
+            LoRAConfig(rank=4, alpha=8.0, targets=["q", "up"]),
             key=jax.random.key(3),
         ),  # fmt: skip
         jax.random.key(4),
@@ -267,9 +272,7 @@ def test_other_families_both_ways(tmp_path, name, targets, peft_targets):
     adapted = _random_B(
         lora(
             from_huggingface(hf),
-            rank=4,
-            alpha=8.0,
-            targets=targets,
+            LoRAConfig(rank=4, alpha=8.0, targets=targets),
             key=jax.random.key(1),
         ),  # fmt: skip
         jax.random.key(4),
@@ -298,6 +301,8 @@ def test_other_families_both_ways(tmp_path, name, targets, peft_targets):
         atol=1e-4,
     )
     if name == "gpt2":  # the fused c_attn has no per-projection adapter
-        q = lora(base, rank=2, alpha=2.0, targets=["q"], key=jax.random.key(0))
+        q = lora(
+            base, LoRAConfig(rank=2, alpha=2.0, targets=["q"]), key=jax.random.key(0)
+        )
         with pytest.raises(ConfigError, match="no PEFT module in the gpt2 family"):
             save_adapter(q, tmp_path / "q")

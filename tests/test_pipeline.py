@@ -381,8 +381,12 @@ def test_train_model_trains_on_the_batches_and_resumes(corpus):
         return bl.lm_loss(model, X, Y, segment_ids=S), {"X": X, "S": S}
 
     # one chunk length per run (each train_model call compiles its own step)
-    run = dict(key=jax.random.key(1), loss_fn=loss_fn, steps_per_call=1)
-    first = bl.train_model(model, pipe, optax.adam(1e-2), 3, progress=False, **run)
+    run = dict(
+        key=jax.random.key(1),
+        loss_fn=loss_fn,
+        run=bl.RunConfig(steps_per_call=1, progress=False),
+    )
+    first = bl.train_model(model, pipe, optax.adam(1e-2), 3, **run)
     # resumed at step 3: its batches continue the pipeline's from batch 3
     rest = bl.train_model(
         model, pipe.batches(start=3), optax.adam(1e-2), 2, state=first.state, **run
@@ -407,7 +411,12 @@ def test_plain_batches_train_with_the_default_loss(corpus):
     )
     model = bl.DecoderLM(cfg, key=jax.random.key(0))
     res = bl.train_model(
-        model, pipe, optax.adam(1e-2), 1, key=jax.random.key(1), progress=False
+        model,
+        pipe,
+        optax.adam(1e-2),
+        1,
+        key=jax.random.key(1),
+        run=bl.RunConfig(progress=False),
     )
     X, Y = (jnp.asarray(a) for a in pipe.batch_at(0))
     assert res.losses[0] == pytest.approx(float(bl.lm_loss(model, X, Y)), rel=1e-5)
@@ -425,23 +434,35 @@ def test_a_sweep_trains_every_member_on_the_pipeline(corpus, plain_python):
     )
     rates = [1e-2, 3e-3]
     res = bl.train_sweep(
-        lambda k: bl.DecoderLM(cfg, key=k), pipe, 3, model_keys=[0, 0],
-        data_keys=[0, 1], learning_rates=rates,
-        steps_per_call=2, progress=False,
-    )  # fmt: skip
+        lambda k: bl.DecoderLM(cfg, key=k),
+        pipe,
+        3,
+        model_keys=[0, 0],
+        data_keys=[0, 1],
+        run=bl.RunConfig(steps_per_call=2, progress=False),
+        sweep=bl.SweepConfig(learning_rates=rates),
+    )
     for i, lr in enumerate(rates):
         alone = bl.train_model(
-            bl.DecoderLM(cfg, key=jax.random.key(0)), pipe, optax.adam(lr), 3,
-            key=jax.random.key(1), steps_per_call=2, progress=False,
-        )  # fmt: skip
+            bl.DecoderLM(cfg, key=jax.random.key(0)),
+            pipe,
+            optax.adam(lr),
+            3,
+            key=jax.random.key(1),
+            run=bl.RunConfig(steps_per_call=2, progress=False),
+        )
         np.testing.assert_allclose(res.losses[i], alone.losses, rtol=1e-4)
     assert not np.allclose(res.losses[0], res.losses[1])
     with pytest.raises(ConfigError, match="host callable"):
         bl.train_sweep(
             lambda k: bl.DecoderLM(cfg, key=k),
-            bl.host_source(lambda key: pipe.batch_at(0)), 2,
-            model_keys=[0], data_keys=[0], learning_rates=[1e-2], progress=False,
-        )  # fmt: skip
+            bl.host_source(lambda key: pipe.batch_at(0)),
+            2,
+            model_keys=[0],
+            data_keys=[0],
+            run=bl.RunConfig(progress=False),
+            sweep=bl.SweepConfig(learning_rates=[1e-2]),
+        )
 
 
 # ---- refusals ----------------------------------------------------------------

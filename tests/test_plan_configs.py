@@ -156,6 +156,7 @@ TRAIN = textwrap.dedent(
     from blocklab import ConfigError, DecoderConfig, DecoderLM
     from blocklab.training.placement import mesh_of
     from blocklab.training.run import train_model
+    from blocklab import RunConfig
 
     cfg = DecoderConfig(**json.loads(sys.argv[1]))
     model = DecoderLM(cfg, key=jax.random.key(0))
@@ -166,7 +167,8 @@ TRAIN = textwrap.dedent(
             return X[:, :-1].astype(float), X[:, 1:].astype(float)
         try:
             train_model(model, source, optax.sgd(1e-2), 1, key=jax.random.key(1),
-                        progress=False, mesh=mesh_of(spec), rules=rules)
+                        run=RunConfig(progress=False, mesh=mesh_of(spec),
+                                      rules=rules))
             out.append("accepted")
         except ConfigError as err:
             out.append(str(err))

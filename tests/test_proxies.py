@@ -132,10 +132,14 @@ def test_exercise_11_is_a_point_of_the_proxies_study(monkeypatch):
         return bl.CharLM(data.vocab_size, 16, 4, 1, max_len=8, key=key)
 
     ref = bl.train_sweep(
-        make, data, p.steps, model_keys=[3, 3], data_keys=[4, 4],
-        learning_rates=list(lrs), batch_size=p.batch_size, steps_per_call=2,
-        probe=probe, validate=False, progress=False,
-    )  # fmt: skip
+        make,
+        data,
+        p.steps,
+        model_keys=[3, 3],
+        data_keys=[4, 4],
+        run=bl.RunConfig(batch_size=p.batch_size, steps_per_call=2, progress=False),
+        sweep=bl.SweepConfig(learning_rates=list(lrs), probe=probe, validate=False),
+    )
     losses = np.asarray(ref.losses, np.float64).reshape(2, 2, 2).mean(-1)
     np.testing.assert_allclose(got.loss_curves["no_qk_norm"], losses, rtol=2e-5)
     for k in ("attn", "out"):

@@ -103,14 +103,14 @@ def test_train_sweep_compiles_once(guard, data):
     def make(k):
         return _model(k, data)
 
-    kw = dict(batch_size=2, steps_per_call=2, progress=False)
+    kw = dict(run=bl.RunConfig(batch_size=2, steps_per_call=2, progress=False))
     bl.train_sweep(
         make,
         data,
         2,
         model_keys=[0, 1],
         data_keys=[0, 1],
-        learning_rates=[1e-3, 1e-2],
+        sweep=bl.SweepConfig(learning_rates=[1e-3, 1e-2]),
         **kw,
     )
     guard()
@@ -121,7 +121,7 @@ def test_train_sweep_compiles_once(guard, data):
         6,
         model_keys=[2, 3],
         data_keys=[4, 5],
-        learning_rates=[3e-3, 3e-2],
+        sweep=bl.SweepConfig(learning_rates=[3e-3, 3e-2]),
         **kw,
     )
     assert np.asarray(result.losses).shape == (2, 6)

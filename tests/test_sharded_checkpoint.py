@@ -11,7 +11,7 @@ import pytest
 from _procs import script_json
 from jax.sharding import Mesh
 
-from blocklab import ConfigError, DecoderConfig, DecoderLM, TimeMachine
+from blocklab import ConfigError, DecoderConfig, DecoderLM, RunConfig, TimeMachine
 from blocklab.training.checkpoint import CheckpointError
 from blocklab.training.run import train_model
 from blocklab.training.sharded_checkpoint import (
@@ -29,10 +29,10 @@ CFG = DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2
 OPT = optax.adam(3e-3)
 
 
-def _train(model, n, **kw):
+def _train(model, n, state=None, mesh=None):
     data = TimeMachine(seq_len=16, num_train=1000, num_val=0)
-    kw = dict(batch_size=4, steps_per_call=5, progress=False, **kw)
-    return train_model(model, data, OPT, n, key=jax.random.key(1), **kw)
+    run = RunConfig(batch_size=4, steps_per_call=5, progress=False, mesh=mesh)
+    return train_model(model, data, OPT, n, key=jax.random.key(1), state=state, run=run)
 
 
 def test_save_restore_and_resume_continue_exactly(tmp_path):
@@ -81,6 +81,7 @@ SCRIPT = textwrap.dedent(
     from blocklab.training.placement import mesh_of
     from blocklab.training.sharded_checkpoint import restore_sharded, save_sharded
     from blocklab.training.run import train_model
+    from blocklab import RunConfig
 
     what, path, spec, rules = sys.argv[1:5]
     cfg = DecoderConfig.llama(vocab_size=32, num_hiddens=32, num_heads=4, num_blks=2,
@@ -89,8 +90,9 @@ SCRIPT = textwrap.dedent(
     mesh = mesh_of(spec)
     def train(n, **kw):
         return train_model(kw.pop("model", None), data, optax.adam(3e-3), n,
-                           key=jax.random.key(1), batch_size=8, steps_per_call=5,
-                           progress=False, mesh=mesh, rules=rules, **kw)
+                           key=jax.random.key(1), **kw,
+                           run=RunConfig(batch_size=8, steps_per_call=5,
+                                         progress=False, mesh=mesh, rules=rules))
     if what == "save":
         model = DecoderLM(cfg, key=jax.random.key(0))
         full = train(10, model=model)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from blocklab import CharLM, TimeMachine, train_lm
+from blocklab import CharLM, RunConfig, SweepConfig, TimeMachine, train_lm
 from blocklab.training.sweep import (
     member_mesh,
     pad_members,
@@ -40,11 +40,8 @@ def _sweep(data, lrs, steps=STEPS, **kw):
         steps,
         model_keys=SEEDS[: len(lrs)],
         data_keys=[s + 100 for s in SEEDS[: len(lrs)]],
-        learning_rates=lrs,
-        batch_size=BATCH,
-        steps_per_call=SPC,
-        progress=False,
-        **kw,
+        run=RunConfig(batch_size=BATCH, steps_per_call=SPC, progress=False),
+        sweep=SweepConfig(learning_rates=lrs, **kw),
     )
 
 
@@ -117,11 +114,18 @@ def _poisoned_sweep(data, poison_at):
         return eqx.filter(model, eqx.is_inexact_array)
 
     return train_sweep(
-        make_model, data, 9, model_keys=[0, 1, 2], data_keys=[5, 6, 7],
-        hyperparams={"learning_rate": [1e-2, 1e-2, 3e-2], "poison_at": poison_at},
-        optimizer=POISON, batch_size=BATCH, steps_per_call=3, probe=probe,
-        progress=False,
-    )  # fmt: skip
+        make_model,
+        data,
+        9,
+        model_keys=[0, 1, 2],
+        data_keys=[5, 6, 7],
+        run=RunConfig(batch_size=BATCH, steps_per_call=3, progress=False),
+        sweep=SweepConfig(
+            hyperparams={"learning_rate": [1e-2, 1e-2, 3e-2], "poison_at": poison_at},
+            optimizer=POISON,
+            probe=probe,
+        ),
+    )
 
 
 def test_divergent_member_is_frozen_and_leaves_the_others_bit_identical(data):
@@ -228,7 +232,7 @@ def test_mismatched_keys_raise(data):
             1,
             model_keys=[0, 1],
             data_keys=[0, 1, 2],
-            learning_rates=1e-3,
+            sweep=SweepConfig(learning_rates=1e-3),
         )
 
 
@@ -240,8 +244,7 @@ def test_optimizer_without_injected_learning_rate_raises(data):
             1,
             model_keys=[0],
             data_keys=[0],
-            learning_rates=1e-3,
-            optimizer=optax.adamw(1e-3),
+            sweep=SweepConfig(learning_rates=1e-3, optimizer=optax.adamw(1e-3)),
         )
 
 
@@ -253,7 +256,7 @@ def test_bad_learning_rates_raise(data):
             1,
             model_keys=[0, 1],
             data_keys=[0, 1],
-            learning_rates=[1e-3, float("nan")],
+            sweep=SweepConfig(learning_rates=[1e-3, float("nan")]),
         )
 
 

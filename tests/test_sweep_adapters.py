@@ -7,6 +7,8 @@ the shared base against the bytes of the compiled program's
 `memory_analysis()`, which a sweep holding K bases would exceed K-fold.
 """
 
+from dataclasses import replace
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from blocklab import LoRAConfig, RunConfig, SweepConfig
 from blocklab._validate import ConfigError
 from blocklab.models.decoder import DecoderLM
 from blocklab.models.decoder_config import DecoderConfig
@@ -64,22 +67,47 @@ def test_sweep_from_a_model_equals_single_runs_from_it():
     rates = [0.1, 0.3]
     # SGD: an update linear in the gradient, so the batched matmuls' rounding
     # stays rounding (Adam magnifies it on near-zero gradients)
-    res = train_sweep(base, _batches, 3, data_keys=[4, 5], learning_rates=rates,
-                      optimizer=sweep_optimizer(optax.sgd), progress=False)  # fmt: skip
+    res = train_sweep(
+        base,
+        _batches,
+        3,
+        data_keys=[4, 5],
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(learning_rates=rates, optimizer=sweep_optimizer(optax.sgd)),
+    )
     assert res.model_seeds is None and list(res.data_seeds) == [4, 5]
-    one = train_model(base, _batches, optax.sgd(rates[1]), 3,
-                      key=jax.random.key(5), progress=False)  # fmt: skip
+    one = train_model(
+        base,
+        _batches,
+        optax.sgd(rates[1]),
+        3,
+        key=jax.random.key(5),
+        run=RunConfig(progress=False),
+    )
     np.testing.assert_allclose(res.losses[1], one.losses, rtol=1e-5)
     _assert_trees_close(res.model(1), one.model, atol=1e-6)
     # the two members really differ (rates and data), and moved off the base
     assert not np.allclose(res.losses[0], res.losses[1])
     assert not np.allclose(_arrays(res.model(0))[0], _arrays(base)[0])
     with pytest.raises(ConfigError, match="model_keys were given with a model"):
-        train_sweep(base, _batches, 1, model_keys=[0], data_keys=[0],
-                    learning_rates=1e-2, progress=False)  # fmt: skip
+        train_sweep(
+            base,
+            _batches,
+            1,
+            model_keys=[0],
+            data_keys=[0],
+            run=RunConfig(progress=False),
+            sweep=SweepConfig(learning_rates=1e-2),
+        )
     with pytest.raises(ConfigError, match="model_keys is required with make_model"):
-        train_sweep(lambda k: base, _batches, 1, data_keys=[0],
-                    learning_rates=1e-2, progress=False)  # fmt: skip
+        train_sweep(
+            lambda k: base,
+            _batches,
+            1,
+            data_keys=[0],
+            run=RunConfig(progress=False),
+            sweep=SweepConfig(learning_rates=1e-2),
+        )
 
 
 def test_adapter_sweep_members_equal_their_own_rank_runs():
@@ -90,10 +118,17 @@ def test_adapter_sweep_members_equal_their_own_rank_runs():
     base = _model()
     ranks, rates, seeds = [2, 4], [3e-2, 1e-2], [0, 1]
     res = train_sweep(
-        base, _batches, 3, model_keys=seeds, data_keys=seeds, learning_rates=rates,
-        adapters={"rank": ranks, "alpha": 8.0, "targets": TARGETS},
-        progress=False,
-    )  # fmt: skip
+        base,
+        _batches,
+        3,
+        model_keys=seeds,
+        data_keys=seeds,
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(
+            learning_rates=rates,
+            adapters=[LoRAConfig(rank=r, alpha=8.0, targets=TARGETS) for r in ranks],
+        ),
+    )
     assert list(res.ranks) == ranks
     assert res.select(rank=2).num_members == 1
     # the members' state holds their adapters (and ranks) only, not the base
@@ -103,10 +138,17 @@ def test_adapter_sweep_members_equal_their_own_rank_runs():
     assert res.base.stack.blocks.attention.W_q.A is None
     # member 0 is masked (rank 2 of 4): against its true rank-2 run; member 1
     # (the largest rank, nothing masked) is checked in the slow test below
-    start = lora(base, rank=2, alpha=8.0, targets=TARGETS, key=jax.random.key(0))
-    one = train_model(start, _batches,
-                      lora_optimizer(optax.adamw(rates[0], weight_decay=0.0)), 3,
-                      key=jax.random.key(seeds[0]), progress=False)  # fmt: skip
+    start = lora(
+        base, LoRAConfig(rank=2, alpha=8.0, targets=TARGETS), key=jax.random.key(0)
+    )
+    one = train_model(
+        start,
+        _batches,
+        lora_optimizer(optax.adamw(rates[0], weight_decay=0.0)),
+        3,
+        key=jax.random.key(seeds[0]),
+        run=RunConfig(progress=False),
+    )
     np.testing.assert_allclose(res.losses[0], one.losses, rtol=1e-5)
     got = res.model(0)
     node = lora_layers(got)["stack.blocks.attention.W_q"]
@@ -131,16 +173,34 @@ def test_adapter_sweep_members_of_every_rank_equal_their_runs(rank):
     base = _model()
     ranks, rates, seeds = [1, 3, 4], [3e-2, 1e-2, 2e-2], [2, 0, 1]
     res = train_sweep(
-        base, _batches, 3, model_keys=seeds, data_keys=seeds, learning_rates=rates,
-        adapters={"rank": ranks, "alpha": 5.0, "targets": TARGETS, "use_rslora": True},
-        progress=False,
-    )  # fmt: skip
+        base,
+        _batches,
+        3,
+        model_keys=seeds,
+        data_keys=seeds,
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(
+            learning_rates=rates,
+            adapters=[
+                LoRAConfig(rank=r, alpha=5.0, targets=TARGETS, use_rslora=True)
+                for r in ranks
+            ],
+        ),
+    )
     k = ranks.index(rank)
-    start = lora(base, rank=rank, alpha=5.0, targets=TARGETS, use_rslora=True,
-                 key=jax.random.key(seeds[k]))  # fmt: skip
-    one = train_model(start, _batches,
-                      lora_optimizer(optax.adamw(rates[k], weight_decay=0.0)), 3,
-                      key=jax.random.key(seeds[k]), progress=False)  # fmt: skip
+    start = lora(
+        base,
+        LoRAConfig(rank=rank, alpha=5.0, targets=TARGETS, use_rslora=True),
+        key=jax.random.key(seeds[k]),
+    )
+    one = train_model(
+        start,
+        _batches,
+        lora_optimizer(optax.adamw(rates[k], weight_decay=0.0)),
+        3,
+        key=jax.random.key(seeds[k]),
+        run=RunConfig(progress=False),
+    )
     np.testing.assert_allclose(res.losses[k], one.losses, rtol=1e-5)
     _assert_trees_close(res.model(k), one.model, atol=3e-5)
     assert res.select(rank=rank).num_members == 1
@@ -150,8 +210,11 @@ def test_mask_lora_round_trips_and_keeps_outputs():
     """A rank-2 adapter masked to rank 5 gives the same logits (random B) and
     `unmask_lora` gives the adapter back exactly."""
     base = _model()
-    adapted = lora(base, rank=2, alpha=3.0, targets=["q", "up"], use_rslora=True,
-                   key=jax.random.key(1))  # fmt: skip
+    adapted = lora(
+        base,
+        LoRAConfig(rank=2, alpha=3.0, targets=["q", "up"], use_rslora=True),
+        key=jax.random.key(1),
+    )
     node = adapted.stack.blocks.ffn.W_1
     B = 0.3 * jax.random.normal(jax.random.key(2), node.B.shape)
     adapted = eqx.tree_at(lambda m: m.stack.blocks.ffn.W_1.B, adapted, B)
@@ -186,11 +249,19 @@ def test_adapter_sweep_holds_the_base_once():
     base_bytes = _nbytes(base)
     K = 8
     res = train_sweep(
-        base, _small_batches, 1, model_keys=list(range(K)),
-        data_keys=list(range(K)), learning_rates=1e-2,
-        adapters={"rank": 4, "alpha": 8.0, "targets": ["q"]},
-        progress=False, validate=False, memory_analysis=True,
-    )  # fmt: skip
+        base,
+        _small_batches,
+        1,
+        model_keys=list(range(K)),
+        data_keys=list(range(K)),
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(
+            learning_rates=1e-2,
+            validate=False,
+            adapters=LoRAConfig(rank=4, alpha=8.0, targets=["q"]),
+            memory_analysis=True,
+        ),
+    )
     mem = res.memory
     assert base_bytes <= mem["argument"] < 1.1 * base_bytes, (mem, base_bytes)
     assert mem["total"] < K * base_bytes / 2, (mem, base_bytes)
@@ -207,35 +278,50 @@ def test_a_sweep_that_stacks_the_base_holds_it_k_times():
     K = 8
 
     def make(k):
-        return lora(base, rank=4, alpha=8.0, targets=["q"], key=k)
+        return lora(base, LoRAConfig(rank=4, alpha=8.0, targets=["q"]), key=k)
 
     opt = optax.inject_hyperparams(
         lambda learning_rate: lora_optimizer(optax.adam(learning_rate)),
         hyperparam_dtype=jnp.float32,
     )(learning_rate=1.0)
-    res = train_sweep(make, _small_batches, 1, model_keys=list(range(K)),
-                      data_keys=list(range(K)), learning_rates=1e-2, optimizer=opt,
-                      progress=False, validate=False, memory_analysis=True)  # fmt: skip
+    res = train_sweep(
+        make,
+        _small_batches,
+        1,
+        model_keys=list(range(K)),
+        data_keys=list(range(K)),
+        run=RunConfig(progress=False),
+        sweep=SweepConfig(
+            learning_rates=1e-2, optimizer=opt, validate=False, memory_analysis=True
+        ),
+    )
     assert res.memory["argument"] >= K * base_bytes
 
 
 def test_adapter_sweep_refusals():
     base = _model()
-    kw = dict(data_keys=[0], learning_rates=1e-2, progress=False)
-    q = {"rank": 2, "alpha": 1.0, "targets": ["q"]}
+    kw = dict(data_keys=[0], run=RunConfig(progress=False))
+    q = LoRAConfig(rank=2, alpha=1.0, targets=["q"])
+
+    def on(adapters):
+        return SweepConfig(learning_rates=1e-2, adapters=adapters)
+
     with pytest.raises(ConfigError, match="pass the base model itself"):
-        train_sweep(lambda k: base, _batches, 1, model_keys=[0], adapters=q, **kw)
+        train_sweep(lambda k: base, _batches, 1, model_keys=[0], sweep=on(q), **kw)
     with pytest.raises(ConfigError, match="model_keys is required with adapters"):
-        train_sweep(base, _batches, 1, adapters=q, **kw)
-    with pytest.raises(ConfigError, match="no setting 'dropout'"):
+        train_sweep(base, _batches, 1, sweep=on(q), **kw)
+    with pytest.raises(ConfigError, match="LoRAConfig: dropout=0.1 is not supported"):
+        LoRAConfig(rank=2, alpha=1.0, targets=["q"], dropout=0.1)
+    with pytest.raises(ConfigError, match="has 2 LoRAConfigs but there are K=1"):
         train_sweep(base, _batches, 1, model_keys=[0],
-                    adapters={**q, "dropout": 0.1}, **kw)  # fmt: skip
-    with pytest.raises(ConfigError, match="has 2 values but there are K=1"):
-        train_sweep(base, _batches, 1, model_keys=[0],
-                    adapters={**q, "rank": [2, 4]}, **kw)  # fmt: skip
+                    sweep=on([q, replace(q, rank=4)]), **kw)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"differ in rank only; adapters\[1\].alpha"):
+        train_sweep(base, _batches, 1, model_keys=[0, 1], data_keys=[0, 1],
+                    run=kw["run"], sweep=on([q, replace(q, alpha=2.0)]))  # fmt: skip
     with pytest.raises(ConfigError, match="target 'x' is not a projection"):
-        train_sweep(base, _batches, 1, model_keys=[0],
-                    adapters={**q, "targets": ["x"]}, **kw)  # fmt: skip
+        LoRAConfig(rank=2, alpha=1.0, targets=["x"])
+    # a dict of settings (the old form) is refused by SweepConfig itself:
+    # tests/test_run_config.py
 
 
 SHARDED = """
@@ -245,14 +331,17 @@ from blocklab import TimeMachine
 from blocklab.models.decoder import DecoderLM
 from blocklab.models.decoder_config import DecoderConfig
 from blocklab.training.sweep import train_sweep
+from blocklab import LoRAConfig, RunConfig, SweepConfig
 cfg = DecoderConfig.llama(32, 32, 4, 2, num_kv_heads=2, max_len=16)
 base = DecoderLM(cfg, key=jax.random.key(0))
 data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
 ids = np.arange(16) % 28
 res = train_sweep(base, data, 4, model_keys=[0, 1, 2], data_keys=[3, 4, 5],
-                  learning_rates=[1e-2, 2e-2, 3e-2], batch_size=4, steps_per_call=2,
-                  adapters={"rank": [2, 4, 8], "alpha": 8.0, "targets": ["q", "v"]},
-                  probe=lambda m: m(ids).max(), progress=False)
+                  run=RunConfig(batch_size=4, steps_per_call=2, progress=False),
+                  sweep=SweepConfig(learning_rates=[1e-2, 2e-2, 3e-2],
+                      adapters=[LoRAConfig(rank=r, alpha=8.0, targets=["q", "v"])
+                                for r in (2, 4, 8)],
+                      probe=lambda m: m(ids).max()))
 B = res.state.model.stack.blocks.attention.W_v.B
 print(json.dumps({"devices": jax.device_count(), "losses": res.losses.tolist(),
                   "val": res.val_loss.tolist(), "probes": res.probes.tolist(),

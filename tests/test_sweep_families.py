@@ -17,6 +17,7 @@ import optax
 import pytest
 from _procs import script_json
 
+from blocklab import RunConfig, SweepConfig
 from blocklab.data.datasets import TokenDataset
 from blocklab.diagnostics.propagation import signal_stats
 from blocklab.models import DecoderConfig, DecoderLM, MoEDecoderConfig
@@ -66,10 +67,8 @@ def _reference(cfg, data, k):
         optimizer,
         STEPS,
         key=jax.random.key(DATA_SEEDS[k]),
-        batch_size=BATCH,
-        steps_per_call=SPC,
         state=state,
-        progress=False,
+        run=RunConfig(batch_size=BATCH, steps_per_call=SPC, progress=False),
     )
 
 
@@ -82,10 +81,8 @@ def test_every_member_equals_its_own_train_model_run(family, data):
         STEPS,
         model_keys=MODEL_SEEDS,
         data_keys=DATA_SEEDS,
-        learning_rates=LRS,
-        batch_size=BATCH,
-        steps_per_call=SPC,
-        progress=False,
+        run=RunConfig(batch_size=BATCH, steps_per_call=SPC, progress=False),
+        sweep=SweepConfig(learning_rates=LRS),
     )
     assert res.losses.shape == (2, STEPS)
     np.testing.assert_array_equal(res.diverged_at, 0)
@@ -171,17 +168,27 @@ def test_a_converted_llama_sweeps_like_its_own_run(data):
     )  # fmt: skip
     converted = from_huggingface(hf.eval())
     res = train_sweep(
-        lambda k: converted, data, STEPS, model_keys=[0, 0], data_keys=DATA_SEEDS,
-        learning_rates=LRS, batch_size=BATCH, steps_per_call=SPC, progress=False,
-    )  # fmt: skip
+        lambda k: converted,
+        data,
+        STEPS,
+        model_keys=[0, 0],
+        data_keys=DATA_SEEDS,
+        run=RunConfig(batch_size=BATCH, steps_per_call=SPC, progress=False),
+        sweep=SweepConfig(learning_rates=LRS),
+    )
     optimizer = sweep_optimizer(optax.adamw, weight_decay=0.0)
     for k in range(2):
         state = init_state(converted, optimizer)
         state.opt_state.hyperparams["learning_rate"] = jnp.float32(LRS[k])
         ref = train_model(
-            converted, data, optimizer, STEPS, key=jax.random.key(DATA_SEEDS[k]),
-            batch_size=BATCH, steps_per_call=SPC, state=state, progress=False,
-        )  # fmt: skip
+            converted,
+            data,
+            optimizer,
+            STEPS,
+            key=jax.random.key(DATA_SEEDS[k]),
+            state=state,
+            run=RunConfig(batch_size=BATCH, steps_per_call=SPC, progress=False),
+        )
         np.testing.assert_allclose(res.losses[k], ref.losses, rtol=1e-5, atol=0)
 
 
@@ -195,6 +202,7 @@ SCRIPT = textwrap.dedent(
     from blocklab.models import MoEDecoderConfig
     from blocklab.models import DecoderConfig, DecoderLM
     from blocklab.training.sweep import train_sweep
+    from blocklab import RunConfig, SweepConfig
 
     data = TokenDataset((np.arange(400) * 7) % 31, seq_len=8, num_train=120, num_val=8)
     cfgs = {
@@ -210,8 +218,9 @@ SCRIPT = textwrap.dedent(
     for name, cfg in cfgs.items():
         res = train_sweep(
             lambda k: DecoderLM(cfg, key=k), data, 3, model_keys=[0, 1, 2],
-            data_keys=[5, 6, 7], learning_rates=[1e-3, 1e-2, 3e-3], batch_size=4,
-            steps_per_call=2, progress=False,
+            data_keys=[5, 6, 7],
+            run=RunConfig(batch_size=4, steps_per_call=2, progress=False),
+            sweep=SweepConfig(learning_rates=[1e-3, 1e-2, 3e-3]),
         )
         out[name] = {"losses": res.losses.tolist(), "val": res.val_loss.tolist()}
     print(json.dumps(out))

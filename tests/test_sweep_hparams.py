@@ -3,6 +3,7 @@ warm-up length) x independent model and data seeds, against a float64 NumPy
 loop; grids, look-up by value, and the errors (one range rule per optax
 hyperparameter, shared with `train_model`)."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -13,7 +14,14 @@ import pytest
 from regression import B, D, Linear, mse
 from regression import regression_batch as source
 
-from blocklab import sharded_map, sweep_grid, train_model, train_sweep
+from blocklab import (
+    RunConfig,
+    SweepConfig,
+    sharded_map,
+    sweep_grid,
+    train_model,
+    train_sweep,
+)
 from blocklab._validate import ConfigError
 from blocklab.training.member_axis import check_seeds
 from blocklab.training.sweep import sweep_optimizer
@@ -56,12 +64,22 @@ def reference(lr, warmup, model_seed, data_seed):
 @pytest.fixture(scope="module")
 def result():
     return train_sweep(
-        make_model, source, STEPS,
-        model_keys=GRID["model_seed"], data_keys=GRID["data_seed"],
-        hyperparams={"learning_rate": GRID["learning_rate"], "warmup": GRID["warmup"]},
-        optimizer=OPT, loss_fn=mse, steps_per_call=4, progress=False,
-        probe=lambda m: m.w,
-    )  # fmt: skip
+        make_model,
+        source,
+        STEPS,
+        model_keys=GRID["model_seed"],
+        data_keys=GRID["data_seed"],
+        loss_fn=mse,
+        run=RunConfig(steps_per_call=4, progress=False),
+        sweep=SweepConfig(
+            hyperparams={
+                "learning_rate": GRID["learning_rate"],
+                "warmup": GRID["warmup"],
+            },
+            optimizer=OPT,
+            probe=lambda m: m.w,
+        ),
+    )
 
 
 def test_every_member_equals_its_float64_reference(result):
@@ -133,8 +151,15 @@ def test_sweep_grid_is_the_cartesian_product_last_axis_fastest():
 
 
 def sweep(**kw):
-    args = dict(model_keys=[0, 1], data_keys=[0, 1], loss_fn=mse, progress=False)
-    return train_sweep(make_model, source, 2, **{**args, **kw})
+    """`train_sweep` of two members; `kw` holds its keys and the fields of
+    its `RunConfig` and `SweepConfig`."""
+    args = dict(model_keys=[0, 1], data_keys=[0, 1], loss_fn=mse)
+    args.update({k: kw.pop(k) for k in list(kw) if k in args})
+    run = RunConfig(progress=False, **{k: kw.pop(k) for k in list(kw) if k in RUN})
+    return train_sweep(make_model, source, 2, **args, run=run, sweep=SweepConfig(**kw))
+
+
+RUN = {f.name for f in dataclasses.fields(RunConfig)}
 
 
 @pytest.mark.parametrize(
@@ -180,9 +205,14 @@ BAD_HPARAMS = [
 
 def train_one(opt, steps=2):
     return train_model(
-        make_model(jax.random.key(0)), source, opt, steps, key=jax.random.key(0),
-        loss_fn=mse, progress=False,
-    )  # fmt: skip
+        make_model(jax.random.key(0)),
+        source,
+        opt,
+        steps,
+        key=jax.random.key(0),
+        loss_fn=mse,
+        run=RunConfig(progress=False),
+    )
 
 
 @pytest.mark.parametrize(("opt", "name", "bad", "valid"), BAD_HPARAMS)
@@ -224,17 +254,24 @@ def test_edge_values_inside_the_ranges_are_accepted():
 
 def test_zero_steps_is_refused():
     with pytest.raises(ConfigError, match=r"train_sweep: num_steps must lie in \[1"):
-        train_sweep(make_model, source, 0, model_keys=[0], data_keys=[0],
-                    learning_rates=0.1, loss_fn=mse)  # fmt: skip
+        train_sweep(
+            make_model,
+            source,
+            0,
+            model_keys=[0],
+            data_keys=[0],
+            loss_fn=mse,
+            sweep=SweepConfig(learning_rates=0.1),
+        )
 
 
 def test_seeds_rule():
-    assert check_seeds("cmd", "--seeds", [0, np.int64(3), 2**32 - 1]) == (
+    assert check_seeds([0, np.int64(3), 2**32 - 1], name="--seeds", _owner="cmd") == (
         0,
         3,
         2**32 - 1,
     )
-    assert check_seeds("s", "keys", [1, 1], distinct=False) == (1, 1)
+    assert check_seeds([1, 1], name="keys", distinct=False, _owner="s") == (1, 1)
     for bad, match in [
         ([1, 1], r"--seeds must be distinct, got \[1, 1\] \(repeated: \[1\]\)"),
         ([-1], r"--seeds\[0\] must lie in \[0, 4294967295\], got -1"),
@@ -245,7 +282,7 @@ def test_seeds_rule():
         ("12", "must be a sequence of int seeds"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            check_seeds("cmd", "--seeds", bad)
+            check_seeds(bad, name="--seeds", _owner="cmd")
 
 
 def test_sharded_map_refuses_negative_seeds():
@@ -270,7 +307,14 @@ def test_sweep_chunks_do_not_retrace():
 
     one, three = [], []
     for steps, traces in ((2, one), (6, three)):
-        train_sweep(make_model, source, steps, model_keys=[0, 1], data_keys=[2, 3],
-                    learning_rates=0.1, loss_fn=counting(traces), steps_per_call=2,
-                    progress=False)  # fmt: skip
+        train_sweep(
+            make_model,
+            source,
+            steps,
+            model_keys=[0, 1],
+            data_keys=[2, 3],
+            loss_fn=counting(traces),
+            run=RunConfig(steps_per_call=2, progress=False),
+            sweep=SweepConfig(learning_rates=0.1),
+        )
     assert len(three) == len(one) >= 2

@@ -16,14 +16,15 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     from blocklab import CharLM, TimeMachine
     from blocklab.training.sweep import sharded_map, train_sweep
+    from blocklab import RunConfig, SweepConfig
 
     data = TimeMachine(seq_len=16, num_train=2000, num_val=40)
     K = 6  # not a multiple of 4: padded to 8, padding dropped
     res = train_sweep(
         lambda k: CharLM(28, 16, 2, 1, max_len=16, key=k), data, 6,
         model_keys=list(range(K)), data_keys=list(range(10, 10 + K)),
-        learning_rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e30, 1e-2], batch_size=4,
-        steps_per_call=3, progress=False,
+        run=RunConfig(batch_size=4, steps_per_call=3, progress=False),
+        sweep=SweepConfig(learning_rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e30, 1e-2]),
     )
     mapped = sharded_map(
         lambda key, s: s * jax.random.normal(key, (3,)), [5, 6, 7], np.ones(3)

@@ -15,6 +15,8 @@ from regression import B, D, Linear, mse, regression_batch
 
 from blocklab import (
     CharLM,
+    RunConfig,
+    SweepConfig,
     TimeMachine,
     TokenDataset,
     host_source,
@@ -66,7 +68,7 @@ def test_sgd_steps_equal_a_float64_numpy_loop():
 
 
 def test_callable_and_method_sources_give_the_same_run():
-    run = dict(key=jax.random.key(1), loss_fn=mse, progress=False)
+    run = dict(key=jax.random.key(1), loss_fn=mse, run=RunConfig(progress=False))
     a = train_model(zero_model(), regression_batch, optax.adam(0.1), 6, **run)
     b = train_model(
         zero_model(), RegressionSource(jnp.float32(1.0)), optax.adam(0.1), 6, **run
@@ -85,8 +87,7 @@ def test_aux_is_returned_per_step_and_equals_its_definition():
         3,
         key=jax.random.key(2),
         loss_fn=mse_with_aux,
-        steps_per_call=2,
-        progress=False,
+        run=RunConfig(steps_per_call=2, progress=False),
     )
     assert res.aux["max_abs_residual"].shape == (3,)
     # Step 0 starts from the zero model: the residual is -y of the first batch.
@@ -132,8 +133,7 @@ def test_a_frozen_run_stays_frozen_although_later_steps_are_finite():
             6,
             key=key,
             loss_fn=loss_fn,
-            steps_per_call=6,
-            progress=False,
+            run=RunConfig(steps_per_call=6, progress=False),
         )
     assert res.losses.shape == (2,)
     np.testing.assert_array_equal(res.model.w, two.model.w)
@@ -247,7 +247,7 @@ def counting(traces):
 def test_chunks_do_not_retrace():
     """Compiled once per configuration: 3 chunks cost the traces of 1 (the
     check's eval_shape and the compile), and a rerun only the check's."""
-    run = dict(key=jax.random.key(0), steps_per_call=2, progress=False)
+    run = dict(key=jax.random.key(0), run=RunConfig(steps_per_call=2, progress=False))
     one, three = [], []
     train_model(zero_model(), regression_batch, optax.sgd(0.1), 2,
                 loss_fn=counting(one), **run)  # fmt: skip
@@ -285,8 +285,7 @@ def _sgd_reference(batches, lr):
     return np.array(out), w
 
 
-def _train(source, n, **kw):
-    kw.setdefault("steps_per_call", 3)
+def _train(source, n, steps_per_call=3):
     return train_model(
         Linear(jnp.zeros(3)),
         source,
@@ -294,8 +293,7 @@ def _train(source, n, **kw):
         n,
         key=jax.random.key(0),
         loss_fn=mse,
-        progress=False,
-        **kw,
+        run=RunConfig(steps_per_call=steps_per_call, progress=False),
     )
 
 
@@ -368,9 +366,9 @@ def test_host_source_refusals():
             2,
             model_keys=[0, 1],
             data_keys=[0, 1],
-            learning_rates=[0.1, 0.2],
             loss_fn=mse,
-            progress=False,
+            run=RunConfig(progress=False),
+            sweep=SweepConfig(learning_rates=[0.1, 0.2]),
         )
 
 

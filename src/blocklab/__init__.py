@@ -58,9 +58,11 @@ from .nn import (
     with_remat,
 )
 from .nn.functional import layer_norm, rms_norm, rope
-from .nn.lora import lora, merge_lora, unmerge_lora
+from .nn.lora import LoRAConfig, lora, merge_lora, unmerge_lora
 from .text import evaluate_text, generate_text, stream_text
 from .training import (
+    RunConfig,
+    SweepConfig,
     SweepResult,
     TrainResult,
     host_source,
@@ -112,6 +114,8 @@ __all__ = [
     "TimeMachine",
     "TokenDataset",
     # training (blocklab.training)
+    "RunConfig",
+    "SweepConfig",
     "SweepResult",
     "TrainResult",
     "host_source",
@@ -149,6 +153,7 @@ __all__ = [
     "state_dict",
     "to_huggingface_state_dict",
     # adapters (blocklab.nn.lora, blocklab.interop.peft)
+    "LoRAConfig",
     "lora",
     "merge_lora",
     "unmerge_lora",

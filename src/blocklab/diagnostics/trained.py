@@ -44,8 +44,8 @@ its `attn_entropy` is the mean over heads here, its `token_spread`,
 and `grad_norms["attention.W_q.weight"]`.
 
 `model_diagnostics` is a pure function of the model: it composes with
-`jax.vmap` over the members of a sweep, so `train_sweep(...,
-probe=lambda m: model_diagnostics(m, ids))` records every diagnostic on a
+`jax.vmap` over the members of a sweep, so `train_sweep(..., sweep=SweepConfig(
+probe=lambda m: model_diagnostics(m, ids)))` records every diagnostic on a
 fixed batch at initialization and after every chunk, for every member,
 stacked `(members, evaluations, ...)`.
 """
@@ -139,7 +139,7 @@ def _default_loss(is_lm: bool, inputs: Any, targets: Any):
             logits, Y = logits[..., :-1, :], jnp.asarray(inputs)[..., 1:]
         else:
             Y = targets
-        return jnp.mean(token_cross_entropy(logits, Y, owner="model_diagnostics"))
+        return jnp.mean(token_cross_entropy(logits, Y, _owner="model_diagnostics"))
 
     return next_token
 

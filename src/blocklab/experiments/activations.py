@@ -36,6 +36,7 @@ from ..data.datasets import TimeMachine
 from ..models.charlm import CharLM
 from ..nn.ffn import ACTS
 from ..training.run import TrainResult, train_lm
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.sweep import train_sweep
 from ._render import json_floats, markdown_table
 from ._seeds import check_seeds
@@ -130,10 +131,14 @@ def _sweep(act, seeds, steps, *, data, num_hiddens, num_heads, num_blks,
     keys = [jax.random.split(jax.random.key(s)) for s in seeds]
     make_model = _model_factory(data, act, num_hiddens, num_heads, num_blks)
     return train_sweep(
-        make_model, data, steps, model_keys=jnp.stack([k[0] for k in keys]),
-        data_keys=jnp.stack([k[1] for k in keys]), learning_rates=lr,
-        batch_size=batch_size, progress=progress,
-    )  # fmt: skip
+        make_model,
+        data,
+        steps,
+        model_keys=jnp.stack([k[0] for k in keys]),
+        data_keys=jnp.stack([k[1] for k in keys]),
+        run=RunConfig(batch_size=batch_size, progress=progress),
+        sweep=SweepConfig(learning_rates=lr),
+    )
 
 
 def train_seeds(
@@ -320,7 +325,7 @@ def compare_activations(
             raise ConfigError(f"{owner}: acts must be among {list(ACTS)}, got {a!r}.")
     if len(set(acts)) != len(acts):
         raise ConfigError(f"{owner}: acts must be distinct, got {list(acts)}.")
-    seeds = check_seeds(owner, "seeds", seeds)
+    seeds = check_seeds(seeds, _owner=owner)
     steps = check_int(owner, "steps", steps, min=1)
     for name, v in (("num_hiddens", num_hiddens), ("num_heads", num_heads),
                     ("num_blks", num_blks), ("seq_len", seq_len),

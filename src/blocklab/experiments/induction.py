@@ -98,6 +98,7 @@ from ..interp.heads import (
     random_heads,
 )
 from ..models import DecoderConfig, DecoderLM
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
@@ -368,7 +369,7 @@ class InductionProtocol:
 
     def __post_init__(self) -> None:
         owner = "InductionProtocol"
-        object.__setattr__(self, "seeds", check_seeds(owner, "seeds", self.seeds))
+        object.__setattr__(self, "seeds", check_seeds(self.seeds, _owner=owner))
         ints = dict(steps=1, vocab_size=2, segment_len=2, min_repeat=1, num_hiddens=1,
                     num_heads=1, num_blks=2, batch_size=1, warmup_steps=0,
                     eval_sequences=1, num_random=1, shorter=1, lens_sequences=1,
@@ -844,12 +845,13 @@ def run_induction(
         p.steps,
         model_keys=seeds,
         data_keys=seeds + 1000,
-        learning_rates=p.learning_rate,
-        optimizer=_optimizer(p.warmup_steps),
-        steps_per_call=min(p.steps_per_call, p.steps),
-        probe=_TrainingProbe(probe_ids),
-        validate=False,
-        progress=progress,
+        run=RunConfig(steps_per_call=min(p.steps_per_call, p.steps), progress=progress),
+        sweep=SweepConfig(
+            learning_rates=p.learning_rate,
+            optimizer=_optimizer(p.warmup_steps),
+            probe=_TrainingProbe(probe_ids),
+            validate=False,
+        ),
     )
     seconds["train"] = time.perf_counter() - t0
 

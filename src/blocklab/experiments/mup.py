@@ -44,6 +44,7 @@ from ..models.charlm import CharLM
 from ..nn.functional import causal_lengths
 from ..nn.parametrization import PARAMETRIZATIONS
 from ..training.optimizers import optimizer as make_optimizer
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.step import init_state, make_train_step
 from ..training.sweep import sweep_grid, train_sweep
 from ._render import figure_links, json_floats, markdown_table
@@ -469,11 +470,18 @@ def run_transfer(
                 warmup_steps=float(warmup_steps),
             )  # fmt: skip
             res = train_sweep(
-                make, data, steps, model_keys=grid["seed"],
-                data_keys=grid["seed"] + 1000, learning_rates=grid["learning_rate"],
-                optimizer=opt, batch_size=batch_size,
-                steps_per_call=min(steps, 50), progress=progress,
-            )  # fmt: skip
+                make,
+                data,
+                steps,
+                model_keys=grid["seed"],
+                data_keys=grid["seed"] + 1000,
+                run=RunConfig(
+                    batch_size=batch_size,
+                    steps_per_call=min(steps, 50),
+                    progress=progress,
+                ),
+                sweep=SweepConfig(learning_rates=grid["learning_rate"], optimizer=opt),
+            )
             vl = np.where(res.diverged_at > 0, np.nan, res.val_loss)
             out[i] = vl.reshape(len(lrs), len(seeds))
         val[p] = out

@@ -47,6 +47,7 @@ from ..data.datasets import TimeMachine
 from ..models.charlm import CharLM
 from ..training.losses import lm_loss
 from ..training.optimizers import optimizer as make_optimizer
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.step import validation_loss
 from ..training.sweep import SweepResult, train_sweep
 from ._render import figure_links, json_floats, markdown_table
@@ -258,12 +259,21 @@ def run_point(
     )  # fmt: skip
     K = len(lrs)
     return train_sweep(
-        make, data, steps, model_keys=[seed] * K, data_keys=[seed + 1] * K,
-        learning_rates=list(lrs), optimizer=opt,
+        make,
+        data,
+        steps,
+        model_keys=[seed] * K,
+        data_keys=[seed + 1] * K,
         loss_fn=ZLossNextToken(variant.z_loss) if variant.z_loss else None,
-        batch_size=batch_size, steps_per_call=min(record_every, steps), probe=probe,
-        validate=False, progress=progress,
-    )  # fmt: skip
+        run=RunConfig(
+            batch_size=batch_size,
+            steps_per_call=min(record_every, steps),
+            progress=progress,
+        ),
+        sweep=SweepConfig(
+            learning_rates=list(lrs), optimizer=opt, probe=probe, validate=False
+        ),
+    )
 
 
 AGREES, DISAGREES, INCONCLUSIVE = "agrees", "does not agree", "inconclusive"

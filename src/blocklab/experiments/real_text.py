@@ -92,6 +92,7 @@ from ..models import CharLM, DecoderConfig, DecoderLM
 from ..models.generation import generate
 from ..text import evaluate_text, generate_text
 from ..training.losses import token_cross_entropy
+from ..training.run_config import RunConfig, SweepConfig
 from ..training.sweep import train_sweep
 from ._render import figure_links, json_floats, markdown_table
 from ._seeds import check_seeds
@@ -318,7 +319,7 @@ class RealTextProtocol:
 
     def __post_init__(self) -> None:
         owner = "RealTextProtocol"
-        object.__setattr__(self, "seeds", check_seeds(owner, "seeds", self.seeds))
+        object.__setattr__(self, "seeds", check_seeds(self.seeds, _owner=owner))
         ints = dict(steps=1, bpe_vocab=257, num_hiddens=1, num_heads=1,
                     num_kv_heads=1, num_blks=1, seq_len=2, batch_size=1,
                     warmup_steps=0, new_tokens=1, steps_per_call=1)  # fmt: skip
@@ -476,7 +477,7 @@ class _ValidationProbe(eqx.Module):
 
     def __call__(self, model: Any) -> Float[Array, ""]:
         def one(x, y, m):
-            nll = token_cross_entropy(model(x), y, owner="real_text")
+            nll = token_cross_entropy(model(x), y, _owner="real_text")
             return jnp.sum(nll * m)
 
         return jnp.sum(jax.lax.map(lambda a: one(*a), (self.X, self.Y, self.mask)))
@@ -693,10 +694,11 @@ def _sweep(make, tokens, p, probe, progress):
     return train_sweep(
         make, pipe, p.steps,
         model_keys=seeds, data_keys=seeds + 1000,
-        learning_rates=p.learning_rate,
-        optimizer=_optimizer(p.warmup_steps, p.steps),
-        steps_per_call=min(p.steps_per_call, p.steps),
-        probe=probe, validate=False, progress=progress,
+        run=RunConfig(steps_per_call=min(p.steps_per_call, p.steps),
+                      progress=progress),
+        sweep=SweepConfig(learning_rates=p.learning_rate,
+                          optimizer=_optimizer(p.warmup_steps, p.steps),
+                          probe=probe, validate=False),
     )  # fmt: skip
 
 

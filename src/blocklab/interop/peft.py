@@ -32,7 +32,7 @@ import numpy as np
 
 from .._io import atomic_dir
 from .._validate import ConfigError, check_bool
-from ..nn.lora import LORA_TARGETS, LoRALinear, _add, lora_layers
+from ..nn.lora import LORA_TARGETS, LoRALinear, _add, lora_config, lora_layers
 from .hf_common import HFFamily, resolve_family
 
 __all__ = ["save_adapter", "load_adapter"]
@@ -97,7 +97,9 @@ def save_adapter(
 
     `peft.PeftModel.from_pretrained(hf_model, path)` on the `transformers`
     model of the base then computes the adapted model's logits. Tensors are
-    float32; `r` / `lora_alpha` are those of most modules, the others go to
+    float32; `r`, `lora_alpha`, `use_rslora` and `lora_dropout` are the
+    adapter's `LoRAConfig`, read from its leaves (`blocklab.nn.lora.lora_config`:
+    the rank and alpha of most modules); the modules that differ go to
     `rank_pattern` / `alpha_pattern`; `target_modules` are the module paths
     within a layer (`"self_attn.q_proj"`), so that GPT-2's two `c_proj` stay
     apart.
@@ -151,8 +153,10 @@ def save_adapter(
             f"{owner}: PEFT has one {what} per adapter; this model's adapters "
             "mix both settings."
         )
-    r = max(set(ranks.values()), key=list(ranks.values()).count)
-    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    # The adapter's own settings, read from its leaves; the modules that
+    # differ from them go to rank_pattern / alpha_pattern.
+    settings = lora_config(model)
+    r, alpha = settings.rank, settings.alpha
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -162,9 +166,9 @@ def save_adapter(
         "target_modules": sorted(ranks),
         "rank_pattern": {m: v for m, v in sorted(ranks.items()) if v != r},
         "alpha_pattern": {m: v for m, v in sorted(alphas.items()) if v != alpha},
-        "use_rslora": rslora.pop(),
+        "use_rslora": settings.use_rslora,
         "fan_in_fan_out": used_kinds.pop() == "T",
-        "lora_dropout": 0.0,
+        "lora_dropout": settings.dropout,
         "bias": "none",
         "init_lora_weights": True,
         "inference_mode": True,

@@ -21,10 +21,10 @@ keeps state for, and updates, those leaves only (the rest get zero updates).
 The base weight of an adapted layer is also behind `jax.lax.stop_gradient`,
 so the backward pass never forms its gradient.
 
-**Ranks by masking.** An adapter sweep (`blocklab.train_sweep(base,
-adapters=...)`) holds members of different ranks $r \le R$ in one array
-shape: `mask_lora(model, R)` zero-pads a rank-$r$ adapter to rank $R$
-(`MaskedLoRALinear`) and masks the rank axis,
+**Ranks by masking.** An adapter sweep (`blocklab.train_sweep(base, ...,
+sweep=SweepConfig(adapters=...))`) holds members of different ranks
+$r \le R$ in one array shape: `mask_lora(model, R)` zero-pads a rank-$r$
+adapter to rank $R$ (`MaskedLoRALinear`) and masks the rank axis,
 
 $$y = x W^\top + b + s_r\,\big((x A^\top) \odot m\big) B^\top,\qquad
 m_j = [\,j < r\,],$$
@@ -37,8 +37,10 @@ rank-$r$ adapter's trajectory; `unmask_lora` slices it back to a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -53,8 +55,10 @@ from .functional import linear
 
 __all__ = [
     "LORA_TARGETS",
+    "LoRAConfig",
     "LoRALinear",
     "lora",
+    "lora_config",
     "lora_filter",
     "lora_optimizer",
     "merge_lora",
@@ -312,30 +316,77 @@ def _add(
     return model
 
 
-def lora(
-    model: Any,
-    *,
-    rank: int,
-    alpha: float,
-    targets: Sequence[str],
-    dropout: float = 0.0,
-    use_rslora: bool = False,
-    key: Any,
-) -> Any:
-    r"""Add low-rank adapters to the projections `targets` of `model`.
+@dataclass(frozen=True)
+class LoRAConfig:
+    r"""The settings of one set of low-rank adapters, checked once.
+
+    `lora(model, LoRAConfig(rank=8, alpha=16.0, targets=("q", "v")), key=k)`
+    adds them; `blocklab.SweepConfig(adapters=...)` sweeps them (one config,
+    or K configs that differ in `rank`); `lora_config(model)` reads them back
+    from an adapted model's leaves (what `blocklab.save_adapter` writes to
+    `adapter_config.json`).
+
+    Attributes:
+        rank: $r \ge 1$, at most `min(out, in)` of every adapted weight
+            (checked by `lora`, which sees the weights).
+        alpha: the scaling numerator (finite): $s = \alpha / r$, or
+            $\alpha / \sqrt r$ with `use_rslora`.
+        targets: names from `LORA_TARGETS`: `"q"`, `"k"`, `"v"`, `"o"`
+            (attention), `"gate"`, `"up"`, `"down"` (the MLP); a string is
+            one target; stored as a tuple without repeats.
+        use_rslora: rank-stabilized scaling (Kalajdzievski, 2023).
+        dropout: must be 0.0 in this version (the blocks do not pass a key
+            to their projections; a non-zero rate is refused rather than
+            ignored).
+
+    Raises:
+        ConfigError: a rank below 1, a non-finite alpha, a target that is
+            unknown or not supported yet, a non-bool `use_rslora`, a
+            non-zero dropout; each named with its value.
+    """
+
+    rank: int
+    alpha: float
+    targets: Sequence[str]
+    use_rslora: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        owner = "LoRAConfig"
+        put = functools.partial(object.__setattr__, self)
+        put("rank", check_int(owner, "rank", self.rank, min=1))
+        put("alpha", check_float(owner, "alpha", self.alpha))
+        put("targets", tuple(_check_targets(owner, self.targets)))
+        put("use_rslora", check_bool(owner, "use_rslora", self.use_rslora))
+        dropout = check_float(
+            owner, "dropout", self.dropout, min=0.0, max=1.0, max_open=True
+        )
+        if dropout != 0.0:
+            raise ConfigError(
+                f"{owner}: dropout={dropout} is not supported yet (the projections "
+                "get no key); use dropout=0.0."
+            )
+        put("dropout", dropout)
+
+    @property
+    def scale(self) -> float:
+        r"""$s = \alpha / r$, or $\alpha / \sqrt r$ with rsLoRA."""
+        return lora_scale(self.rank, self.alpha, self.use_rslora)
+
+
+def lora(model: Any, config: LoRAConfig, *, key: Any) -> Any:
+    r"""Add the low-rank adapters of `config` to the projections of `model`.
+
+    Each targeted `eqx.nn.Linear` $W$ becomes a `LoRALinear` computing
+    $y = x W^\top + b + s\,(x A^\top) B^\top$ with $A$ `(r, in)` drawn like
+    PEFT's (Kaiming-uniform, bound $1/\sqrt{n}$) and $B = 0$ `(out, r)`.
 
     Args:
         model: a `DecoderLM`, `Stack` or `TransformerBlock` (any module whose
             blocks hold `attention.W_{q,k,v,o}` / `ffn.W_{g,1,2}` Linears).
-        rank: $r \ge 1$, at most `min(out, in)` of every adapted weight.
-        alpha: the scaling numerator (finite): $s = \alpha / r$, or
-            $\alpha / \sqrt r$ with `use_rslora`.
-        targets: names from `LORA_TARGETS`: `"q"`, `"k"`, `"v"`, `"o"`
-            (attention), `"gate"`, `"up"`, `"down"` (the MLP).
-        dropout: must be 0.0 in this version (the blocks do not pass a key to
-            their projections; a non-zero rate is refused rather than ignored).
-        use_rslora: rank-stabilized scaling.
-        key: draws $A$ (Kaiming-uniform like PEFT, bound $1/\sqrt{n}$); $B = 0$.
+        config: a `LoRAConfig` (rank, alpha, targets, use_rslora, dropout),
+            e.g. `LoRAConfig(rank=8, alpha=16.0, targets=("q", "v"))`.
+        key: draws $A$; $B = 0$.
 
     Returns:
         `model` with each targeted Linear replaced by a `LoRALinear`; in a
@@ -343,23 +394,54 @@ def lora(
         `model`'s exactly (B = 0).
 
     Raises:
-        ConfigError: a target that is unknown, unsupported or names no layer;
-            a rank outside `[1, min(out, in)]`; a non-finite alpha; a layer
-            that already has an adapter; a non-zero dropout.
+        ConfigError: `config` not a `LoRAConfig`; a target that names no
+            layer; a rank above `min(out, in)` of a targeted weight; a layer
+            that already has an adapter.
     """
-    owner = "lora"
-    key = check_key(owner, "key", key)
-    rank = check_int(owner, "rank", rank, min=1)
-    alpha = check_float(owner, "alpha", alpha)
-    use_rslora = check_bool(owner, "use_rslora", use_rslora)
-    dropout = check_float(owner, "dropout", dropout, min=0.0, max=1.0, max_open=True)
-    if dropout != 0.0:
+    return _lora(model, config, key=key, owner="lora")
+
+
+def _lora(model: Any, config: Any, *, key: Any, owner: str) -> Any:
+    """`lora` with the caller's name in its errors."""
+    if not isinstance(config, LoRAConfig):
         raise ConfigError(
-            f"lora: dropout={dropout} is not supported yet (the projections get "
-            "no key); use dropout=0.0."
+            f"{owner}: config must be a blocklab.LoRAConfig (e.g. LoRAConfig("
+            f"rank=8, alpha=16.0, targets=('q', 'v'))), got {config!r}."
         )
-    targets = _check_targets(owner, targets)
-    return _add(model, owner, {t: (rank, alpha) for t in targets}, use_rslora, key)
+    key = check_key(owner, "key", key)
+    specs = {t: (config.rank, config.alpha) for t in config.targets}
+    return _add(model, owner, specs, config.use_rslora, key)
+
+
+def lora_config(model: Any) -> LoRAConfig:
+    """The `LoRAConfig` of an adapted model, read from its `LoRALinear` leaves.
+
+    `rank` and `alpha` are those of most adapted layers (PEFT's `r` and
+    `lora_alpha`; `lora_layers` has each layer's), `targets` the
+    target names adapted, in `LORA_TARGETS` order.
+
+    Raises:
+        ConfigError: no adapters, or adapters that mix `use_rslora`.
+    """
+    layers = lora_layers(model)
+    if not layers:
+        raise ConfigError("lora_config: the model has no adapters (LoRALinear).")
+    ranks = [n.rank for n in layers.values()]
+    alphas = [n.alpha for n in layers.values()]
+    rslora = {n.use_rslora for n in layers.values()}
+    if len(rslora) > 1:
+        raise ConfigError(
+            "lora_config: the model's adapters mix use_rslora=True and False; "
+            "one LoRAConfig has one setting."
+        )
+    tails = {tuple(p.split(".")[-2:]) for p in layers}
+    targets = [t for t, tail in LORA_TARGETS.items() if tail in tails]
+    return LoRAConfig(
+        rank=max(set(ranks), key=ranks.count),
+        alpha=max(set(alphas), key=alphas.count),
+        targets=tuple(targets),
+        use_rslora=rslora.pop(),
+    )
 
 
 def lora_filter(model: Any) -> Any:

@@ -395,7 +395,7 @@ def _window_nll(
     rows = offset[:, None] + jnp.arange(K)
 
     def score(logits, targets, mask):
-        nll = token_cross_entropy(logits, targets, owner=_OWNER)
+        nll = token_cross_entropy(logits, targets, _owner=_OWNER)
         return jnp.sum(jnp.where(mask, nll, 0.0), axis=1)
 
     if not isinstance(model, DecoderLM):  # a CharLM: full logits, then the rows

@@ -1,5 +1,6 @@
 """Layer 2, training: the losses (`losses`), the step (`step`), one run (`run`)
-around the one chunk loop (`loop`) that `train_model` and `train_sweep` share,
+with its options (`run_config`: `RunConfig`, `SweepConfig`) around the one
+chunk loop (`loop`) that `train_model` and `train_sweep` share,
 sweeps (`sweep`) over the member axis (`member_axis`), parameters placed on a
 mesh by logical-axis rules (`placement`), one model trained on a mesh
 (`mesh_training`), checkpoints, joining and launching multi-process jobs."""
@@ -18,6 +19,7 @@ from .member_axis import check_seeds, member_mesh, pad_members, sharded_map
 from .optimizers import optimizer, schedule_factor
 from .placement import logical_axes, mesh_of, shard
 from .run import TrainResult, train_lm, train_model
+from .run_config import RunConfig, SweepConfig
 from .sharded_checkpoint import restore_sharded, save_sharded
 from .sources import HostSource, host_source
 from .step import (
@@ -39,6 +41,8 @@ __all__ = [
     "LMBatches",
     "LaunchError",
     "LaunchResult",
+    "RunConfig",
+    "SweepConfig",
     "SweepResult",
     "TrainResult",
     "TrainState",

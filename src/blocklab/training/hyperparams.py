@@ -58,12 +58,11 @@ def _interval(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
 
 
 def check_values(
-    owner: str, values: Mapping[str, Any], *, members: bool = True
+    values: Mapping[str, Any], *, members: bool = True, _owner: str = "check_values"
 ) -> None:
     """Refuse a hyperparameter value outside its valid interval (see `RANGES`).
 
     Args:
-        owner: the caller named in the message.
         values: `{name: value or (K,) values}`.
         members: name the member (index into the `(K,)` values) in the message.
 
@@ -71,6 +70,7 @@ def check_values(
         ConfigError: naming the hyperparameter, the member, the value and the
             valid interval.
     """
+    owner = _owner
     for name, value in values.items():
         if value is None or callable(value):
             continue

@@ -43,7 +43,7 @@ def token_cross_entropy(
     logits: Float[Array, "*N V"],
     targets: Int[Array, "*N"],
     *,
-    owner: str = "token_cross_entropy",
+    _owner: str = "token_cross_entropy",
 ) -> Float[Array, "*N"]:
     r"""Per-token cross-entropy $\log\sum_v e^{z_v} - z_y$ (`-log softmax(z)[y]`).
 
@@ -55,7 +55,6 @@ def token_cross_entropy(
     Args:
         logits: `(..., V)` unnormalized log-probabilities over `V` tokens.
         targets: `(...)` token ids, each in `[0, V)`.
-        owner: the name error messages start with (the calling loss).
 
     Raises:
         ConfigError: concrete targets with an id outside `[0, V)` (a
@@ -65,7 +64,7 @@ def token_cross_entropy(
             `[0, V)` (`blocklab._validate.check_ids`).
     """
     logits = _wide(logits)
-    targets = check_ids(owner, "target ids", targets, logits.shape[-1])
+    targets = check_ids(_owner, "target ids", targets, logits.shape[-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
@@ -125,7 +124,7 @@ def lm_loss(
     else:
         seg_x, keep = _segment_targets(segment_ids, np.shape(X))
         logits = model(X, segment_ids=seg_x)
-    per_token = token_cross_entropy(logits, Y, owner="lm_loss")
+    per_token = token_cross_entropy(logits, Y, _owner="lm_loss")
     z_loss = check_float("lm_loss", "z_loss", z_loss, min=0.0)
     if z_loss:
         log_z = jax.nn.logsumexp(_wide(logits), axis=-1)
@@ -174,7 +173,7 @@ def _mean_token_cross_entropy(
 ) -> Float[Array, ""]:
     """`moe_loss`'s default task loss: the mean of `token_cross_entropy`."""
     _check_not_empty("moe_loss", Y)
-    return jnp.mean(token_cross_entropy(logits, Y, owner="moe_loss"))
+    return jnp.mean(token_cross_entropy(logits, Y, _owner="moe_loss"))
 
 
 def moe_loss(
@@ -220,7 +219,7 @@ def _masked_mean(owner, logits, labels):
     """Mean cross-entropy over the labels >= 0 (negative labels: no loss)."""
     keep = labels >= 0
     safe = jnp.where(keep, labels, 0)
-    per_token = token_cross_entropy(logits, safe, owner=owner)
+    per_token = token_cross_entropy(logits, safe, _owner=owner)
     count = jnp.maximum(jnp.sum(keep), 1)
     return jnp.sum(jnp.where(keep, per_token, 0.0)) / count
 

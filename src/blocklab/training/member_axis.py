@@ -120,7 +120,11 @@ MAX_SEED = 2**32 - 1
 
 
 def check_seeds(
-    owner: str, name: str, seeds: Any, *, distinct: bool = True
+    seeds: Any,
+    *,
+    name: str = "seeds",
+    distinct: bool = True,
+    _owner: str = "check_seeds",
 ) -> tuple[int, ...]:
     """One rule for seeds: a non-empty sequence of ints in `[0, 2**32 - 1]`.
 
@@ -130,8 +134,9 @@ def check_seeds(
     seed and differ in hyperparameters. Returns the seeds as Python ints.
 
     Raises:
-        ConfigError: naming `owner`, `name`, the offending entry and the rule.
+        ConfigError: naming the caller, `name`, the offending entry and the rule.
     """
+    owner = _owner
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Iterable):
         raise ConfigError(
             f"{owner}: {name} must be a sequence of int seeds, got {seeds!r}."
@@ -162,11 +167,12 @@ def is_seeds(keys: Any) -> bool:
 
 
 def key_data(
-    keys: MemberKeys, owner: str = "sharded_map", name: str = "keys"
+    keys: MemberKeys, name: str = "keys", *, _owner: str = "sharded_map"
 ) -> np.ndarray:
     """Raw key data `(K, ...)` of typed keys, legacy uint32 keys or int seeds."""
+    owner = _owner
     if is_seeds(keys):
-        seeds = check_seeds(owner, name, keys, distinct=False)
+        seeds = check_seeds(keys, name=name, distinct=False, _owner=owner)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
     if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):

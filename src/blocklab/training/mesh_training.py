@@ -1,6 +1,6 @@
 r"""Training one model on a mesh: the state's layout, the batch split, the chunk.
 
-`train_model(..., mesh=, rules=)` (and `train_sweep` on a mesh with a
+`train_model(..., run=RunConfig(mesh=, rules=))` (and `train_sweep` on a mesh with a
 `members` axis) run the same `TrainStep` as on one device; only the layout
 of the arrays differs, and GSPMD inserts the collectives:
 
@@ -167,8 +167,9 @@ def _batch_sharding(mesh: Mesh, resolved: dict) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def check_batch(owner: str, step: TrainStep, mesh: Mesh) -> None:
+def check_batch(step: TrainStep, mesh: Mesh, *, _owner: str = "check_batch") -> None:
     """Refuse a batch whose leading axis is not divisible by the batch's mesh axes."""
+    owner = _owner
     source = step.source
     if not isinstance(source, ShardedSource):
         return

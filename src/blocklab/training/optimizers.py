@@ -176,8 +176,9 @@ def optimizer(
 
     Returns:
         `optax.inject_hyperparams(...)(**hyperparams)`: each of them lives in
-        `opt_state.hyperparams` (float32), so `train_sweep(optimizer=...,
-        learning_rates=...)` sweeps the base rate.
+        `opt_state.hyperparams` (float32), so `train_sweep(...,
+        sweep=SweepConfig(optimizer=..., learning_rates=...))` sweeps the
+        base rate.
 
     Raises:
         ConfigError: a multiplier tree that does not match the model, a

@@ -432,9 +432,10 @@ def _mesh_spec(
     return PartitionSpec(*out)
 
 
-def check_mesh(mesh: Any, owner: str = "shard") -> None:
+def check_mesh(mesh: Any, *, _owner: str = "shard") -> None:
     """Refuse anything but a `jax.sharding.Mesh` over every device
-    (`jax.device_count()`) whose axes are `Auto` or `Explicit`, naming `owner`."""
+    (`jax.device_count()`) whose axes are `Auto` or `Explicit`."""
+    owner = _owner
     if not isinstance(mesh, Mesh):
         raise ConfigError(
             f"{owner}: mesh must be a jax.sharding.Mesh, got {mesh!r} "

@@ -1,16 +1,16 @@
 r"""One training run: `train_model` for any model, source and loss, and `train_lm`.
 
-`train_model(model, source, optimizer, num_steps, key=...)` builds the step
-(`make_train_step`, `blocklab.training.step`), checks the source and the loss
-once by tracing, and runs the steps as compiled chunks of fused steps with
-the state's buffers donated to each chunk. Around the chunks it is
+`train_model(model, source, optimizer, num_steps, key=..., run=RunConfig(...))`
+builds the step (`make_train_step`, `blocklab.training.step`), checks the
+source and the loss once by tracing, and runs the steps as compiled chunks
+of fused steps with the state's buffers donated to each chunk. Around the chunks it is
 `blocklab.training.loop.run_chunks`, the one loop it shares with
 `blocklab.train_sweep`: tqdm progress, the loss's aux, a stop with a message
 on a non-finite loss (the last finite model is kept), and the validation
 loss at the end. A host source is drawn on the host and prefetched to the
 device a chunk ahead; when it runs out, training ends with a message and
-keeps the finished steps. With `mesh=` the same step runs on a mesh
-(`blocklab.training.mesh_training`).
+keeps the finished steps. With `RunConfig(mesh=...)` the same step runs on a
+mesh (`blocklab.training.mesh_training`).
 
 `train_lm(model, data, optimizer, num_steps, key=...)` is the language-model
 shortcut: the next-token loss on a token dataset, validated on its
@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
 from jaxtyping import Array, Key, PRNGKeyArray
 
 from .._validate import ConfigError, check_int, check_key
@@ -40,6 +39,7 @@ from ..nn.remat import with_remat
 from . import mesh_training, placement
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
+from .run_config import RunConfig, run_with
 from .sources import HostSource
 from .step import (
     TrainState,
@@ -126,7 +126,7 @@ def _check_descends(owner: str, tx: Any, state: TrainState) -> None:
     """
     has_lr = False
     for hyper in _injected(state.opt_state):
-        check_values(owner, hyper, members=False)
+        check_values(hyper, members=False, _owner=owner)
         has_lr |= "learning_rate" in hyper and not callable(hyper["learning_rate"])
     if has_lr:
         return
@@ -150,58 +150,71 @@ def train_model(
     *,
     key: PRNGKeyArray,
     loss_fn: Any = None,
-    batch_size: int | None = None,
-    precision: str = "float32",
-    steps_per_call: int = 25,
     state: TrainState | None = None,
-    progress: bool = True,
-    owner: str = "train_model",
-    mesh: Any = None,
-    rules: Any = None,
-    microbatches: int = 1,
-    remat: Any = None,
+    run: RunConfig = RunConfig(),  # noqa: B008 - frozen, never mutated
 ) -> TrainResult:
-    """Train `model` for `num_steps` steps of `loss_fn` on batches of `source`.
+    r"""Train `model` for `num_steps` steps of `loss_fn` on batches of `source`.
 
-    The work is `make_train_step(optimizer, source, loss_fn=..., batch_size=...,
-    precision=...)` run as compiled chunks of `steps_per_call` fused steps
-    (`TrainStep.scan`), with the state's buffers donated to each chunk; the
-    host only reads each chunk's losses back for the progress bar. The
-    source and loss are checked once by tracing (`TrainStep.check`) first.
+    The work is `make_train_step(optimizer, source, loss_fn=...,
+    batch_size=run.batch_size, precision=run.precision,
+    microbatches=run.microbatches)` run as compiled chunks of
+    `run.steps_per_call` fused steps (`TrainStep.scan`), with the state's
+    buffers donated to each chunk; the host only reads each chunk's losses
+    back for the progress bar. The source and loss are checked once by
+    tracing (`TrainStep.check`) first. Step $s$ draws its batch (and the
+    loss's key) from $\mathrm{fold\_in}(\kappa, s)$, so the numbers do not
+    depend on `steps_per_call`.
 
     Args:
         model: an Equinox module (its floating-point arrays are trained).
         source: a batch source or a token dataset (see `make_train_step`).
         optimizer: an optax transformation.
         num_steps: optimizer steps to take (>= 1).
-        key: PRNG key of the batches (step `s` uses `fold_in(key, s)`).
-        loss_fn, batch_size, precision: as for `make_train_step`.
-        steps_per_call: steps fused per compiled call.
+        key: PRNG key $\kappa$ of the batches (step `s` uses `fold_in(key, s)`).
+        loss_fn: `loss_fn(model, batch, key) -> loss | (loss, aux)`; default
+            the next-token loss (as for `make_train_step`).
         state: resume from this `TrainState` (then `model` is ignored).
-        progress: show a tqdm bar.
-        mesh: a `jax.sharding.Mesh` over every device: the model, its
-            optimizer state and each batch are split over it
-            (`blocklab.training.mesh_training`); `None`: one device.
-        rules: how (with `mesh`): a preset of
-            `blocklab.training.placement` (`"fsdp"` by default, `"tp"`,
-            `"ep"`, `"fsdp+tp"`, ...) or a mapping logical axis -> mesh axis.
-        microbatches: accumulate the gradients of this many microbatches per
-            step, in the one compiled step (`make_train_step`): the same
-            update as the whole batch; it must divide the batch.
-        remat: the rematerialization policy of the model's stacks for this
-            run (`blocklab.nn.remat`: `"none"`, `"full"`, `"dots"`,
-            `"names:..."`, `"offload:..."`, `"nested"`, a bool or a
-            `jax.checkpoint_policies` callable); `None` keeps the model's
-            own. The returned model carries it.
+        run: the run's options, a `blocklab.RunConfig`: `batch_size`,
+            `precision`, `steps_per_call`, `microbatches`, `remat` (the
+            returned model carries it), `mesh` (the model, its optimizer
+            state and each batch split over it,
+            `blocklab.training.mesh_training`) with its `rules` (default
+            `"fsdp"`), `progress`.
 
     Returns:
         A `TrainResult` (validation loss: that of a token dataset's
         validation windows under the next-token loss, otherwise NaN). If a
         loss becomes non-finite the run stops there with a warning, and the
         result holds the model and losses up to the last finite step.
+
+    Example:
+        `train_model(model, source, optax.adam(1e-3), 100, key=k,
+        loss_fn=mlm_loss, run=RunConfig(batch_size=8, remat="dots"))`.
     """
+    return _train(
+        model, source, optimizer, num_steps, key=key, loss_fn=loss_fn,
+        state=state, run=run, owner="train_model",
+    )  # fmt: skip
+
+
+def _train(
+    model: Any,
+    source: Any,
+    optimizer: optax.GradientTransformation,
+    num_steps: int,
+    *,
+    key: PRNGKeyArray,
+    loss_fn: Any,
+    state: TrainState | None,
+    run: RunConfig,
+    owner: str,
+) -> TrainResult:
+    """`train_model` with the caller's name (`owner`) in its messages."""
+    run = run_with(owner, run, {})
+    batch_size, precision = run.batch_size, run.precision
+    steps_per_call, progress = run.steps_per_call, run.progress
+    mesh, rules, microbatches, remat = run.mesh, run.rules, run.microbatches, run.remat
     num_steps = check_int(owner, "num_steps", num_steps, min=1)
-    steps_per_call = check_int(owner, "steps_per_call", steps_per_call, min=1)
     key = check_key(owner, "key", key)
     step = make_train_step(
         optimizer, source, loss_fn=loss_fn, batch_size=batch_size,
@@ -222,12 +235,6 @@ def train_model(
     if mesh is None:
         state = init_state(model, optimizer) if fresh else state
     else:
-        if not isinstance(mesh, Mesh):
-            raise ConfigError(
-                f"{owner}: mesh must be a jax.sharding.Mesh, got {mesh!r} "
-                f"({type(mesh).__name__}); build one with "
-                "blocklab.training.mesh_of('data=8') or jax.make_mesh."
-            )
         rules = "fsdp" if rules is None else rules
         if isinstance(step.source, HostSource):
             raise ConfigError(
@@ -240,9 +247,9 @@ def train_model(
             if fresh
             else mesh_training.reshard_state(state, mesh, rules, optimizer)
         )
-        mesh_training.check_batch(owner, step, mesh)
+        mesh_training.check_batch(step, mesh, _owner=owner)
     has_aux = step.check(
-        state, owner=owner, first_key=step_keys(key, int(state.step), 1)[0]
+        state, first_key=step_keys(key, int(state.step), 1)[0], _owner=owner
     )
     if fresh:
         _check_descends(owner, optimizer, state)
@@ -259,7 +266,7 @@ def train_model(
     def draw(done, n):
         # A host source's batches for steps done .. done + n - 1 (fewer at its end).
         keys = step_keys(key, start + done, n)
-        batches = host.take(keys, owner=owner)
+        batches = host.take(keys, _owner=owner)
         return keys[: len(batches)], (_stacked(batches) if batches else None)
 
     def advance(state, done, n):
@@ -281,7 +288,7 @@ def train_model(
         loss, aux = out if has_aux else (out, None)
         return state, np.asarray(loss), jax.tree_util.tree_map(np.asarray, aux)
 
-    run = run_chunks(
+    result = run_chunks(
         advance,
         state,
         num_steps,
@@ -292,8 +299,8 @@ def train_model(
         desc=owner,
         progress=progress,
     )
-    d = int(run.diverged_at)
-    kept = run.steps_run if d == 0 else d - 1
+    d = int(result.diverged_at)
+    kept = result.steps_run if d == 0 else d - 1
     stopped = None
     if d:
         stopped = (
@@ -301,22 +308,22 @@ def train_model(
             f"and kept the model after step {start + d - 1}."
         )
         warnings.warn(f"{owner}: {stopped}", RuntimeWarning, stacklevel=3)
-    elif run.steps_run < num_steps:
+    elif result.steps_run < num_steps:
         stopped = (
-            f"the host source ran out after {run.steps_run} of {num_steps} steps; "
-            f"stopped and kept the model after step {start + run.steps_run}."
+            f"the host source ran out after {result.steps_run} of {num_steps} steps; "
+            f"stopped and kept the model after step {start + result.steps_run}."
         )
         warnings.warn(f"{owner}: {stopped}", UserWarning, stacklevel=3)
-    aux = (
-        None if run.aux is None else jax.tree_util.tree_map(lambda a: a[:kept], run.aux)
-    )
+    aux = result.aux
+    if aux is not None:
+        aux = jax.tree_util.tree_map(lambda a: a[:kept], aux)
     # On a mesh the state was laid out on its Auto view (where the step
     # runs); hand it back on the mesh given (no copy).
-    final = run.state if mesh is None else placement.on_mesh(run.state, mesh)
+    final = result.state if mesh is None else placement.on_mesh(result.state, mesh)
     return TrainResult(
         final.model,
-        run.losses[:kept],
-        float(run.val_loss),
+        result.losses[:kept],
+        float(result.val_loss),
         final,
         stopped,
         aux,
@@ -337,18 +344,20 @@ def train_lm(
     num_steps: int,
     *,
     key: PRNGKeyArray,
-    batch_size: int = 64,
-    steps_per_call: int = 25,
     state: TrainState | None = None,
-    progress: bool = True,
-    precision: str = "float32",
+    run: RunConfig = RunConfig(),  # noqa: B008 - frozen, never mutated
+    **options: Any,
 ) -> TrainResult:
-    """Train a language model for `num_steps` steps on random batches of `data`.
+    r"""Train a language model for `num_steps` steps on random batches of `data`.
 
-    The language-model shortcut for `train_model(model, data, optimizer, num_steps,
-    key=key, batch_size=batch_size)`: the next-token loss (`lm_loss`) on
+    The language-model shortcut for `train_model(model, data, optimizer,
+    num_steps, key=key, run=run)`: the next-token loss (`lm_loss`) on
     windows of a token dataset, validated on its validation windows at the
-    end.
+    end. Step $s$ draws its batch from $\mathrm{fold\_in}(\kappa, s)$.
+
+    The chapter's keywords stay: `train_lm(model, data, opt, steps, key=k,
+    batch_size=32, progress=False)` is `run=dataclasses.replace(run,
+    batch_size=32, progress=False)`; any `RunConfig` field may be given so.
 
     Args:
         model: maps a `(B, T)` batch of token ids to `(B, T, vocab)` logits
@@ -358,33 +367,29 @@ def train_lm(
             weight_decay=0.0)`); a learning rate that is not positive is
             refused.
         num_steps: optimizer steps to take (>= 1).
-        key: PRNG key of the batches (step `s` uses `fold_in(key, s)`).
-        batch_size: sequences per step.
-        steps_per_call: steps fused per compiled call.
+        key: PRNG key $\kappa$ of the batches (step `s` uses `fold_in(key, s)`).
         state: resume from this `TrainState` (then `model` is ignored).
-        progress: show a tqdm bar.
-        precision: `"float32"` or `"bf16"` (mixed precision).
+        run: the run's options (`blocklab.RunConfig`; `batch_size=None` is
+            64 sequences per step).
+        **options: `RunConfig` fields that replace those of `run`
+            (`batch_size`, `steps_per_call`, `precision`, `progress`, ...).
 
     Returns:
         A `TrainResult`. If a loss becomes non-finite the run stops there with
         a warning, and the result holds the model and losses up to the last
         finite step (nothing is lost).
+
+    Raises:
+        ConfigError: `data` not a token dataset; an option that is no
+            `RunConfig` field, or a bad value of one.
     """
     if not is_token_data(data):
         raise ConfigError(
             f"train_lm: data must be a token dataset (TimeMachine, TokenDataset), "
             f"got {type(data).__name__}; use blocklab.train_model for other sources."
         )
-    return train_model(
-        model,
-        data,
-        optimizer,
-        num_steps,
-        key=key,
-        batch_size=batch_size,
-        precision=precision,
-        steps_per_call=steps_per_call,
-        state=state,
-        progress=progress,
-        owner="train_lm",
-    )
+    run = run_with("train_lm", run, options)
+    return _train(
+        model, data, optimizer, num_steps, key=key, loss_fn=None, state=state,
+        run=run, owner="train_lm",
+    )  # fmt: skip

@@ -17,7 +17,7 @@ onto 4 devices under tensor parallelism with equal values.
 
 The mesh's axes may be `Auto`, `Explicit` (`jax.make_mesh`'s default) or a
 mix, on either side: the arrays are restored onto `mesh` as given, and
-`train_model(state=..., mesh=mesh)` resumes from them.
+`train_model(state=..., run=RunConfig(mesh=mesh))` resumes from them.
 
 Folder layout: `arrays/` (orbax's `StandardSave` of the state's arrays, as
 `{"a00000": ..., ...}` in tree order) and `meta/` (JSON: the format
@@ -376,12 +376,12 @@ def restore_sharded(
             device, its axes `Auto`, `Explicit` or a mix; not necessarily the
             one saved from).
         rules: the layout on `mesh` (a preset or a mapping), as for
-            `train_model(mesh=, rules=)`.
+            `train_model(run=RunConfig(mesh=, rules=))`.
 
     Returns:
         The state, each array on its sharding, with the block-boundary
-        constraint installed (pass it to `train_model(state=..., mesh=mesh,
-        rules=rules)` to resume).
+        constraint installed (pass it to `train_model(state=...,
+        run=RunConfig(mesh=mesh, rules=rules))` to resume).
 
     Raises:
         ConfigError: `model` is of another config than the saved one, or an
@@ -393,7 +393,7 @@ def restore_sharded(
     """
     owner = "restore_sharded"
     ocp = _ocp()
-    check_mesh(mesh, owner)
+    check_mesh(mesh, _owner=owner)
     meta = sharded_metadata(path)
     path = _abs(owner, path)
     desc = f"mesh {dict(mesh.shape)}"

@@ -56,7 +56,7 @@ class HostSource:
     callable `fn(key) -> batch` run on the host with each step's key.
     """
 
-    def __init__(self, obj: Any, *, owner: str = "host_source"):
+    def __init__(self, obj: Any, *, _owner: str = "host_source"):
         if isinstance(obj, HostSource):
             obj = obj._obj
         self._obj = obj
@@ -68,7 +68,7 @@ class HostSource:
             self._fn = obj
         else:
             raise ConfigError(
-                f"{owner}: a host source is an iterable of batches or a callable "
+                f"{_owner}: a host source is an iterable of batches or a callable "
                 f"fn(key) -> batch, got {type(obj).__name__}."
             )
         self._peeked: list[Any] = []
@@ -85,8 +85,9 @@ class HostSource:
             return self._fn(key)
         return next(self._it)
 
-    def peek(self, key: Any, *, owner: str) -> Any:
+    def peek(self, key: Any, *, _owner: str = "host_source") -> Any:
         """The next batch, kept for the next `take` (used to check shapes)."""
+        owner = _owner
         if not self._peeked:
             try:
                 batch = self._next(key)
@@ -116,8 +117,9 @@ class HostSource:
             )
         return batch
 
-    def take(self, keys: Any, *, owner: str) -> list[Any]:
+    def take(self, keys: Any, *, _owner: str = "host_source") -> list[Any]:
         """Up to `len(keys)` batches; fewer if an iterator runs out."""
+        owner = _owner
         out = []
         for i in range(len(keys)):
             try:
@@ -179,7 +181,7 @@ def _same(a: Any, b: Any) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, True)
 
 
-def check_pure(owner: str, draw: Callable[[Any], Any]) -> None:
+def check_pure(draw: Callable[[Any], Any], *, _owner: str = "check_pure") -> None:
     """Refuse a callable source with side effects (it would be frozen by tracing).
 
     The source is traced twice. A pure function of the key gives the same
@@ -189,6 +191,7 @@ def check_pure(owner: str, draw: Callable[[Any], Any]) -> None:
     Raises:
         ConfigError: the traces differ (the message names the supported forms).
     """
+    owner = _owner
     try:
         first = _trace(draw)
         second = _trace(draw)

@@ -173,7 +173,7 @@ def _to_compute(tree: Any, precision: str) -> Any:
     )
 
 
-def split_microbatches(batch: Any, k: int, *, owner: str = "TrainStep") -> Any:
+def split_microbatches(batch: Any, k: int, *, _owner: str = "TrainStep") -> Any:
     r"""`batch` as `k` microbatches: every leaf `(B, ...)` becomes `(k, B/k, ...)`.
 
     Microbatch $j$ holds rows $j, j + k, j + 2k, \ldots$ (strided, so that a
@@ -190,7 +190,7 @@ def split_microbatches(batch: Any, k: int, *, owner: str = "TrainStep") -> Any:
         rows = a.shape[0]
         if rows % k:
             raise ConfigError(
-                f"{owner}: microbatches={k} does not divide the batch's leading "
+                f"{_owner}: microbatches={k} does not divide the batch's leading "
                 f"axis ({rows} rows, leaf {a.dtype}{list(a.shape)}); pick a "
                 f"divisor of {rows}."
             )
@@ -385,7 +385,7 @@ class TrainStep(eqx.Module):
         return eqx.combine(dynamic, static), outs
 
     def check(
-        self, state: TrainState, *, owner: str = "TrainStep", first_key: Any = None
+        self, state: TrainState, *, first_key: Any = None, _owner: str = "TrainStep"
     ) -> bool:
         """Trace the source and the loss once (`jax.eval_shape`; nothing runs).
 
@@ -400,18 +400,19 @@ class TrainStep(eqx.Module):
                 gives the batch's shapes and dtypes); or the loss is not a
                 real scalar.
         """
+        owner = _owner
         key = jax.random.key(0)
         if isinstance(self.source, HostSource):
             # A host source's first batch is kept for the first step (a host
             # callable gets that step's key, `first_key`).
             first = self.source.peek(
-                key if first_key is None else first_key, owner=owner
+                key if first_key is None else first_key, _owner=owner
             )
             batch = jax.tree_util.tree_map(
                 lambda a: jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)), first
             )
         else:
-            check_pure(owner, lambda k: draw_batch(self.source, k))
+            check_pure(lambda k: draw_batch(self.source, k), _owner=owner)
         try:
             if not isinstance(self.source, HostSource):
                 batch = jax.eval_shape(lambda k: draw_batch(self.source, k), key)
@@ -424,7 +425,7 @@ class TrainStep(eqx.Module):
         shapes = jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", batch)
         if self.microbatches > 1:
             jax.eval_shape(
-                lambda b: split_microbatches(b, self.microbatches, owner=owner), batch
+                lambda b: split_microbatches(b, self.microbatches, _owner=owner), batch
             )
         if self.loss_fn is next_token_loss:
             leaves = batch if isinstance(batch, tuple) else ()
@@ -509,7 +510,7 @@ def make_train_step(
                 f"{owner}: batch_size applies to token datasets; a host source "
                 "yields whole batches."
             )
-        source = HostSource(source, owner=owner)
+        source = HostSource(source, _owner=owner)
     elif batch_size is not None:
         raise ConfigError(
             f"{owner}: batch_size applies to token datasets (TimeMachine, "

@@ -29,16 +29,16 @@ module) instead of `make_model(key)` starts every member from that model (a
 loaded checkpoint swept over learning rates and data orders); the members
 then differ only in their hyperparameters and data keys.
 
-**Adapter sweeps.** `train_sweep(base, ..., adapters={"rank": ..., "alpha":
-..., "targets": [...]})` trains K low-rank adapters (`blocklab.lora`) on one
-frozen base model. Member $k$ is `lora(base, rank=r_k, alpha=alpha,
-targets=targets, key=model_keys[k])`, held at the largest rank $R = \max_k
-r_k$ by masking (`blocklab.nn.lora.mask_lora`: its rank axis is zero-padded
+**Adapter sweeps.** `train_sweep(base, ..., sweep=SweepConfig(adapters=[
+LoRAConfig(rank=r, alpha=16.0, targets=("q", "v")) for r in ranks]))` trains
+K low-rank adapters (`blocklab.lora`) on one frozen base model. Member $k$ is
+`lora(base, adapters[k], key=model_keys[k])`, held at the largest rank
+$R = \max_k r_k$ by masking (`blocklab.nn.lora.mask_lora`: its rank axis is zero-padded
 and masked, so it follows the rank-$r_k$ adapter's trajectory), and its
 state holds only its adapters and their optimizer state. The base is held
 once: it is an argument of the compiled step that every member reads
 (broadcast by the vmap, not stacked), so K adapters cost the base plus K
-adapters' states, not K bases (`memory_analysis=True` reports the compiled
+adapters' states, not K bases (`SweepConfig(memory_analysis=True)` reports the compiled
 chunk's bytes).
 
 **Sharding.** The K axis is laid out over a 1-D mesh of all visible devices
@@ -63,10 +63,11 @@ continue bit for bit as if it were not there. No error is raised.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,10 +77,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
-from jaxtyping import ArrayLike, Float, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
-from .._validate import ConfigError, check_bool, check_float, check_int
-from ..nn.lora import MaskedLoRALinear, lora, lora_filter, mask_lora, unmask_lora
+from .._validate import ConfigError, check_int
+from ..nn.lora import (
+    LoRAConfig,
+    MaskedLoRALinear,
+    _lora,
+    lora_filter,
+    mask_lora,
+    unmask_lora,
+)
+from ..nn.remat import with_remat
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
 from .member_axis import (
@@ -100,6 +109,7 @@ from .member_axis import (
 from .mesh_training import shard_step, state_shardings
 from .placement import auto_mesh, on_mesh
 from .run import TrainResult
+from .run_config import RunConfig, SweepConfig, run_with
 from .sources import HostSource
 from .step import (
     TrainState,
@@ -159,7 +169,7 @@ def sweep_grid(**axes: Iterable[Any]) -> dict[str, np.ndarray]:
     `sweep_grid(learning_rate=[1e-3, 1e-2], weight_decay=[0.0, 0.1], seed=[0, 1])`
     returns `{"learning_rate": (8,), "weight_decay": (8,), "seed": (8,)}`
     arrays, the last axis varying fastest (`itertools.product` order). Pass
-    the hyperparameter columns as `train_sweep(hyperparams=...)` and a seed
+    the hyperparameter columns as `SweepConfig(hyperparams=...)` and a seed
     column as `model_keys=` / `data_keys=` (the same column for both ties
     them; two seed axes sweep them independently).
 
@@ -219,7 +229,7 @@ class SweepResult:
         base: an adapter sweep's shared base: the adapted model at the largest
             rank with its adapters' leaves `None` (held once; `state.model`
             holds the members' adapters only). `None` otherwise.
-        memory: with `train_sweep(memory_analysis=True)`, the compiled
+        memory: with `SweepConfig(memory_analysis=True)`, the compiled
             chunk's `memory_analysis()` in bytes: `argument`, `output`,
             `temp`, `alias` and `total` (= argument + output + temp - alias).
     """
@@ -375,7 +385,9 @@ def _seeds_of(owner: str, name: str, keys: Any) -> np.ndarray | None:
     """The int seeds of `keys` if it is a sequence (or 1-D array) of seeds."""
     if not is_seeds(keys):
         return None
-    return np.asarray(check_seeds(owner, name, keys, distinct=False), np.int64)
+    return np.asarray(
+        check_seeds(keys, name=name, distinct=False, _owner=owner), np.int64
+    )
 
 
 def _member_values(
@@ -405,7 +417,7 @@ def _member_values(
             raise ConfigError(
                 f"{owner}: hyperparameter {name} must be finite, got {arr.tolist()}."
             )
-        check_values(owner, {name: arr})
+        check_values({name: arr}, _owner=owner)
         out[name] = arr.astype(np.float32)
     return out
 
@@ -417,21 +429,9 @@ def train_sweep(
     *,
     model_keys: MemberKeys | None = None,
     data_keys: MemberKeys,
-    learning_rates: float | Sequence[float] | Float[ArrayLike, " K"] | None = None,
-    hyperparams: Mapping[str, Any] | None = None,
-    optimizer: optax.GradientTransformationExtraArgs | None = None,
     loss_fn: Any = None,
-    precision: str = "float32",
-    batch_size: int | None = None,
-    microbatches: int = 1,
-    steps_per_call: int = 25,
-    probe: Callable[[Any], Any] | None = None,
-    validate: bool = True,
-    mesh: Mesh | None = None,
-    progress: bool = True,
-    rules: Any = None,
-    adapters: Mapping[str, Any] | None = None,
-    memory_analysis: bool = False,
+    run: RunConfig = RunConfig(),  # noqa: B008 - frozen, never mutated
+    sweep: SweepConfig = SweepConfig(),  # noqa: B008 - frozen, never mutated
 ) -> SweepResult:
     """Train K members as one compiled program, vmapped over K and sharded over devices.
 
@@ -463,48 +463,50 @@ def train_sweep(
             repeats allowed: members may share a seed and differ in
             hyperparameters). `model_keys` go to `make_model`, or draw each
             member's adapter $A$ (`lora(..., key=model_keys[k])`).
-        learning_rates: one rate for all, or K rates (> 0); shorthand for
-            `hyperparams={"learning_rate": ...}`.
-        hyperparams: `{name: one value or K values}` for any hyperparameter
-            of `optimizer` (built with `optax.inject_hyperparams`).
-        optimizer: an `optax.inject_hyperparams` transformation; default
-            `sweep_optimizer(optax.adamw, weight_decay=0.0)` (AdamW without
-            weight decay, which needs `learning_rates`).
         loss_fn: `loss_fn(model, batch, key)`; default the next-token loss.
-        precision: `"float32"` or `"bf16"` (see `blocklab.training.step`).
-        batch_size: sequences per step and member for a token dataset
-            (default 64).
-        microbatches: each member's step accumulates the gradients of this
-            many microbatches (`make_train_step`), the full batch's update in
-            less activation memory; it must divide the batch.
-        steps_per_call: steps fused per compiled call (also the probe period).
-        probe: `probe(model) -> pytree of arrays`, evaluated on every member at
-            step 0 and after every chunk (e.g. the largest attention logit on
-            a fixed batch), vmapped over the members: `SweepResult.probes`
-            stacks it `(K, R, ...)`. A diagnostic of every member over
-            training is `probe=lambda m:
-            blocklab.diagnostics.model_diagnostics(m, ids)`.
-        validate: compute each final model's validation loss (token datasets
-            with the next-token loss).
-        rules: with a mesh that has axes besides `"members"` (e.g.
-            `members=2,data=4`), how each member is split over them: a preset
-            of `blocklab.training.placement` (default `"fsdp"`) or a mapping.
-            K members, each over several devices, run as one program.
-        mesh: a mesh with axis `"members"` (default: all devices of all
-            processes).
-        progress: show a tqdm bar over the chunks.
-        adapters: an adapter sweep on the base `model`: `{"rank": one int or
-            K ints, "alpha": float, "targets": [...], "use_rslora": False}`
-            (the arguments of `blocklab.lora`). Member $k$ trains
-            `lora(model, rank=rank[k], ..., key=model_keys[k])` only: the
-            optimizer sees its adapters alone (no `lora_optimizer` needed) and
-            the base is held once for all members. Ranks are masked up to the
-            largest (`mask_lora`); `SweepResult.ranks` records each member's
-            rank and `result.model(k)` is its adapter at that rank. On a 1-D
-            `members` mesh only (the base is replicated on each device).
-        memory_analysis: compile the first chunk ahead of time once more and
-            put its `memory_analysis()` in `SweepResult.memory` (bytes of
-            arguments, outputs and temporaries). Not with a host source.
+        run: the options every member's run shares, a `blocklab.RunConfig`
+            (as for `train_model`): `batch_size` (sequences per step and
+            member for a token dataset, default 64), `precision`,
+            `steps_per_call` (also the probe period), `microbatches`,
+            `remat`, `mesh` (a mesh with axis `"members"`; default: all
+            devices of all processes), `rules` (with a mesh that has axes
+            besides `"members"`, e.g. `members=2,data=4`, how each member
+            is split over them: a preset of `blocklab.training.placement`,
+            default `"fsdp"`, or a mapping), `progress`.
+        sweep: what only a sweep has, a `blocklab.SweepConfig`:
+            `learning_rates` (one rate or K rates > 0; shorthand for
+            `hyperparams={"learning_rate": ...}`), `hyperparams` (`{name:
+            one value or K values}` for any hyperparameter of the
+            optimizer), `optimizer` (an `optax.inject_hyperparams`
+            transformation; default `sweep_optimizer(optax.adamw,
+            weight_decay=0.0)`, which needs a learning rate), `probe`
+            (`probe(model) -> pytree of arrays` on every member at step 0
+            and after every chunk, vmapped: `SweepResult.probes` stacks it
+            `(K, R, ...)`; e.g. `probe=lambda m:
+            blocklab.diagnostics.model_diagnostics(m, ids)`), `validate`
+            (each final model's validation loss, token datasets with the
+            next-token loss), `adapters` and `memory_analysis` (below).
+
+    Adapters: `SweepConfig(adapters=LoRAConfig(...))` (one config for all
+    members) or K `LoRAConfig`s that differ in `rank` only make an adapter
+    sweep on the base `model`: member $k$ trains `lora(model, adapters[k],
+    key=model_keys[k])` only: the optimizer sees its adapters alone (no
+    `lora_optimizer` needed) and the base is held once for all members.
+    Ranks are masked up to the largest (`mask_lora`); `SweepResult.ranks`
+    records each member's rank and `result.model(k)` is its adapter at that
+    rank. On a 1-D `members` mesh only (the base is replicated on each
+    device).
+
+    Memory: `SweepConfig(memory_analysis=True)` compiles the first chunk
+    ahead of time once more and puts its `memory_analysis()` in
+    `SweepResult.memory` (bytes of arguments, outputs and temporaries). Not
+    with a host source.
+
+    Why two configs: `RunConfig` is what a sweep shares with `train_model`
+    (one run's options, reused as they are: a sweep of the run you tuned),
+    `SweepConfig` what differs between members and what the sweep reports;
+    the members themselves, `model_keys` and `data_keys`, stay arguments,
+    because every sweep names them.
 
     Returns:
         A `SweepResult` over the K members (padding dropped), the same on
@@ -520,11 +522,29 @@ def train_sweep(
             axes besides `"members"`.
     """
     owner = "train_sweep"
+    run = run_with(owner, run, {})
+    if not isinstance(sweep, SweepConfig):
+        raise ConfigError(
+            f"{owner}: sweep must be a blocklab.SweepConfig (e.g. SweepConfig("
+            f"learning_rates=[1e-3, 1e-2])), got {sweep!r} of type "
+            f"{type(sweep).__name__}."
+        )
+    precision, batch_size, microbatches = (
+        run.precision, run.batch_size, run.microbatches
+    )  # fmt: skip
+    steps_per_call, mesh, rules, progress = (
+        run.steps_per_call, run.mesh, run.rules, run.progress
+    )  # fmt: skip
+    learning_rates, hyperparams, optimizer = (
+        sweep.learning_rates, sweep.hyperparams, sweep.optimizer
+    )  # fmt: skip
+    probe, validate, adapters, memory_analysis = (
+        sweep.probe, sweep.validate, sweep.adapters, sweep.memory_analysis
+    )  # fmt: skip
     num_steps = check_int(owner, "num_steps", num_steps, min=1)
-    steps_per_call = check_int(owner, "steps_per_call", steps_per_call, min=1)
-    validate = check_bool(owner, "validate", validate)
-    memory_analysis = check_bool(owner, "memory_analysis", memory_analysis)
     given = _is_model(model)
+    if run.remat is not None:
+        model = with_remat(model, run.remat) if given else _Remat(model, run.remat)
     if adapters is not None and not given:
         raise ConfigError(
             f"{owner}: adapters= trains adapters on one shared base: pass the "
@@ -546,7 +566,7 @@ def train_sweep(
             "make_model(key) to draw each member's model, or leave model_keys out."
         )
     data_seeds = _seeds_of(owner, "data_keys", data_keys)
-    data_data = key_data(data_keys, owner, "data_keys")
+    data_data = key_data(data_keys, "data_keys", _owner=owner)
     if model_keys is None:
         model_seeds = None
         model_data = data_data  # unused: every member starts from `model`
@@ -554,7 +574,7 @@ def train_sweep(
             raise ConfigError(f"{owner}: data_keys must hold at least one key.")
     else:
         model_seeds = _seeds_of(owner, "model_keys", model_keys)
-        model_data = key_data(model_keys, owner, "model_keys")
+        model_data = key_data(model_keys, "model_keys", _owner=owner)
     K = model_data.shape[0]
     if K == 0:
         raise ConfigError(f"{owner}: model_keys must hold at least one key.")
@@ -632,7 +652,7 @@ def train_sweep(
             f"{sorted(injected)} (inject_hyperparams injects the numeric arguments "
             "of the optimizer's function)."
         )
-    has_aux = step.check(shape_state, owner=owner)
+    has_aux = step.check(shape_state, _owner=owner)
     user_mesh = member_mesh() if mesh is None else mesh
     # The sweep is a program written for propagation: on a mesh with Explicit
     # axes it computes on the mesh's Auto view (placement.auto_mesh), and the
@@ -699,7 +719,7 @@ def train_sweep(
             if host is None:
                 states, out = chunk(fixed, states, n, (state_shard, sharding))
             else:
-                batches = host.take(range(n), owner=owner)
+                batches = host.take(range(n), _owner=owner)
                 if not batches:
                     return states, np.zeros((K, 0), np.float32), None
                 stacked = jax.tree_util.tree_map(
@@ -850,60 +870,54 @@ class _OnBase(eqx.Module):
         return self.fn(full, *args)
 
 
-_ADAPTER_KEYS = ("rank", "alpha", "targets", "use_rslora")
+class _Remat(eqx.Module):
+    """`make_model(key)` with the run's remat policy (`RunConfig.remat`)."""
+
+    make_model: Any
+    remat: Any = eqx.field(static=True)
+
+    def __call__(self, key: Any) -> Any:
+        return with_remat(self.make_model(key), self.remat)
 
 
 def _adapter_spec(owner: str, adapters: Any, K: int) -> dict[str, Any]:
-    """The checked `adapters=` settings, with `rank` as `(K,)` ints."""
-    if not isinstance(adapters, Mapping):
+    """The members' adapters from `SweepConfig.adapters` (one `LoRAConfig` for
+    all, or K that differ in rank only): `rank` as `(K,)` ints and the shared
+    `config` (at the first member's rank)."""
+    configs = (adapters,) * K if isinstance(adapters, LoRAConfig) else adapters
+    if len(configs) != K:
         raise ConfigError(
-            f"{owner}: adapters must be a mapping like {{'rank': [4, 8], "
-            f"'alpha': 16.0, 'targets': ['q', 'v']}}, got {adapters!r}."
+            f"{owner}: adapters has {len(configs)} LoRAConfigs but there are "
+            f"K={K} members; give one LoRAConfig or {K}."
         )
-    unknown = sorted(set(adapters) - set(_ADAPTER_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"{owner}: adapters has no setting {unknown[0]!r}; the settings are "
-            f"{list(_ADAPTER_KEYS)}."
-        )
-    for need in ("rank", "alpha", "targets"):
-        if need not in adapters:
-            raise ConfigError(f"{owner}: adapters needs {need!r}.")
-    rank = adapters["rank"]
-    ranks = np.asarray(rank)
-    if ranks.ndim == 0:
-        ranks = np.broadcast_to(ranks, (K,))
-    if ranks.shape != (K,):
-        raise ConfigError(
-            f"{owner}: adapters['rank'] has {ranks.size} values but there are "
-            f"K={K} members; give one rank or {K}."
-        )
-    out = []
-    for r in ranks.tolist():
-        out.append(check_int(owner, "adapters['rank']", r, min=1))
-    alpha = check_float(owner, "adapters['alpha']", adapters["alpha"])
+    first = configs[0]
+    for k, c in enumerate(configs):
+        for field in ("alpha", "targets", "use_rslora", "dropout"):
+            if getattr(c, field) != getattr(first, field):
+                raise ConfigError(
+                    f"{owner}: the members' adapters may differ in rank only; "
+                    f"adapters[{k}].{field}={getattr(c, field)!r} but "
+                    f"adapters[0].{field}={getattr(first, field)!r}."
+                )
     return {
-        "rank": np.asarray(out, np.int64),
-        "alpha": alpha,
-        "targets": adapters["targets"],
-        "use_rslora": check_bool(
-            owner, "adapters['use_rslora']", adapters.get("use_rslora", False)
-        ),
+        "rank": np.asarray([c.rank for c in configs], np.int64),
+        "config": first,
     }
 
 
 def _adapter_members(owner, base_model, spec, model_data):
     """`(members, base)`: each member's adapters, `lora(base_model,
-    rank=r_k, ..., key=model_keys[k])` masked to the largest rank, stacked
-    over K (host arrays); and the shared rest of the adapted model."""
+    replace(config, rank=r_k), key=model_keys[k])` masked to the largest
+    rank, stacked over K (host arrays); and the shared rest of the adapted
+    model."""
     R = int(spec["rank"].max())
     rows = []
     for r, k in zip(spec["rank"].tolist(), model_data, strict=True):
+        config = dataclasses.replace(spec["config"], rank=r)
         try:
-            adapted = lora(
-                base_model, rank=r, alpha=spec["alpha"], targets=spec["targets"],
-                use_rslora=spec["use_rslora"], key=wrap_key(jnp.asarray(k)),
-            )  # fmt: skip
+            adapted = _lora(
+                base_model, config, key=wrap_key(jnp.asarray(k)), owner="lora"
+            )
         except ConfigError as err:
             raise ConfigError(f"{owner}: adapters: {err}") from err
         masked = mask_lora(adapted, R)
@@ -986,8 +1000,8 @@ def _check_members_descend(owner, tx, states, injected, K) -> None:
     hyper = getattr(states.opt_state, "hyperparams", None)
     if isinstance(hyper, dict):
         check_values(
-            owner,
             {n: to_host(v)[:K] for n, v in hyper.items() if eqx.is_array(v)},
+            _owner=owner,
         )
     if isinstance(injected, dict) and "learning_rate" in injected:
         return

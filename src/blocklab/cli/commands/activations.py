@@ -82,7 +82,7 @@ def validate(args: argparse.Namespace) -> None:
     owner = "blocklab activations"
     if len(set(args.act)) != len(args.act):
         raise ConfigError(f"{owner}: --act must be distinct, got {args.act}.")
-    check_seeds(owner, "--seeds", args.seeds)
+    check_seeds(args.seeds, name="--seeds", _owner=owner)
     for name in ("steps", "batch_size", "num_hiddens", "num_heads", "num_blks",
                  "seq_len"):  # fmt: skip
         value = getattr(args, name)
