@@ -294,7 +294,7 @@ def depth_costs(depths, batch=8, prompt=16, new=64, reps=3) -> dict:
             lengths = jnp.full((batch,), prompt, jnp.int32)
             args = (
                 model, jnp.asarray(ids, jnp.int32), lengths,
-                None, None, None, new, None, None, jnp.int32(0), unroll,
+                None, None, None, new, None, None, jnp.int32(0), unroll, None,
             )  # fmt: skip
             t0 = time.perf_counter()
             _generate.lower(*args).lowered.compile()
@@ -302,7 +302,12 @@ def depth_costs(depths, batch=8, prompt=16, new=64, reps=3) -> dict:
 
             def run(model=model, unroll=unroll):
                 return jax.block_until_ready(
-                    blocklab.generate(model, ids, new, unroll_layers=unroll)
+                    blocklab.generate(
+                        model,
+                        ids,
+                        new,
+                        config=blocklab.GenerationConfig(unroll_layers=unroll),
+                    )  # fmt: skip
                 )
 
             run()

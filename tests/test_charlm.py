@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import blocklab as bl
 from blocklab import CharLM, count_params, generate_text
 from blocklab.data import VOCAB, decode, encode
 from blocklab.nn.ffn import ffn_width
@@ -121,7 +122,8 @@ def greedy_reference(model, prompt, n):
 @pytest.mark.parametrize("prompt", ["the ", "the time machine"])  # 16 > max_len
 def test_text_near_zero_temperature_is_greedy(model, prompt):
     key = jax.random.key(0)
-    out = generate_text(model, VOCAB, prompt, 3, key=key, temperature=1e-6)
+    cold = bl.GenerationConfig(temperature=1e-6)
+    out = generate_text(model, VOCAB, prompt, 3, key=key, config=cold)
     assert out == greedy_reference(model, prompt, 3)
     assert generate_text(model, VOCAB, prompt, 3) == out  # key=None: greedy
 
@@ -140,7 +142,7 @@ def test_text_samples_from_the_vocab_and_is_keyed(model):
 def test_text_bad_arguments(model):
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"temperature must lie in \(0.0, inf\]"):
-        generate_text(model, VOCAB, "a", 3, key=key, temperature=0.0)
+        generate_text(model, VOCAB, "a", 3, key=key, config=bl.GenerationConfig(0.0))
     with pytest.raises(
         ValueError, match=r"max_new_tokens must lie in \[0, inf\], got -1"
     ):

@@ -149,7 +149,8 @@ def test_chat_and_sampling_options_are_those_of_stream_text(folder, capsys):
     assert status == 0
     stream = stream_text(
         bl.load_pretrained(path), bl.load_tokenizer(path), "hi 🦀", 6,
-        key=jax.random.key(3), temperature=0.7, top_k=40, top_p=0.9, chat=True,
+        key=jax.random.key(3), chat=True,
+        config=bl.GenerationConfig(temperature=0.7, top_k=40, top_p=0.9),
     )  # fmt: skip
     list(stream)
     assert obj["texts"] == stream.texts and obj["chat"] is True

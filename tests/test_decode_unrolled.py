@@ -11,6 +11,7 @@ step: slice weights or copy caches).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -24,7 +25,7 @@ import pytest
 # embeddings of unit size (a wrong cache row changes the argmax)
 from decoding import V, greedy_reference, model_of
 
-from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
+from blocklab import ConfigError, DecoderConfig, DecoderLM, GenerationConfig, generate
 from blocklab.models import decoding as _cache
 from blocklab.models import generation
 from blocklab.nn.functional import dense, dense_weight_first
@@ -46,21 +47,27 @@ def test_both_loops_give_the_uncached_greedy_tokens(name, batch):
     lengths = np.array([6, 2, 4][:batch], np.int32)
     ref = greedy_reference(model, prompts, lengths, 11)
     for unroll in (True, False):
-        out = generate(model, prompts, 11, lengths=lengths, unroll_layers=unroll)
+        cfg = GenerationConfig(unroll_layers=unroll)
+        out = generate(model, prompts, 11, lengths=lengths, config=cfg)
         assert np.array_equal(out, ref), unroll
 
 
 def test_sampling_and_eos_agree_between_the_loops():
     model = model_of("gemma3-window3")
     prompts = np.random.default_rng(5).integers(0, V, (4, 5)).astype(np.int32)
-    kw = dict(
-        key=jax.random.key(3), temperature=1.3, top_k=15, lengths=np.array([5, 1, 3, 5])
-    )
-    free = generate(model, prompts, 9, **kw)
+    kw = dict(key=jax.random.key(3), lengths=np.array([5, 1, 3, 5]))
+    sampling = GenerationConfig(temperature=1.3, top_k=15)
+    free = generate(model, prompts, 9, config=sampling, **kw)
     eos = int(free[0, 7])
     for extra in ({}, {"eos_id": eos}):
         outs = [
-            generate(model, prompts, 9, unroll_layers=u, **kw, **extra)
+            generate(
+                model,
+                prompts,
+                9,
+                **kw,
+                config=dataclasses.replace(sampling, unroll_layers=u, **extra),
+            )  # fmt: skip
             for u in (True, False)
         ]
         assert np.array_equal(outs[0], outs[1])
@@ -179,7 +186,7 @@ def test_auto_unrolls_stacks_up_to_the_limit(monkeypatch):
         model = DecoderLM(cfg, key=jax.random.key(0))
         calls.clear()
         try:
-            generate(model, prompts, 2, unroll_layers=unroll)
+            generate(model, prompts, 2, config=GenerationConfig(unroll_layers=unroll))
         except _Traced:
             pass
         assert (calls == [depth]) if used else not calls, (depth, unroll, calls)
@@ -250,7 +257,6 @@ def test_unstack_gives_each_block():
 
 
 def test_unroll_layers_must_be_a_bool_or_none():
-    model = model_of("gpt2")
     # (under the test suite's type checker the annotation refuses it first)
     with pytest.raises((ConfigError, TypeError), match="unroll_layers"):
-        generate(model, np.ones((1, 2), np.int32), 1, unroll_layers="yes")
+        GenerationConfig(unroll_layers="yes")

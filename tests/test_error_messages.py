@@ -20,7 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blocklab as bl
-from blocklab import CharLM, Stack, generate_text, load, load_state_dict, save
+from blocklab import (
+    CharLM,
+    GenerationConfig,
+    Stack,
+    generate_text,
+    load,
+    load_state_dict,
+    save,
+)
 from blocklab._validate import ConfigError
 from blocklab.data import VOCAB
 from blocklab.nn import init
@@ -408,8 +416,8 @@ def test_generate_text_needs_ids_in_the_model_vocabulary():
     ],
 )
 def test_generate_text_temperature(lm, value, pattern):
-    with pytest.raises(ConfigError, match=rf"^generate_text: {pattern}"):
-        generate_text(lm, VOCAB, "the", 3, key=KEY, temperature=value)
+    with pytest.raises(ConfigError, match=rf"^GenerationConfig: {pattern}"):
+        GenerationConfig(temperature=value)
 
 
 @pytest.mark.parametrize(
@@ -439,10 +447,10 @@ def test_generate_text_key_and_prompt(lm):
 
 
 def test_generate_text_numpy_arguments_are_fine(lm):
-    a = generate_text(
-        lm, VOCAB, "the", np.int64(4), key=KEY, temperature=np.float32(0.5)
-    )
-    assert a == generate_text(lm, VOCAB, "the", 4, key=KEY, temperature=0.5)
+    warm = GenerationConfig(temperature=np.float32(0.5))
+    a = generate_text(lm, VOCAB, "the", np.int64(4), key=KEY, config=warm)
+    half = GenerationConfig(temperature=0.5)
+    assert a == generate_text(lm, VOCAB, "the", 4, key=KEY, config=half)
 
 
 # ------------------------------------------------------------ init functions

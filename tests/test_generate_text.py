@@ -19,6 +19,7 @@ from blocklab import (
     ConfigError,
     DecoderConfig,
     DecoderLM,
+    GenerationConfig,
     generate,
     generate_text,
 )
@@ -79,10 +80,12 @@ def test_sampled_text_is_generate_with_the_first_split_key(llama):
     prompt, key = "a dog", jax.random.key(3)
     ids = np.asarray(TOK.encode(prompt), np.int32)
     kw = dict(temperature=0.8, top_k=10, top_p=0.9)
-    want = generate(llama, ids, 6, key=jax.random.split(key)[0], **kw)
-    got = generate_text(llama, TOK, prompt, 6, key=key, **kw)
+    config = GenerationConfig(**kw)
+    want = generate(llama, ids, 6, key=jax.random.split(key)[0], config=config)
+    got = generate_text(llama, TOK, prompt, 6, key=key, config=config)
     assert got == TOK.decode(np.asarray(want))
-    assert got != generate_text(llama, TOK, prompt, 6, key=jax.random.key(4), **kw)
+    other = generate_text(llama, TOK, prompt, 6, key=jax.random.key(4), config=config)
+    assert got != other
 
 
 @pytest.mark.parametrize(
@@ -176,13 +179,19 @@ class Encodes:
             r"outside the model's vocabulary \[0, vocab_size=40\)",
         ),
         (dict(max_new_tokens=-1), r"generate_text: max_new_tokens must lie in"),
-        (dict(top_k=V + 1), r"generate_text: top_k must lie in \[1, 40\], got 41"),
-        (dict(top_p=0.0), r"generate_text: top_p must lie in \(0.0, 1.0\]"),
-        (dict(key=5), r"generate_text: key must be a JAX PRNG key, got 5"),
         (
-            dict(key=jax.random.key(0), temperature=0.0),
-            r"generate_text: temperature must lie in \(0.0, inf\]",
+            dict(config=GenerationConfig(top_k=V + 1)),
+            r"generate_text: top_k must lie in \[1, 40\], got 41",
         ),
+        (
+            dict(config=GenerationConfig(eos_id=1)),
+            r"generate_text: config.eos_id=1 does not apply to text",
+        ),
+        (
+            dict(config={"top_p": 0.5}),
+            r"generate_text: config must be a GenerationConfig",
+        ),
+        (dict(key=5), r"generate_text: key must be a JAX PRNG key, got 5"),
         (
             dict(model=np.zeros(3)),
             r"generate_text: model must be a DecoderLM or a CharLM, got ndarray",

@@ -20,9 +20,12 @@ from decoding import V, forward, greedy_reference, model_of
 from hf_models import mixtral_config, randomize
 
 import blocklab as bl
-from blocklab import ConfigError, DecoderConfig, DecoderLM, generate
+from blocklab import ConfigError, DecoderConfig, DecoderLM, GenerationConfig, generate
+from blocklab.models.decode_loop import filter_logits, sample_logits
 from blocklab.models.decoding import DecoderCache
-from blocklab.models.generation import filter_logits, sample_logits
+
+#: The options GenerationConfig holds (the rest are generate's arguments).
+CONFIG_FIELDS = ("temperature", "top_k", "top_p", "eos_id", "unroll_layers")
 
 
 @eqx.filter_jit
@@ -141,13 +144,18 @@ def test_eos_ends_a_sequence_and_pads_with_it():
     lengths = np.array([5, 3], np.int32)
     free = generate(model, prompts, 10, lengths=lengths)
     eos = int(free[0, 5 + 2])  # row 0's third new token
-    out = generate(model, prompts, 10, lengths=lengths, eos_id=eos)
+    out = generate(
+        model, prompts, 10, lengths=lengths, config=GenerationConfig(eos_id=eos)
+    )
     assert np.array_equal(out, greedy_reference(model, prompts, lengths, 10, eos))
     row0 = np.asarray(out[0])
     first = 5 + int(np.argmax(row0[5:] == eos))
     assert first <= 7 and (row0[first:] == eos).all()
     # every row ended early: the loop stopped, the rest is eos
-    both = generate(model, prompts, 10, lengths=lengths, eos_id=int(free[1, 3]))
+    both = generate(
+        model, prompts, 10, lengths=lengths,
+        config=GenerationConfig(eos_id=int(free[1, 3])),
+    )  # fmt: skip
     assert (np.asarray(both[1, 3:]) == int(free[1, 3])).all()
     assert np.array_equal(
         both, greedy_reference(model, prompts, lengths, 10, int(free[1, 3]))
@@ -157,7 +165,9 @@ def test_eos_ends_a_sequence_and_pads_with_it():
 def test_zero_new_tokens_returns_the_prompts_padded():
     model = model_of("llama-gqa")
     prompts = np.arange(12, dtype=np.int32).reshape(2, 6)
-    out = generate(model, prompts, 0, lengths=np.array([6, 2]), eos_id=9)
+    out = generate(
+        model, prompts, 0, lengths=np.array([6, 2]), config=GenerationConfig(eos_id=9)
+    )
     assert np.array_equal(out, [[0, 1, 2, 3, 4, 5], [6, 7, 9, 9, 9, 9]])
 
 
@@ -228,7 +238,8 @@ def test_sampled_generate_equals_a_loop_with_the_same_keys():
     prompts = rng.integers(0, V, (2, 4)).astype(np.int32)
     key = jax.random.key(7)
     kw = dict(temperature=1.5, top_k=20, top_p=0.9)
-    out = generate(model, prompts, 6, key=key, **kw)
+    config = GenerationConfig(**kw)
+    out = generate(model, prompts, 6, key=key, config=config)
     seqs = np.zeros((2, 10), np.int32)
     seqs[:, :4] = prompts
     for i in range(6):
@@ -236,8 +247,8 @@ def test_sampled_generate_equals_a_loop_with_the_same_keys():
         nxt = sample_logits(logits, jax.random.fold_in(key, i), **kw)
         seqs[:, 4 + i] = np.asarray(nxt)
     assert np.array_equal(out, seqs)
-    assert np.array_equal(out, generate(model, prompts, 6, key=key, **kw))
-    other = generate(model, prompts, 6, key=jax.random.key(8), **kw)
+    assert np.array_equal(out, generate(model, prompts, 6, key=key, config=config))
+    other = generate(model, prompts, 6, key=jax.random.key(8), config=config)
     assert not np.array_equal(out, other)
 
 
@@ -285,19 +296,19 @@ def small():
             dict(max_new_tokens=-1),
             r"generate: max_new_tokens must lie in \[0, inf\], got -1",
         ),
-        (dict(top_k=0), r"generate: top_k must lie in \[1, 61\], got 0"),
+        (dict(top_k=0), r"GenerationConfig: top_k must lie in \[1, inf\], got 0"),
         (dict(top_k=62), r"generate: top_k must lie in \[1, 61\], got 62"),
-        (dict(top_p=0.0), r"generate: top_p must lie in \(0.0, 1.0\], got 0.0"),
-        (dict(top_p=1.5), r"generate: top_p must lie in \(0.0, 1.0\], got 1.5"),
+        (dict(top_p=0.0), r"GenerationConfig: top_p must lie in \(0.0, 1.0\], got 0.0"),
+        (dict(top_p=1.5), r"GenerationConfig: top_p must lie in \(0.0, 1.0\], got 1.5"),
         (
             dict(key=jax.random.key(0), temperature=0.0),
-            r"generate: temperature must lie in \(0.0, inf\], got 0.0",
+            r"GenerationConfig: temperature must lie in \(0.0, inf\], got 0.0",
         ),
         (
             dict(key=jax.random.key(0), temperature=-1.0),
-            r"generate: temperature must lie in \(0.0, inf\]",
+            r"GenerationConfig: temperature must lie in \(0.0, inf\]",
         ),
-        (dict(eos_id=61), r"generate: eos_id must lie in \[0, 60\], got 61"),
+        (dict(eos_id=61), r"generate: config.eos_id must lie in \[0, 60\], got 61"),
         (
             dict(lengths=np.array([4, 5])),
             r"generate: lengths must lie in \[1, T=4\], got lengths\[1\]=5",
@@ -329,7 +340,8 @@ def small():
         (dict(key=5), r"generate: key must be a JAX PRNG key, got 5"),
         (
             dict(model=bl.RMSNorm(4)),
-            r"generate: model must be a DecoderLM or a CharLM, got RMSNorm",
+            r"generate: model must be a DecoderLM, a CharLM or an EncoderDecoderLM, "
+            r"got RMSNorm",
         ),
     ],
 )
@@ -337,7 +349,12 @@ def test_bad_input_names_the_argument(small, kwargs, match):
     args = dict(model=small, ids=np.ones((2, 4), np.int32), max_new_tokens=3)
     args.update(kwargs)
     with pytest.raises(ConfigError, match=match):
-        generate(args.pop("model"), args.pop("ids"), args.pop("max_new_tokens"), **args)
+        options = {k: args.pop(k) for k in CONFIG_FIELDS if k in args}
+        config = GenerationConfig(**options)  # the sampling options' own checks
+        generate(
+            args.pop("model"), args.pop("ids"), args.pop("max_new_tokens"),
+            config=config, **args,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("text", ["the time", b"the time"])
@@ -346,7 +363,7 @@ def test_text_is_refused_pointing_to_generate_text(small, text, monkeypatch):
     monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
     with pytest.raises(
         ConfigError,
-        match=rf"generate: ids must be token ids, got a {type(text).__name__}; "
+        match=rf"generate: inputs must be token ids, got a {type(text).__name__}; "
         r"for text in and text out call blocklab.generate_text\(model, "
         r"tokenizer, prompts, max_new_tokens\)",
     ):

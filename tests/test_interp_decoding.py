@@ -117,7 +117,9 @@ def test_captures_while_generating_equal_the_whole_sequence(name, batch, sample)
     else:
         np.testing.assert_array_equal(new, logits.argmax(-1))
     if name != "charlm":
-        np.testing.assert_array_equal(tokens, bl.generate(model, prompt, S, **opts))
+        config = bl.GenerationConfig(**{k: v for k, v in opts.items() if k != "key"})
+        generated = bl.generate(model, prompt, S, key=opts.get("key"), config=config)
+        np.testing.assert_array_equal(tokens, generated)
 
 
 def test_steering_while_generating_equals_intervene_on_the_prefix():

@@ -308,7 +308,9 @@ def test_a_sampled_batch_draws_generate_texts_tokens(toks, gpt2_model):
     key of step i is fold_in(split(key)[0], i), as generate_text's
     `generate` call. The stream yields (index, piece) pairs."""
     tok, prompts, key = toks["gpt2"], ["Hello 🦀", "the dog ran in"], jax.random.key(7)
-    kw = dict(key=key, temperature=0.9, top_k=50, top_p=0.95)
+    kw = dict(
+        key=key, config=bl.GenerationConfig(temperature=0.9, top_k=50, top_p=0.95)
+    )
     stream = stream_text(gpt2_model, tok, prompts, 10, stop_ids=(), **kw)
     pairs = list(stream)
     assert {b for b, _ in pairs} == {0, 1}
@@ -415,7 +417,7 @@ def test_no_work_before_the_first_piece_and_none_for_no_tokens(toks, gpt2_model)
         (dict(max_new_tokens=-1), r"max_new_tokens must lie in \[0, inf\], got -1"),
         (dict(stop_ids=[10**6]), r"stop_ids\[0\] must lie in \[0, 299\]"),
         (dict(stop_ids="</s>"), "stop_ids must be a list of token ids"),
-        (dict(key=jax.random.key(0), temperature=0.0), "temperature must lie in"),
+        (dict(config=bl.GenerationConfig(eos_id=3)), "config.eos_id=3 does not apply"),
         (dict(chat=True), "has no chat template"),
     ],
 )

@@ -41,6 +41,7 @@ from .models import (
     EncoderDecoderConfig,
     EncoderDecoderLM,
     EncoderModel,
+    GenerationConfig,
     generate,
 )
 from .nn import (
@@ -101,6 +102,7 @@ __all__ = [
     "RMSNorm",
     "Stack",
     "TransformerBlock",
+    "GenerationConfig",
     "generate",
     "with_attention_impl",
     "with_remat",

@@ -2,11 +2,12 @@ r"""Activations while generating: `capture_generate`.
 
 Generation runs the prompt once through the model with its key/value cache
 (the prefill), then one token per step (`blocklab.models.decoding.extend`), each
-step choosing the next token from the last logits as `blocklab.generate`
-does. `capture_generate` records the values at the chosen sites in that very
-loop, so what it reports is what the model computed while it produced the
-tokens, edits (`blocklab.interp.intervene`'s) included, and the whole loop is
-one compiled program: the prefill, then a `lax.scan` over the steps.
+step choosing the next token from the last logits. `capture_generate` is
+`blocklab.generate(..., hooks=...)` with the names and patterns resolved: it
+records the values at the chosen sites in that very loop, so what it reports
+is what the model computed while it produced the tokens, edits
+(`blocklab.interp.intervene`'s) included, and the whole loop is one compiled
+program: the prefill, then a `lax.scan` over the steps.
 
 With the prompt $t_{0..T-1}$ and $S$ = `max_new_tokens`, new token $s$ is
 chosen from the logits at row $T - 1 + s$ of the sequence,
@@ -35,8 +36,9 @@ from jaxtyping import Array, ArrayLike, Int
 from .._validate import ConfigError, check_ids, check_int
 from ..models import decoding as _cache
 from ..models.charlm import CharLM
+from ..models.decode_loop import GenerationConfig, check_sampling
 from ..models.decoder import DecoderLM
-from ..models.generation import check_sampling, sample_logits
+from ..models.generation import generate
 from ..nn.hooks import Edit, Hooks
 from .sites import Selection, _cache_key, edit_table, select, site_shapes, unpack
 
@@ -280,73 +282,45 @@ def capture_generate(
         table = edit_table(one, edits)
     two = decode_site_shapes(model, batch_shape, width, 2)
     axes = _token_axes(one, two, list(selection))
-    sampling = key is not None
     prompt = prompt.astype(jnp.int32)
-    tokens, prefill, steps = _run(
-        model, prompt, key,
-        jnp.float32(temperature) if sampling else None,
-        jnp.float32(top_p) if sampling and top_p is not None else None,
-        S, top_k if sampling else None, frozenset(selection), table, axes, one,
+    if S == 0:
+        tokens, prefill = (
+            prompt,
+            _prefill_only(model, prompt, frozenset(selection), table),
+        )
+        steps = {
+            s: jnp.zeros((0, *_drop(one[s].shape, axes[s])), one[s].dtype)
+            for s in selection
+        }
+        return (
+            tokens,
+            unpack(prefill, selection),
+            unpack(steps, selection, layer_axis=1),
+        )
+    config = GenerationConfig(
+        temperature=temperature if key is not None else 1.0, top_k=top_k, top_p=top_p
+    )
+    tokens, prefill, later = generate(
+        model, prompt, S, key=key, config=config,
+        hooks=Hooks(frozenset(selection), table),
     )  # fmt: skip
+    # step 0's values are the prefill's row T - 1 (the row its logits came
+    # from); step s >= 1's, the one row of the cached step that fed token s - 1
+    steps = {}
+    for s, v in prefill.items():
+        first = jax.lax.index_in_dim(v, T - 1, axes[s], keepdims=False)
+        rest = jnp.squeeze(later[s], axes[s] + 1)
+        steps[s] = jnp.concatenate([first[None], rest], axis=0)
     return tokens, unpack(prefill, selection), unpack(steps, selection, layer_axis=1)
 
 
 @eqx.filter_jit
-def _run(model, prompt, key, temperature, top_p, S, top_k, record, table, axes, one):
-    """Prefill `prompt`, then `S - 1` cached steps in a `lax.scan`: the
-    tokens, the prefill's values and the steps' (stacked)."""
-    T = prompt.shape[-1]
-    single = prompt.ndim == 1
-    batch_shape = prompt.shape[:-1]
-    if S == 0:
-        hooks = Hooks(record, table)
-        _cache.extend(
-            model, prompt, _cache.init_cache(model, batch_shape, T, owner=_OWNER),
-            hooks=hooks,
-        )  # fmt: skip
-        empty = {
-            s: jnp.zeros((0, *_drop(one[s].shape, axes[s])), one[s].dtype)
-            for s in record
-        }
-        return prompt, hooks.values, empty
-
-    def choose(z, i):
-        # as generate: sampled on a (B, vocab) batch, one prompt as B = 1
-        z = z[None] if single else z
-        if key is None:
-            token = sample_logits(z, None)
-        else:
-            token = sample_logits(
-                z, jax.random.fold_in(key, i),
-                temperature=temperature, top_k=top_k, top_p=top_p,
-            )  # fmt: skip
-        return token[0] if single else token
-
-    cache = _cache.init_cache(model, batch_shape, T + S, owner=_OWNER)
+def _prefill_only(model, prompt, record, table):
+    """The values of the prefill alone (no token to generate)."""
     hooks = Hooks(record, table)
-    logits, cache = _cache.extend(model, prompt, cache, hooks=hooks)
-    prefill = hooks.values
-    first = {
-        s: jax.lax.index_in_dim(v, T - 1, axes[s], keepdims=False)
-        for s, v in prefill.items()
-    }
-    token = choose(logits[..., -1, :], 0)
-
-    def step(carry, i):
-        cache, token = carry
-        hooks = Hooks(record, table)
-        logits, cache = _cache.extend(model, token[..., None], cache, hooks=hooks)
-        values = {s: jnp.squeeze(v, axes[s]) for s, v in hooks.values.items()}
-        new = choose(logits[..., 0, :], i)
-        return (cache, new), (new, values)
-
-    _, (new, values) = jax.lax.scan(
-        step, (cache, token), jnp.arange(1, S, dtype=jnp.int32)
-    )
-    new = jnp.concatenate([token[None], new], axis=0)  # (S, *batch)
-    steps = {s: jnp.concatenate([first[s][None], values[s]], axis=0) for s in first}
-    tokens = jnp.concatenate([prompt, jnp.moveaxis(new, 0, -1)], axis=-1)
-    return tokens, prefill, steps
+    cache = _cache.init_cache(model, prompt.shape[:-1], prompt.shape[-1], owner=_OWNER)
+    _cache.extend(model, prompt, cache, hooks=hooks)
+    return hooks.values
 
 
 def _drop(shape, axis):

@@ -4,11 +4,14 @@
 `moe_decoder` (`MoEDecoderConfig`), `charlm` (`CharLM`: the chapter's
 character model), `encoder_config`, `encoder` (`EncoderModel`: BERT,
 ModernBERT, ViT) and `encoder_decoder` (`EncoderDecoderLM`: T5, Whisper);
-`decoding` (a whole model's cache, prefill, the decode step) and `generation`
-(the one generation loop, `generate`). Built from the layers in `blocklab.nn`.
+`decoding` (a whole model's cache, prefill, the decode step), `decode_loop`
+(the one decoding loop, `GenerationConfig`, sampling) and `generation`
+(`generate`: every model that decodes, through that loop). Built from the
+layers in `blocklab.nn`.
 """
 
 from .charlm import CharLM
+from .decode_loop import GenerationConfig
 from .decoder import DecoderLM
 from .decoder_config import DecoderConfig
 from .encoder import EncoderModel
@@ -25,6 +28,7 @@ __all__ = [
     "EncoderDecoderConfig",
     "EncoderDecoderLM",
     "EncoderModel",
+    "GenerationConfig",
     "MoEDecoderConfig",
     "generate",
 ]

@@ -48,6 +48,7 @@ from ..nn.relative_position import (
     stack_bias_inputs,
 )
 from ..nn.stack import Stack
+from .decode_loop import GenerationConfig, check_sampling, choose, decode_loop, fresh
 from .encoder import padding_mask
 from .encoder_config import EncoderDecoderConfig, config_of
 
@@ -461,41 +462,79 @@ class EncoderDecoderLM(eqx.Module):
         `transformers`' `generate`). The encoder runs once, the
         cross-attention keys and values are computed once, the prompt is one
         cached `decode_step` and every further token one more (one compiled
-        loop). With audio, `src_ids` are the features."""
-        owner = "EncoderDecoderLM.greedy"
-        n = check_int(owner, "max_new_tokens", max_new_tokens, min=1)
-        if prompt_ids is not None:
-            prompt_ids = self._ids("prompt_ids", prompt_ids)
-        return _greedy(self, jnp.asarray(src_ids), n, src_mask, src_lens, prompt_ids)
+        loop: `blocklab.generate`'s, whose greedy tokens these are). With
+        audio, `src_ids` are the features."""
+        inputs = src_ids if prompt_ids is None else (src_ids, prompt_ids)
+        return generate_seq2seq(
+            self,
+            inputs,
+            max_new_tokens,
+            src_mask=src_mask,
+            src_lens=src_lens,
+            owner="EncoderDecoderLM.greedy",
+        )
+
+
+def generate_seq2seq(
+    model, inputs, max_new_tokens, *, key=None, config=None, src_mask=None,
+    src_lens=None, selection=None, owner="generate",
+):  # fmt: skip
+    """`blocklab.generate` of an `EncoderDecoderLM`, and its `greedy`: the new
+    tokens (and, with a `selection` of sites, the start's and the steps'
+    values), from the one decoding loop (`decode_loop`)."""
+    cfg = model.cfg
+    config = GenerationConfig() if config is None else config
+    prompt = None
+    if isinstance(inputs, tuple):
+        if len(inputs) != 2:
+            raise ConfigError(
+                f"{owner}: an encoder-decoder's inputs are the source or "
+                f"(source, decoder_prompt), got a tuple of {len(inputs)}."
+            )
+        inputs, prompt = inputs
+    n = check_int(owner, "max_new_tokens", max_new_tokens, min=1)
+    if prompt is not None:
+        prompt = model._ids("prompt_ids", prompt)
+    vocab = cfg.vocab_size
+    key, temperature, top_k, top_p = check_sampling(
+        owner, key, config.temperature, config.top_k, config.top_p, vocab
+    )
+    eos = config.eos_id if config.eos_id is not None else cfg.eos_token_id
+    eos = check_int(owner, "config.eos_id", eos, min=0, max=vocab - 1, optional=True)
+    sampling = key is not None
+    new, start_values, steps = _seq2seq(
+        model, jnp.asarray(inputs), n, src_mask, src_lens, prompt, key,
+        None if not sampling else jnp.float32(temperature),
+        None if top_p is None or not sampling else jnp.float32(top_p),
+        top_k if sampling else None, eos, selection, owner,
+    )  # fmt: skip
+    return new if selection is None else (new, start_values, steps)
 
 
 @eqx.filter_jit
-def _greedy(model, src_ids, n, src_mask, src_lens, prompt):
+def _seq2seq(model, src, n, src_mask, src_lens, prompt, key, temperature, top_p,
+             top_k, eos_id, selection, owner):  # fmt: skip
     cfg = model.cfg
-    enc = model.encode(src_ids, src_mask=src_mask, src_lens=src_lens)
+    hooks = fresh(selection)
+    enc = model.encode(src, src_mask=src_mask, src_lens=src_lens)
     lead = enc.shape[:-2]
     if prompt is None:
         prompt = jnp.full((*lead, 1), cfg.decoder_start_token_id, jnp.int32)
-    model._check_enc("EncoderDecoderLM.greedy", enc, prompt.shape[:-1])
+    model._check_enc(owner, enc, prompt.shape[:-1])
     cache = model.init_cache(
         enc, src_mask=src_mask, src_lens=src_lens, max_len=prompt.shape[-1] + n - 1
     )
+    logits, cache = model.decode_step(prompt, cache, hooks=hooks)
 
-    def pick(logits, done):
-        nxt = jnp.argmax(logits[..., -1, :], axis=-1).astype(jnp.int32)
-        nxt = jnp.where(done, cfg.pad_token_id, nxt)
-        if cfg.eos_token_id is not None:
-            done = done | (nxt == cfg.eos_token_id)
-        return nxt, done
+    def step(token, cache, hooks=None):
+        logits, cache = model.decode_step(token[..., None], cache, hooks=hooks)
+        return logits[..., 0, :], cache
 
-    logits, cache = model.decode_step(prompt, cache)
-    first, done = pick(logits, jnp.zeros(lead, bool))
+    def pick(z, i):
+        return choose(z, i, key, temperature, top_k, top_p)
 
-    def body(carry, _):
-        tok, cache, done = carry
-        logits, cache = model.decode_step(tok[..., None], cache)
-        nxt, done = pick(logits, done)
-        return (nxt, cache, done), nxt
-
-    _, rest = jax.lax.scan(body, (first, cache, done), None, length=n - 1)
-    return jnp.concatenate([first[..., None], jnp.moveaxis(rest, 0, -1)], axis=-1)
+    new, steps = decode_loop(
+        step, cache, logits[..., -1, :], n, pick, eos_id,
+        jnp.int32(cfg.pad_token_id), selection,
+    )  # fmt: skip
+    return new, None if hooks is None else hooks.values, steps

@@ -1,9 +1,15 @@
-r"""Cached generation for `DecoderLM` and `CharLM`: `generate` and its sampling.
+r"""The one generation loop: `generate`, its options and its sampling.
 
-`generate` prefills the prompt into a `DecoderCache` (`blocklab.models.decoding`) and
-then decodes one token per sequence per step: prefill and the decode loop (one
-`lax.while_loop`) are one compiled program. Each new token's logits are those
-of the uncached model at its position.
+`generate` starts a model's decoding (a decoder's prompt prefilled into a
+`DecoderCache`, `blocklab.models.decoding`; an encoder-decoder's source
+encoded, its cross-attention keys and values computed once and the decoder's
+prompt run as one cached step) and then decodes one token per sequence per
+step. Start and loop are one compiled program. Each new token's logits are
+those of the uncached model at its position. The loop (`decode_loop`) is the
+only one: `EncoderDecoderLM.greedy`, `blocklab.interp.capture_generate`,
+`blocklab.text.generate_text` call `generate`, and `blocklab.text.stream_text`
+drives the same start and step (`start`, `step_fn`, `choose`) from the host,
+one token at a time.
 
 The decode loop runs the blocks in one of two ways (`unroll_layers`):
 
@@ -16,15 +22,13 @@ The decode loop runs the blocks in one of two ways (`unroll_layers`):
   and the loop runs them one after another on per-layer caches, written in
   place: no copy per step, and a program that grows with depth.
 
-Measured on a 2-core CPU (`benchmarks/generate.py`: Llama-style, d = 256,
-batch 8, 64 new tokens), the unrolled loop runs 1.4-1.5x faster at 4, 16 and
-48 blocks, and compiles in 1.3, 3.4 and 8.7 s against a flat 0.9 s: it pays
-when the compiled program is reused (it is cached per model structure,
-shapes and options). The default unrolls stacks of up to
-`UNROLL_MAX_LAYERS` blocks (about 1 s more compile time at most).
+The unrolled loop pays when the compiled program is reused (it is cached per
+model structure, shapes and options; `benchmarks/generate.py` measures both).
+The default unrolls stacks of up to `UNROLL_MAX_LAYERS` blocks.
 
-The sampling rules (`filter_logits`) are those of `transformers`' logits
-warpers, in their order: temperature, then top-k, then top-p.
+The sampling rules (`blocklab.models.decode_loop.filter_logits`) are those of
+`transformers`' logits warpers, in their order: temperature, then top-k, then
+top-p.
 """
 
 from __future__ import annotations
@@ -35,14 +39,24 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, Shaped
+from jaxtyping import Array, ArrayLike, Int, Shaped
 
-from .._validate import ConfigError, check_bool, check_float, check_int, check_key
+from .._validate import ConfigError, check_int
+from ..nn.hooks import Hooks
 from . import decoding as _cache
 from .charlm import CharLM
+from .decode_loop import (
+    GenerationConfig,
+    check_sampling,
+    choose,
+    decode_loop,
+    fresh,
+    static_selection,
+)
 from .decoder import DecoderLM
+from .encoder_decoder import EncoderDecoderLM, generate_seq2seq
 
-__all__ = ["generate", "filter_logits", "sample_logits", "UNROLL_MAX_LAYERS"]
+__all__ = ["GenerationConfig", "UNROLL_MAX_LAYERS", "generate", "start", "step_fn"]
 
 _OWNER = "generate"
 
@@ -52,167 +66,119 @@ _OWNER = "generate"
 UNROLL_MAX_LAYERS = 8
 
 
-def filter_logits(
-    logits: Float[ArrayLike, "*batch vocab"],
-    *,
-    temperature: float | Array = 1.0,
-    top_k: int | None = None,
-    top_p: float | Array | None = None,
-) -> Float[Array, "*batch vocab"]:
-    r"""The scores a token is sampled from: temperature, top-k, then top-p.
-
-    With $z$ the float32 logits and $\tau$ the temperature, $s = z / \tau$;
-    top-k keeps the $k$ largest scores, $s_j \ge s_{(k)}$ (ties with the
-    $k$-th are kept); top-p (nucleus, Holtzman et al., 2020) sorts what is
-    left in decreasing order, $s_{(1)} \ge s_{(2)} \ge \ldots$, with
-    probabilities $\pi = \mathrm{softmax}(s)$ and keeps $s_{(j)}$ iff the mass
-    ranked above it is below $p$: $\sum_{i<j} \pi_{(i)} < p$ (the smallest
-    set of top tokens whose mass reaches $p$; the top token always stays).
-    Removed scores become $-\infty$. This is `transformers`'
-    `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper` in
-    that order. Arguments are not checked here (`generate` checks them).
-    """
-    z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    if top_k is not None and top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, top_k)[0][..., -1:]
-        z = jnp.where(z < kth, -jnp.inf, z)
-    if top_p is not None:
-        order = jnp.argsort(-z, axis=-1, stable=True)
-        zs = jnp.take_along_axis(z, order, axis=-1)
-        probs = jax.nn.softmax(zs, axis=-1)
-        above = jnp.cumsum(probs, axis=-1) - probs  # mass ranked above each
-        above = above.at[..., 0].set(0.0)
-        keep = above < jnp.asarray(top_p, jnp.float32)
-        threshold = jnp.min(jnp.where(keep, zs, jnp.inf), axis=-1, keepdims=True)
-        z = jnp.where(z >= threshold, z, -jnp.inf)
-    return z
-
-
-def sample_logits(
-    logits: Float[ArrayLike, "*batch vocab"],
-    key: PRNGKeyArray | None,
-    *,
-    temperature: float | Array = 1.0,
-    top_k: int | None = None,
-    top_p: float | Array | None = None,
-) -> Int[Array, "*batch"]:
-    """One token per row: $\\arg\\max z$ when `key` is `None` (greedy; the
-    first index on ties, as `torch.argmax`), else a draw from
-    $\\mathrm{softmax}$(`filter_logits(...)`)."""
-    if key is None:
-        return jnp.argmax(jnp.asarray(logits), axis=-1).astype(jnp.int32)
-    z = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
-
-
-def check_sampling(
-    owner: str, key: Any, temperature: Any, top_k: Any, top_p: Any, vocab: int
-) -> tuple[Any, float, int | None, float | None]:
-    """The sampling arguments of `generate`, checked: `key` (`None` is greedy),
-    `temperature` (> 0 when sampling, >= 0 otherwise), `top_k` in
-    `[1, vocab]` and `top_p` in `(0, 1]` (each optional)."""
-    sampling = key is not None
-    if sampling:
-        key = check_key(owner, "key", key)
-        legacy = not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-        if key.shape[: key.ndim - legacy]:
-            raise ConfigError(
-                f"{owner}: key must be one PRNG key, got a batch of keys of shape "
-                f"{tuple(key.shape)}; pass one (e.g. jax.random.split(key)[0]), or "
-                "jax.vmap the call over the keys."
-            )
-    temperature = check_float(
-        owner, "temperature", temperature, min=0.0, min_open=sampling
-    )
-    top_k = check_int(owner, "top_k", top_k, min=1, max=vocab, optional=True)
-    top_p = check_float(
-        owner, "top_p", top_p, min=0.0, min_open=True, max=1.0, optional=True
-    )
-    return key, temperature, top_k, top_p
-
-
 def generate(
     model: eqx.Module,
-    ids: Shaped[ArrayLike, "*batch T"],
+    inputs: Any,
     max_new_tokens: int,
     *,
     key: Any = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
+    config: GenerationConfig | None = None,
     lengths: Shaped[ArrayLike, " B"] | None = None,
-    unroll_layers: bool | None = None,
-) -> Int[Array, "*batch L"]:
-    r"""Continue prompts by `max_new_tokens` tokens each, with a key/value cache.
+    hooks: Hooks | None = None,
+) -> Int[Array, "*batch L"] | tuple[Array, dict, dict]:
+    r"""Continue prompts (or decode from sources) by `max_new_tokens` tokens each.
 
-    The prompt goes through the model once (`prefill`), then each step feeds
-    the last token of every sequence (`decode_step`) at that sequence's own
-    next position, $\ell_b, \ell_b + 1, \ldots$, and picks the next token from
-    its logits $z$: $\arg\max z$ without `key` (greedy), else a draw from
-    $\mathrm{softmax}(s)$ with $s$ = `filter_logits(z, temperature, top_k,
-    top_p)` (the key of step $i$ is `jax.random.fold_in(key, i)`). The logits
-    equal the uncached model's at every step. Prefill and the decode loop (a
-    `lax.while_loop`, which stops early once every sequence has emitted
-    `eos_id`) are one compiled program, compiled once per model structure,
-    shapes, `max_new_tokens`, `top_k`, `eos_id`, greedy or not, and whether
-    `top_p` is set.
+    A decoder (`DecoderLM`, `CharLM`, MoE): the prompt goes through the model
+    once (the prefill), then each step feeds the last token of every sequence
+    at that sequence's own next position, $\ell_b, \ell_b + 1, \ldots$. An
+    encoder-decoder (`EncoderDecoderLM`: T5, Whisper): the source is encoded
+    once, the cross-attention keys and values are computed once, the
+    decoder's prompt (default: the one token `decoder_start_token_id`) is one
+    cached step, and each further step feeds one token. Each next token is
+    chosen from its logits $z$: $\arg\max z$ without `key` (greedy), else a
+    draw from $\mathrm{softmax}(s)$ with $s$ = `filter_logits(z, temperature,
+    top_k, top_p)` (the key of new token $i$ is `jax.random.fold_in(key,
+    i)`). The logits equal the uncached model's at every step. Start and loop
+    (`decode_loop`: a `lax.while_loop` that stops once every sequence has
+    emitted `eos_id`, or a `lax.scan` when capturing) are one compiled
+    program, compiled once per model structure, shapes, `max_new_tokens` and
+    options.
 
     Args:
-        model: a `DecoderLM` (any family, converted ones included) or a
-            `CharLM`.
-        ids: `(T,)` token ids of one prompt, or `(B, T)` prompts. Text goes
-            through a tokenizer: `blocklab.generate_text(model, tokenizer,
-            prompts, max_new_tokens)`.
-        max_new_tokens: tokens to add, >= 0; $T$ + `max_new_tokens` must not
-            exceed the model's `max_len`.
+        model: a `DecoderLM` (any family, MoE and converted ones included), a
+            `CharLM` or an `EncoderDecoderLM`.
+        inputs: a decoder's prompt ids, `(T,)` or `(B, T)` (text goes
+            through a tokenizer: `blocklab.text.generate_text`); an
+            encoder-decoder's source (token ids `(T,)`/`(B, T)`, or audio
+            features), or `(source, decoder_prompt)` with the decoder's
+            prompt ids `(P,)`/`(B, P)` (Whisper's start, language and task
+            tokens).
+        max_new_tokens: tokens to add, >= 0 (>= 1 for an encoder-decoder);
+            a decoder's $T$ + `max_new_tokens` must not exceed its
+            `max_len`.
         key: `None` for greedy decoding; a PRNG key (`jax.random.key`) to
             sample (anything else is refused with a `ConfigError`).
-        temperature: $\tau > 0$ when sampling (ignored by greedy decoding).
-        top_k: keep the $k$ most likely tokens, $1 \le k \le$ vocabulary.
-        top_p: nucleus sampling, $0 < p \le 1$.
-        eos_id: after a sequence emits it, that sequence emits only it.
-        lengths: `(B,)` prompt lengths in $[1, T]$ for ragged prompts in one
-            batch: `ids` is right-padded, row $b$ holds `lengths[b]` tokens.
-            Always one length per row (per sequence), also when `B == T`:
-            unlike attention's `valid_lens` there is no per-query reading.
-        unroll_layers: run the decode loop's blocks one after another on
-            per-layer caches (`True`: faster steps, compile time growing with
-            depth) or through the scanned stack (`False`: flat compile time);
-            `None` unrolls stacks of at most `UNROLL_MAX_LAYERS` blocks. The
-            tokens are the same either way.
+        config: a `GenerationConfig` (temperature, top-k, top-p, `eos_id`,
+            `unroll_layers`); `None` is its defaults.
+        lengths: `(B,)` lengths in $[1, T]$ of ragged inputs in one batch,
+            right-padded (a decoder's prompts; an encoder-decoder's sources).
+            Always one length per row, also when `B == T`.
+        hooks: a `blocklab.nn.hooks.Hooks` selecting sites to record (full
+            names, `blocks.*.` for the stack's) and edits to apply in the
+            prefill and in every step (`blocklab.interp.capture_generate`
+            resolves names and patterns into one). The loop then runs all
+            `max_new_tokens` steps (no early stop) through the scanned stack.
 
     Returns:
-        int32 `(B, T + max_new_tokens)` (or `(T + max_new_tokens,)` for a
-        prompt `(T,)`): row $b$ holds its `lengths[b]` prompt tokens (all
-        $T$ without `lengths`), then its `max_new_tokens` new tokens, then
-        padding up to the full width. The padding value is `eos_id` when it
-        is given, else 0.
+        A decoder: int32 `(B, T + max_new_tokens)` (or `(T +
+        max_new_tokens,)` for a prompt `(T,)`): row $b$ holds its
+        `lengths[b]` prompt tokens (all $T$ without `lengths`), then its new
+        tokens, then padding up to the full width (`eos_id` when it is
+        given, else 0). An encoder-decoder: the new tokens alone, int32
+        `(B, max_new_tokens)` (or `(max_new_tokens,)`), as
+        `EncoderDecoderLM.greedy` returns them.
+
+        With `hooks`: `(tokens, prefill_values, step_values)`, the values
+        recorded in the start (a decoder's prefill: keyed and shaped as the
+        forward's on the prompt) and in each of the $S - 1$ later steps,
+        stacked on a new leading axis (each with its own one-token axis).
 
     Raises:
         ConfigError: naming the argument: a model of another type, text
-            (a `str` or `bytes`) for `ids`, ids that are not integers in
+            (a `str` or `bytes`) for `inputs`, ids that are not integers in
             `[0, vocab)` of shape `(T,)` or `(B, T)`, a prompt longer than
-            `max_len` (or with `max_new_tokens` more),
-            `max_new_tokens < 0`, `top_k` outside `[1, vocab]`, `top_p`
-            outside $(0, 1]$, `temperature` $\le 0$ when sampling, `eos_id`
-            outside the vocabulary, `lengths` of the wrong shape or outside
-            $[1, T]$, `unroll_layers` not a bool or None.
+            `max_len` (or with `max_new_tokens` more), `max_new_tokens < 0`,
+            `top_k` above the vocabulary, `eos_id` outside it, `lengths` of
+            the wrong shape or outside $[1, T]$, `config` not a
+            `GenerationConfig`, `hooks` not a `Hooks`.
     """
-    if isinstance(ids, (str, bytes)):
+    if isinstance(inputs, (str, bytes)):
         raise ConfigError(
-            f"{_OWNER}: ids must be token ids, got a {type(ids).__name__}; for "
-            "text in and text out call blocklab.generate_text(model, tokenizer, "
-            "prompts, max_new_tokens) (for a character-level CharLM the tokenizer "
-            "is blocklab.data.VOCAB)."
+            f"{_OWNER}: inputs must be token ids, got a {type(inputs).__name__}; "
+            "for text in and text out call blocklab.generate_text(model, "
+            "tokenizer, prompts, max_new_tokens) (for a character-level CharLM "
+            "the tokenizer is blocklab.data.VOCAB)."
+        )
+    if config is None:
+        config = GenerationConfig()
+    if not isinstance(config, GenerationConfig):
+        raise ConfigError(
+            f"{_OWNER}: config must be a GenerationConfig, got {type(config).__name__}."
+        )
+    if hooks is not None and not isinstance(hooks, Hooks):
+        raise ConfigError(
+            f"{_OWNER}: hooks must be a blocklab.nn.hooks.Hooks (or None), got "
+            f"{type(hooks).__name__}; blocklab.interp.capture_generate takes site "
+            "names and patterns."
+        )
+    selection = None if hooks is None else static_selection(hooks)
+    if isinstance(model, EncoderDecoderLM):
+        return generate_seq2seq(
+            model,
+            inputs,
+            max_new_tokens,
+            key=key,
+            config=config,
+            src_lens=lengths,
+            selection=selection,
         )
     if not isinstance(model, (DecoderLM, CharLM)):
         raise ConfigError(
-            f"{_OWNER}: model must be a DecoderLM or a CharLM, got "
-            f"{type(model).__name__}."
+            f"{_OWNER}: model must be a DecoderLM, a CharLM or an "
+            f"EncoderDecoderLM, got {type(model).__name__}."
         )
     vocab, max_len = _cache.model_limits(model)
-    ids = jnp.asarray(ids)
+    ids = jnp.asarray(inputs)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ConfigError(
             f"{_OWNER}: ids must be integer token ids, got dtype {ids.dtype}."
@@ -236,48 +202,68 @@ def generate(
             f"max_len={max_len} (at most {max_len - T} new tokens)."
         )
     key, temperature, top_k, top_p = check_sampling(
-        _OWNER, key, temperature, top_k, top_p, vocab
+        _OWNER, key, config.temperature, config.top_k, config.top_p, vocab
     )
     sampling = key is not None
-    eos_id = check_int(_OWNER, "eos_id", eos_id, min=0, max=vocab - 1, optional=True)
-    if unroll_layers is None:
+    eos_id = check_int(
+        _OWNER, "config.eos_id", config.eos_id, min=0, max=vocab - 1, optional=True
+    )
+    if selection is not None:
+        unroll = False
+    elif config.unroll_layers is None:
         unroll = model.stack.num_blks <= UNROLL_MAX_LAYERS
     else:
-        unroll = check_bool(_OWNER, "unroll_layers", unroll_layers)
+        unroll = config.unroll_layers
     single = ids.ndim == 1
     batch = ids[None] if single else ids
-    B = batch.shape[0]
-    if lengths is None:
-        lens = jnp.full((B,), T, jnp.int32)
-    else:
-        lens = jnp.asarray(lengths)
-        if single or not jnp.issubdtype(lens.dtype, jnp.integer) or lens.shape != (B,):
-            raise ConfigError(
-                f"{_OWNER}: lengths must be integers of shape (B,) = ({B},) for "
-                f"ids of shape (B, T) = {tuple(ids.shape)}, got dtype {lens.dtype}, "
-                f"shape {tuple(lens.shape)}"
-                + (" (a single prompt (T,) takes no lengths)" if single else "")
-                + "."
-            )
-        lens = _checked(
-            lens, (lens < 1) | (lens > T), f"lengths must lie in [1, T={T}]", "lengths"
-        ).astype(jnp.int32)
+    lens = _lengths(lengths, batch.shape, single)
     batch = _checked(
         batch, (batch < 0) | (batch >= vocab),
         f"token ids must lie in [0, vocab_size={vocab})", "ids",
     ).astype(jnp.int32)  # fmt: skip
     pad = 0 if eos_id is None else eos_id
-    if max_new == 0:
-        out = jnp.where(jnp.arange(T) < lens[:, None], batch, pad)
-    else:
-        out = _generate(
-            model, batch, lens, key,
-            None if not sampling else jnp.float32(temperature),
-            None if top_p is None or not sampling else jnp.float32(top_p),
-            max_new, top_k if sampling else None,
-            None if eos_id is None else jnp.int32(eos_id), jnp.int32(pad), unroll,
-        )  # fmt: skip
-    return out[0] if single else out
+    out = _generate(
+        model, batch, lens, key,
+        None if not sampling else jnp.float32(temperature),
+        None if top_p is None or not sampling else jnp.float32(top_p),
+        max_new, top_k if sampling else None,
+        None if eos_id is None else jnp.int32(eos_id), jnp.int32(pad), unroll,
+        selection,
+    )  # fmt: skip
+    if selection is None:
+        return out[0] if single else out
+    tokens, prefill, steps = out
+    if single:  # the values of one prompt without its batch axis of 1
+        tokens = tokens[0]
+        prefill, steps = _unbatch(prefill, 0), _unbatch(steps, 1)
+    return tokens, prefill, steps
+
+
+def _unbatch(values: dict, batch_axis: int) -> dict:
+    """Drop the batch axis of size 1 (after a stacked site's layer axis)."""
+    out = {}
+    for name, v in values.items():
+        axis = batch_axis + (1 if name.startswith("blocks.*.") else 0)
+        out[name] = jnp.squeeze(v, axis)
+    return out
+
+
+def _lengths(lengths: Any, shape: tuple, single: bool) -> Array:
+    B, T = shape
+    if lengths is None:
+        return jnp.full((B,), T, jnp.int32)
+    lens = jnp.asarray(lengths)
+    if single or not jnp.issubdtype(lens.dtype, jnp.integer) or lens.shape != (B,):
+        raise ConfigError(
+            f"{_OWNER}: lengths must be integers of shape (B,) = ({B},) for "
+            f"inputs of shape (B, T) = {shape}, got dtype {lens.dtype}, "
+            f"shape {tuple(lens.shape)}"
+            + (" (a single prompt (T,) takes no lengths)" if single else "")
+            + "."
+        )
+    return _checked(
+        lens, (lens < 1) | (lens > T), f"lengths must lie in [1, T={T}]", "lengths"
+    ).astype(jnp.int32)
 
 
 def _checked(values: Array, bad: Array, message: str, name: str) -> Array:
@@ -294,62 +280,66 @@ def _checked(values: Array, bad: Array, message: str, name: str) -> Array:
     return values
 
 
+# The start and the step of each kind of model -------------------------------
+
+
+def start(model, ids, lengths, width, unroll, hooks=None):
+    """A decoder's start: `ids` (B, T) prefilled into a cache of `width`
+    positions. Returns the logits each sequence's first new token is chosen
+    from (B, vocab), the decoding state, and the step `step_fn(model, state,
+    unroll)` runs it with."""
+    cache = _cache.init_cache(model, (ids.shape[0],), width, owner=_OWNER)
+    logits, cache = _cache.extend(model, ids, cache, lengths, hooks=hooks)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    if unroll:  # blocks and caches sliced once, here, outside the loop
+        blocks, state = _cache.unstack(model, cache)
+        return last, (blocks, state)
+    return last, (None, cache)
+
+
+def step_fn(model):
+    """A decoder's step: `(token (B,), state, hooks) -> (logits (B, vocab),
+    state)`, one token per sequence through the scanned stack, or (with
+    per-layer blocks in the state) through the blocks one after another."""
+
+    def step(token, state, hooks=None):
+        blocks, inner = state
+        if blocks is None:
+            logits, inner = _cache.extend(model, token[:, None], inner, hooks=hooks)
+        else:
+            logits, inner = _cache.decode_blocks(model, blocks, token[:, None], inner)
+        return logits[:, 0], (blocks, inner)
+
+    return step
+
+
 @eqx.filter_jit
 def _generate(
-    model, ids, lengths, key, temperature, top_p, max_new, top_k, eos_id, pad, unroll
-):
-    """Prefill `ids` (B, T) and decode `max_new` (>= 1) tokens: one program."""
+    model, ids, lengths, key, temperature, top_p, max_new, top_k, eos_id, pad,
+    unroll, selection,
+):  # fmt: skip
+    """A decoder's prompts `ids` (B, T) continued by `max_new` tokens: one program."""
     B, T = ids.shape
     width = T + max_new
-    rows, col = jnp.arange(B), jnp.arange(width)
-    cache = _cache.init_cache(model, (B,), width, owner=_OWNER)
-    logits, cache = _cache.extend(model, ids, cache, lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    out = jnp.where(
-        col < lengths[:, None], jnp.pad(ids, ((0, 0), (0, max_new))), pad
-    ).astype(jnp.int32)
+    col = jnp.arange(width)
+    hooks = fresh(selection)
+    first, state = start(model, ids, lengths, max(width, 1), unroll, hooks)
+    prefill = None if hooks is None else hooks.values
+    out = jnp.where(col < lengths[:, None], jnp.pad(ids, ((0, 0), (0, max_new))), pad)
+    out = out.astype(jnp.int32)
+    steps = {}
+    if max_new > 0:
 
-    def choose(z, i):
-        if key is None:
-            return sample_logits(z, None)
-        k = jax.random.fold_in(key, i)
-        return sample_logits(z, k, temperature=temperature, top_k=top_k, top_p=top_p)
+        def pick(z, i):
+            return choose(z, i, key, temperature, top_k, top_p)
 
-    def emit(out, done, token, i):
-        if eos_id is not None:
-            token = jnp.where(done, eos_id, token)
-            done = done | (token == eos_id)
-        return out.at[rows, lengths + i].set(token), done, token
-
-    out, done, token = emit(out, jnp.zeros(B, bool), choose(last, 0), 0)
-
-    def cond(state):
-        i, _, _, _, done = state
-        more = i < max_new
-        return more if eos_id is None else more & ~jnp.all(done)
-
-    if unroll:  # blocks and caches sliced once, here, outside the loop
-        blocks, carry = _cache.unstack(model, cache)
-
-        def advance(token, state):
-            return _cache.decode_blocks(model, blocks, token, state)
-    else:
-        carry = cache
-
-        def advance(token, cache):
-            return _cache.extend(model, token, cache)
-
-    def body(state):
-        i, token, carry, out, done = state
-        logits, carry = advance(token[:, None], carry)
-        out, done, token = emit(out, done, choose(logits[:, 0], i), i)
-        return i + 1, token, carry, out, done
-
-    i, _, _, out, done = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), token, carry, out, done)
-    )
-    if eos_id is not None:  # the steps skipped once every sequence had ended
-        end = lengths[:, None]
-        skipped = done[:, None] & (col >= end + i) & (col < end + max_new)
-        out = jnp.where(skipped, eos_id, out)
-    return out
+        new, steps = decode_loop(
+            step_fn(model), state, first, max_new, pick, eos_id, pad, selection
+        )
+        at = lengths[:, None] + jnp.arange(max_new)
+        out = out.at[jnp.arange(B)[:, None], at].set(new)
+    elif selection is not None:
+        steps = {}
+    if selection is None:
+        return out
+    return out, prefill, steps

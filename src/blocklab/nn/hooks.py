@@ -85,6 +85,13 @@ class Hooks:
             layer=self.layer, values=self.values,
         )  # fmt: skip
 
+    @property
+    def selection(self) -> tuple[Any, dict]:
+        """`(record, edits)` as given: what to keep and what to edit, without
+        the values (a decoding loop builds a fresh `Hooks(*selection)` for
+        each call of the model)."""
+        return self._record, self._edits
+
     def stacked(self, layer: Any) -> Hooks:
         """The hooks of one block of a scanned stack (scope `blocks.*`), with
         its traced index `layer` and a dict of its own (the scan stacks it)."""

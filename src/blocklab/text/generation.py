@@ -40,14 +40,15 @@ import numpy as np
 
 from .._validate import ConfigError, check_bool, check_int
 from ..models import CharLM, DecoderLM
-from ..models import decoding as _cache
-from ..models.decoding import model_limits
-from ..models.generation import (
-    UNROLL_MAX_LAYERS,
+from ..models.decode_loop import (
+    GenerationConfig,
     check_sampling,
-    generate,
+    choose,
     sample_logits,
 )
+from ..models.decoding import model_limits
+from ..models.generation import UNROLL_MAX_LAYERS, generate, start, step_fn
+from ._checks import check_ids_in_vocab, check_text_list
 from .streaming import IncrementalDecoder
 
 __all__ = ["generate_text", "stream_text", "TextStream"]
@@ -62,9 +63,7 @@ def generate_text(
     max_new_tokens: int,
     *,
     key: Any = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    config: GenerationConfig | None = None,
     chat: bool = False,
 ) -> str | list[str]:
     r"""Continue each prompt by `max_new_tokens` tokens and decode the text.
@@ -75,7 +74,7 @@ def generate_text(
     last `max_len` tokens, and `tokenizer.decode` of $p_b$ followed by its new
     tokens is returned. The tokens are chosen as `generate` chooses them:
     greedy without `key`, else drawn from `filter_logits(z, temperature,
-    top_k, top_p)`. A list of prompts is one batch (ragged prompts,
+    top_k, top_p)` (`config`'s). A list of prompts is one batch (ragged prompts,
     right-padded): greedy, it gives the text of one call per prompt; sampled,
     draws from the same distributions, but not the same draws.
 
@@ -94,9 +93,9 @@ def generate_text(
         key: `None` for greedy decoding; a PRNG key (`jax.random.key`) to
             sample. The key of the cached part is `split(key)[0]`, that of
             the token-by-token part `split(key)[1]`.
-        temperature: $\tau > 0$ when sampling (ignored by greedy decoding).
-        top_k: keep the $k$ most likely tokens, $1 \le k \le$ vocabulary.
-        top_p: nucleus sampling, $0 < p \le 1$.
+        config: a `blocklab.GenerationConfig`: `temperature`, `top_k`,
+            `top_p` (sampling) and `unroll_layers` as for `generate`; its
+            `eos_id` is refused (a text ends at `stream_text`'s `stop_ids`).
         chat: render each prompt as one user message through the
             tokenizer's chat template (`apply_chat_template(...,
             add_generation_prompt=True)`) and encode that text without the
@@ -116,8 +115,7 @@ def generate_text(
             a tokenizer without a chat template.
     """
     a = _Checked(
-        _OWNER, model, tokenizer, prompts, max_new_tokens, key, temperature,
-        top_k, top_p, chat,
+        _OWNER, model, tokenizer, prompts, max_new_tokens, key, config, chat
     )  # fmt: skip
     single, ids, new, max_len = a.single, a.ids, a.new, a.max_len
     key, temperature, top_k, top_p = a.key, a.temperature, a.top_k, a.top_p
@@ -127,7 +125,7 @@ def generate_text(
     width = int(lengths.max())
     cached = min(new, max_len - width)
     cached_key, sliding_key = jax.random.split(key) if sampling else (None, None)
-    options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    config = a.config
     batch = np.zeros((len(ids), width), np.int32)
     for b, c in enumerate(contexts):
         batch[b, : len(c)] = c
@@ -135,7 +133,7 @@ def generate_text(
     out = np.zeros((len(ids), new), np.int32)
     if cached > 0:
         full = generate(
-            model, batch, cached, key=cached_key, lengths=lengths, **options
+            model, batch, cached, key=cached_key, config=config, lengths=lengths
         )
         out[:, :cached] = np.take_along_axis(np.asarray(full), cols, axis=1)
     if new > cached:
@@ -164,9 +162,7 @@ def stream_text(
     max_new_tokens: int,
     *,
     key: Any = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    config: GenerationConfig | None = None,
     stop_ids: Sequence[int] | None = None,
     chat: bool = False,
 ) -> TextStream:
@@ -178,7 +174,8 @@ def stream_text(
     runs while the previous token goes to the host (so the host's work, the
     detokenization included, overlaps the next step). Tokens are chosen as
     `generate` chooses them: greedy without `key`, else drawn from
-    `filter_logits(z, temperature, top_k, top_p)` with the key of step $i$
+    `filter_logits(z, temperature, top_k, top_p)` (`config`'s) with the key
+    of step $i$
     `fold_in(split(key)[0], i)` (`generate_text`'s key for `generate`): the
     greedy tokens of one prompt are `blocklab.generate`'s, and a sampled
     batch draws `generate_text`'s tokens.
@@ -201,9 +198,9 @@ def stream_text(
             the stream yields `(index, piece)` pairs, in step order).
         max_new_tokens: tokens to add to each prompt at most, >= 0.
         key: `None` for greedy decoding, else a PRNG key to sample.
-        temperature: $\tau > 0$ when sampling (ignored by greedy decoding).
-        top_k: keep the $k$ most likely tokens, $1 \le k \le$ vocabulary.
-        top_p: nucleus sampling, $0 < p \le 1$.
+        config: a `blocklab.GenerationConfig`: `temperature`, `top_k`,
+            `top_p` (sampling) and `unroll_layers` as for `generate`; its
+            `eos_id` is refused (a text ends at `stream_text`'s `stop_ids`).
         stop_ids: ids that end a text; `None` takes `tokenizer.stop_ids`
             (EOS and the end-of-turn ids of `generation_config.json`; none
             for a tokenizer without that attribute); `()` never stops early.
@@ -221,8 +218,7 @@ def stream_text(
     """
     owner = "stream_text"
     a = _Checked(
-        owner, model, tokenizer, prompts, max_new_tokens, key, temperature,
-        top_k, top_p, chat,
+        owner, model, tokenizer, prompts, max_new_tokens, key, config, chat
     )  # fmt: skip
     if stop_ids is None:
         stop_ids = tuple(getattr(tokenizer, "stop_ids", None) or ())
@@ -292,7 +288,10 @@ class TextStream:
             None if a.key is None else a.top_k,
             None if a.key is None or a.top_p is None else jnp.float32(a.top_p),
         )
-        self._unroll = model.stack.num_blks <= UNROLL_MAX_LAYERS
+        unroll = a.config.unroll_layers
+        self._unroll = (
+            model.stack.num_blks <= UNROLL_MAX_LAYERS if unroll is None else unroll
+        )
         self._queue: deque = deque()
         self._step = 0  # the index of the next token to read
         self._pending = None  # the device token of step `_step`
@@ -376,9 +375,8 @@ class _Checked:
     `owner` first in each message), and the prompts' ids."""
 
     def __init__(
-        self, owner, model, tokenizer, prompts, max_new_tokens, key, temperature,
-        top_k, top_p, chat,
-    ):  # fmt: skip
+        self, owner, model, tokenizer, prompts, max_new_tokens, key, config, chat
+    ):
         if not isinstance(model, (DecoderLM, CharLM)):
             raise ConfigError(
                 f"{owner}: model must be a DecoderLM or a CharLM, got "
@@ -393,10 +391,25 @@ class _Checked:
                 "a character-level CharLM pass blocklab.data.VOCAB."
             )
         self.single = isinstance(prompts, str)
-        self.texts = [prompts] if self.single else _prompt_list(owner, prompts)
+        self.texts = (
+            [prompts] if self.single else check_text_list(owner, "prompts", prompts)
+        )
         self.new = check_int(owner, "max_new_tokens", max_new_tokens, min=0)
+        config = GenerationConfig() if config is None else config
+        if not isinstance(config, GenerationConfig):
+            raise ConfigError(
+                f"{owner}: config must be a GenerationConfig, got "
+                f"{type(config).__name__}."
+            )
+        if config.eos_id is not None:
+            raise ConfigError(
+                f"{owner}: config.eos_id={config.eos_id} does not apply to text: "
+                "stream_text ends a text at its stop_ids (the tokenizer's by "
+                "default); generate_text adds max_new_tokens tokens."
+            )
+        self.config = config
         self.key, self.temperature, self.top_k, self.top_p = check_sampling(
-            owner, key, temperature, top_k, top_p, self.vocab
+            owner, key, config.temperature, config.top_k, config.top_p, self.vocab
         )
         chat = check_bool(owner, "chat", chat)
         if chat and not callable(getattr(tokenizer, "apply_chat_template", None)):
@@ -411,22 +424,6 @@ class _Checked:
             _encode(owner, tokenizer, t, name, self.vocab, chat)
             for t, name in zip(self.texts, names, strict=True)
         ]
-
-
-def _prompt_list(owner: str, prompts: Any) -> list[str]:
-    """`prompts` as a list of str, refused by name otherwise."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ConfigError(
-            f"{owner}: prompts must be a non-empty str or a non-empty list of "
-            f"str, got {prompts!r:.60} of type {type(prompts).__name__}."
-        )
-    for b, text in enumerate(prompts):
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"{owner}: prompts[{b}] must be a str, got {text!r:.60} of type "
-                f"{type(text).__name__}."
-            )
-    return list(prompts)
 
 
 def _encode(
@@ -449,15 +446,7 @@ def _encode(
             f"{owner}: {call} must give a non-empty list of int token ids, got "
             f"dtype {ids.dtype}, shape {ids.shape}."
         )
-    outside = (ids < 0) | (ids >= vocab)
-    if outside.any():
-        i = int(np.argmax(outside))
-        raise ConfigError(
-            f"{owner}: {call} gave token id {int(ids[i])} at index {i}, outside "
-            f"the model's vocabulary [0, vocab_size={vocab}); use the tokenizer "
-            "the model was trained with."
-        )
-    return ids.astype(np.int32)
+    return check_ids_in_vocab(owner, call, ids, vocab)
 
 
 @eqx.filter_jit
@@ -488,26 +477,16 @@ def _slide(model, buf, filled, key, num_new, temperature, top_k, top_p):
     return new.T
 
 
-def _choose(z, key, i, temperature, top_k, top_p):
-    """`generate`'s choice of token `i` from its logits `z` (B, vocab)."""
-    if key is None:
-        return sample_logits(z, None)
-    k = jax.random.fold_in(key, i)
-    return sample_logits(z, k, temperature=temperature, top_k=top_k, top_p=top_p)
-
-
 @eqx.filter_jit
 def _start(model, ids, lengths, width, unroll, key, temperature, top_k, top_p):
-    """Prefill `ids` (B, T) into a cache of `width` positions and choose the
-    first token. Returns it, the decoding state (with the step count 1) and
-    the blocks: when `unroll`, as `generate`'s loop runs them, the blocks
-    sliced out of the stack once (for every step) and per-layer caches;
-    else `None` and the stacked cache."""
-    cache = _cache.init_cache(model, (ids.shape[0],), width, owner="stream_text")
-    logits, cache = _cache.extend(model, ids, cache, lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    token = _choose(last, key, 0, temperature, top_k, top_p)
-    blocks, state = _cache.unstack(model, cache) if unroll else (None, cache)
+    """`generate`'s start (`blocklab.models.generation.start`: the prompts
+    `ids` (B, T) prefilled into a cache of `width` positions) and its choice
+    of the first token. Returns it, the decoding state (with the step count
+    1) and the blocks: when `unroll`, as `generate`'s loop runs them, the
+    blocks sliced out of the stack once (for every step) and per-layer
+    caches; else `None` and the stacked cache."""
+    last, (blocks, state) = start(model, ids, lengths, width, unroll)
+    token = choose(last, 0, key, temperature, top_k, top_p)
     return token, (state, jnp.int32(1)), blocks
 
 
@@ -524,11 +503,8 @@ def _decoder(treedef, static, top_k):
         arrays = jax.tree_util.tree_unflatten(treedef, params)
         model, blocks = eqx.combine(arrays, static)
         state, i = carry
-        if blocks is None:
-            logits, state = _cache.extend(model, token[:, None], state)
-        else:
-            logits, state = _cache.decode_blocks(model, blocks, token[:, None], state)
-        token = _choose(logits[:, 0], key, i, temperature, top_k, top_p)
+        logits, (_, state) = step_fn(model)(token, (blocks, state))
+        token = choose(logits, i, key, temperature, top_k, top_p)
         return token, (state, i + 1)
 
     return jax.jit(step, donate_argnums=1)

@@ -93,6 +93,7 @@ from .._validate import ConfigError, check_bool, check_float, check_int
 from ..data.tokenizer import Tokenizer, load_tokenizer
 from ..interop.pretrained import load_pretrained
 from ..models import DecoderLM
+from ..models.decode_loop import GenerationConfig
 from ..models.decoding import model_limits
 from ..models.generation import generate
 
@@ -517,8 +518,11 @@ class _BlocklabLM:
                 full = np.asarray(
                     generate(
                         self.model, batch, new, key=key, lengths=lengths,
-                        eos_id=self.eot_token_id, temperature=options["temperature"],
-                        top_k=options["top_k"], top_p=options["top_p"],
+                        config=GenerationConfig(
+                            temperature=options["temperature"],
+                            top_k=options["top_k"], top_p=options["top_p"],
+                            eos_id=self.eot_token_id,
+                        ),
                     )
                 )  # fmt: skip
                 for b, i in enumerate(chunk):

@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from ...interop.pretrained import load_pretrained
+    from ...models import GenerationConfig
     from ...text.generation import stream_text
 
     if not hasattr(args, "_prompts"):
@@ -191,8 +192,11 @@ def run(args: argparse.Namespace) -> int:
     stream = stream_text(
         model, tokenizer, prompts if args.prompts_file else prompts[0],
         args.max_new_tokens, key=jax.random.key(seed) if sampling else None,
-        temperature=args.temperature if sampling else 1.0,
-        top_k=args.top_k, top_p=args.top_p, chat=args.chat,
+        config=GenerationConfig(
+            temperature=args.temperature if sampling else 1.0,
+            top_k=args.top_k, top_p=args.top_p,
+        ),
+        chat=args.chat,
     )  # fmt: skip
     batch = args.prompts_file is not None  # a list: (index, piece) pairs
     shown = ""  # the first prompt's text printed so far
