@@ -10,6 +10,7 @@ import blocklab as bl
 from blocklab._validate import ConfigError
 from blocklab.nn import attention_impls as impls_mod
 from blocklab.nn.kv_cache import AttentionCache
+from blocklab.nn.mask import Mask
 
 # (num_hiddens, num_heads, options) drawn to cover the options together.
 CACHE_CONFIGS = {
@@ -150,7 +151,10 @@ def _compare(seed, dtype, tol, impls=IMPLS):
     ct = jax.random.normal(jax.random.key(seed + 200), (*batch, T, d), dtype)
 
     def loss(m, x, impl):
-        out = m(x, lens, positions=pos, segment_ids=seg, impl=impl)
+        mask = Mask.lengths(lens) if lens is not None else Mask()
+        if seg is not None:
+            mask = mask & Mask.segments(seg)
+        out = m(x, mask, positions=pos, impl=impl)
         return jnp.sum(out * ct), out
 
     @eqx.filter_jit
@@ -237,9 +241,9 @@ def test_bad_impl_lists_the_choices(plain_python):
     with pytest.raises(ConfigError, match="softcap.*'fused'"):
         mha(x, impl="fused")
     with pytest.raises(ConfigError, match="segment_ids.*shape"):
-        mha(x, segment_ids=jnp.zeros(3, jnp.int32))
+        mha(x, Mask.segments(jnp.zeros(3, jnp.int32)))
     with pytest.raises(ConfigError, match="segment_ids.*integer"):
-        mha(x, segment_ids=jnp.zeros(4))
+        mha(x, Mask.segments(jnp.zeros(4)))
     # "auto" with dropout on takes the reference path (the only one with dropout)
     assert mha(x, key=jax.random.key(1)).shape == x.shape
 

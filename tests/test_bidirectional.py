@@ -17,6 +17,7 @@ from blocklab.models.encoder import EncoderModel
 from blocklab.models.encoder_config import EncoderConfig
 from blocklab.nn import attention_impls as impls_mod
 from blocklab.nn.block import TransformerBlock
+from blocklab.nn.mask import Mask
 from blocklab.nn.stack import Stack
 
 IMPLS = ("reference", "fused", "chunked")
@@ -105,7 +106,9 @@ def test_bidirectional_window_mask_segments_bias_equal_numpy(impl, small_blocks)
     local = bidirectional_window(half, T)
     visible = local[None] & key_mask[:, None, :] & (seg[:, :, None] == seg[:, None, :])
     want = numpy_attention(mha, x, visible, bias)
-    got = mha(x, key_mask=key_mask, segment_ids=seg, score_bias=bias, impl=impl)
+    got = mha(
+        x, Mask.padding(key_mask) & Mask.segments(seg), score_bias=bias, impl=impl
+    )
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -136,7 +139,8 @@ def test_score_bias_and_input_gradients_equal_the_reference(impl, small_blocks):
 
     def loss(impl):
         def f(x, b):
-            out = mha(x, key_mask=key_mask, segment_ids=seg, score_bias=b, impl=impl)
+            mask = Mask.padding(key_mask) & Mask.segments(seg)
+            out = mha(x, mask, score_bias=b, impl=impl)
             return jnp.sum(R * out)
 
         return jax.grad(f, argnums=(0, 1))(x, bias)
@@ -167,9 +171,9 @@ def test_bad_masks_and_biases_are_refused_by_name():
     mha = bl.MultiHeadAttention(8, 2, key=jax.random.key(0))
     x = jnp.ones((2, 5, 8))
     with pytest.raises(ConfigError, match="key_mask"):
-        mha(x, key_mask=np.ones((2, 4), bool))
+        mha(x, Mask.padding(np.ones((2, 4), bool)))
     with pytest.raises(ConfigError, match="key_mask"):
-        mha(x, key_mask=np.ones((2, 5), np.int32))
+        mha(x, Mask.padding(np.ones((2, 5), np.int32)))
     with pytest.raises(ConfigError, match="score_bias"):
         mha(x, score_bias=jnp.zeros((3, 5, 5)))
     with pytest.raises(ConfigError, match="window_mode"):

@@ -261,7 +261,7 @@ def test_shape_checker_names_the_parameter_when_on():
     blk = bl.TransformerBlock(16, 4, key=KEY)
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
         blk(jnp.ones((16,)))
-    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'valid_lens'"):
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'mask'"):
         blk(jnp.ones((6, 16)), jnp.arange(4))
 
 
@@ -314,7 +314,7 @@ def test_float16_stream_near_its_range_stays_finite(placement, act, size):
         assert np.abs(x.astype(jnp.float32) + branch).max() > 65504
     if act != "gelu":  # the gated FFN's own output leaves float16's range
         x32 = x.astype(jnp.float32)
-        _, acts = bl.capture(blk, x32, "hook_resid_mid", valid_lens=causal)
+        _, acts = bl.capture(blk, x32, "hook_resid_mid", mask=causal)
         assert np.abs(blk.ffn(acts["hook_resid_mid"])).max() > 65504
     for norm in (bl.RMSNorm(16), bl.LayerNorm(16)):
         assert np.isfinite(norm((6e4 * jnp.sign(x)).astype(jnp.float16))).all()

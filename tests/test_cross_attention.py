@@ -14,6 +14,7 @@ from blocklab.interp.sites import site_shapes
 from blocklab.nn import attention_impls as impls_mod
 from blocklab.nn.block import TransformerBlock
 from blocklab.nn.hooks import Hooks
+from blocklab.nn.mask import Mask
 from blocklab.nn.stack import Stack
 from blocklab.training.placement import logical_axes
 
@@ -70,15 +71,12 @@ def test_cross_attention_equals_numpy(impl, monkeypatch):
     mha = bl.MultiHeadAttention(16, 4, num_kv_heads=2, key=jax.random.key(0))
     x, c, lens, cmask, bias, visible = _case()
     want = numpy_cross(mha, x, c, visible, bias)
-    got = mha.cross(
-        x, c, context_lens=lens, context_mask=cmask, score_bias=bias, impl=impl
-    )
+    mask = Mask.lengths(lens[:, None]) & Mask.padding(cmask)
+    got = mha.cross(x, c, mask, score_bias=bias, impl=impl)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     # the cached keys and values give the same numbers
     kv = mha.cross_kv(c)
-    again = mha.cross(
-        x, kv=kv, context_lens=lens, context_mask=cmask, score_bias=bias, impl=impl
-    )
+    again = mha.cross(x, mask=mask, kv=kv, score_bias=bias, impl=impl)
     np.testing.assert_allclose(again, got, atol=1e-6, rtol=1e-6)
 
 
@@ -86,7 +84,7 @@ def _hand_block(b, x, c, cmask):
     """The block's maths written out from its own sublayers."""
 
     def cross(y):
-        return b.cross_attn.cross(y, c, context_mask=cmask)
+        return b.cross_attn.cross(y, c, Mask.padding(cmask))
 
     subs = [
         (lambda y: b.attention(y), b.norm1, b.out_norm1),
@@ -121,7 +119,9 @@ def test_block_cross_branch_sits_between_attention_and_ffn(placement):
     )
     x, c, _, cmask, _, _ = _case()
     want = _hand_block(b, x, c, cmask)
-    np.testing.assert_allclose(b(x, context=c, context_mask=cmask), want, atol=1e-5)
+    np.testing.assert_allclose(
+        b(x, context=c, cross_mask=Mask.padding(cmask)), want, atol=1e-5
+    )
     # no shared weights with the self-attention
     assert not np.allclose(b.cross_attn.W_q.weight, b.attention.W_q.weight)
     assert b.cross_attn.rope_theta is None and b.cross_attn.window is None
@@ -135,12 +135,13 @@ def test_stack_with_cross_attention_is_one_scan_and_equals_the_blocks():
     )  # fmt: skip
     x, c, lens, _, _, _ = _case()
     causal = jnp.arange(1, 6)
-    got = stack(x, causal, context=c, context_lens=lens)
+    lens = Mask.lengths(lens[:, None])
+    got = stack(x, causal, context=c, cross_mask=lens)
     h = x
     for i in range(3):
-        h = stack.block(i)(h, causal, context=c, context_lens=lens)
+        h = stack.block(i)(h, causal, context=c, cross_mask=lens)
     np.testing.assert_allclose(got, h, atol=1e-5)
-    jaxpr = jax.make_jaxpr(lambda s: s(x, causal, context=c, context_lens=lens))(stack)
+    jaxpr = jax.make_jaxpr(lambda s: s(x, causal, context=c, cross_mask=lens))(stack)
     assert str(jaxpr).count("scan[") == 1
 
 
@@ -150,7 +151,8 @@ def test_cross_sites_are_catalogued_and_its_pattern_masks_padding():
         key=jax.random.key(0),
     )  # fmt: skip
     x, c, lens, _, _, _ = _case()
-    shapes = site_shapes(stack, x, context=c, context_lens=lens)
+    lens = Mask.lengths(lens[:, None])
+    shapes = site_shapes(stack, x, context=c, cross_mask=lens)
     for name, shape in {
         "blocks.*.ln_cross.hook_normalized": (2, 2, 5, 16),
         "blocks.*.cross_attn.hook_pattern": (2, 2, 4, 5, 7),
@@ -160,7 +162,7 @@ def test_cross_sites_are_catalogued_and_its_pattern_masks_padding():
     }.items():
         assert shapes[name].shape == shape, name
     hooks = Hooks(["blocks.*.cross_attn.hook_pattern"])
-    stack(x, context=c, context_lens=lens, hooks=hooks)
+    stack(x, context=c, cross_mask=lens, hooks=hooks)
     pattern = np.asarray(hooks.values["blocks.*.cross_attn.hook_pattern"])
     np.testing.assert_allclose(pattern.sum(-1), 1.0, rtol=1e-5)
     assert np.all(pattern[:, 0, ..., 4:] == 0)  # sequence 0 has 4 encoder tokens
@@ -184,10 +186,10 @@ def test_bad_cross_input_is_refused_by_name():
         plain(x, context=c)
     with pytest.raises(ConfigError, match="context .*num_hiddens=16"):
         b(x, context=c[..., :8])
-    with pytest.raises(ConfigError, match="context_mask"):
-        b(x, context=c, context_mask=np.ones((2, 6), bool))
-    with pytest.raises(ConfigError, match="context_lens"):
-        b(x, context=c, context_lens=np.array([1, 2, 3]))
+    with pytest.raises(ConfigError, match="key_mask"):
+        b(x, context=c, cross_mask=Mask.padding(np.ones((2, 6), bool)))
+    with pytest.raises(ConfigError, match="valid_lens"):
+        b(x, context=c, cross_mask=Mask.lengths(np.array([1, 2, 3])))
     with pytest.raises(ConfigError, match="batch shape"):
         b(x, context=c[:1])
     assert eqx.tree_equal(b.cross_attn.cross_kv(c), b.cross_attn.cross_kv(c))

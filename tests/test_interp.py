@@ -94,10 +94,10 @@ def test_patching_a_site_with_its_own_value_changes_nothing(placement):
     """Each site patched alone with the value it had: the output is bit for
     bit the hooked run's (and the plain block's)."""
     blk, x = block_of(placement, rope_theta=1e4), stream()
-    out, values = capture(blk, x, BLOCK_SITES, valid_lens=CAUSAL)
+    out, values = capture(blk, x, BLOCK_SITES, mask=CAUSAL)
     np.testing.assert_array_equal(out, blk(x, CAUSAL))
     for site, value in values.items():
-        patched = intervene(blk, x, {site: patch(value)}, valid_lens=CAUSAL)
+        patched = intervene(blk, x, {site: patch(value)}, mask=CAUSAL)
         np.testing.assert_array_equal(patched, out, err_msg=site)
 
 
@@ -210,7 +210,7 @@ def test_head_ablation_equals_attention_without_the_heads_rows_of_W_O():
     sites = ["blocks.1.hook_attn_out", "blocks.1.hook_resid_mid"]
     out, vals = capture(
         stack, x, sites, edits={"blocks.1.attn.hook_z": ablate_heads(2)},
-        valid_lens=CAUSAL,
+        mask=CAUSAL,
     )  # fmt: skip
     blk1 = stack.block(1)
     h1 = np.asarray(stack.block(0)(x, CAUSAL), np.float64)
@@ -227,10 +227,10 @@ def test_mean_ablation_of_neurons_uses_the_mean_over_positions():
     stack = stack_of()
     x, neurons = stream(), [2, 5]
     sites = ["blocks.0.mlp.hook_post", "blocks.0.hook_mlp_out"]
-    _, base = capture(stack, x, sites[0], valid_lens=CAUSAL)
+    _, base = capture(stack, x, sites[0], mask=CAUSAL)
     _, vals = capture(
         stack, x, sites, edits={sites[0]: ablate_neurons(neurons, mode="mean")},
-        valid_lens=CAUSAL,
+        mask=CAUSAL,
     )  # fmt: skip
     want = np.array(base[sites[0]], np.float64)
     want[:, neurons] = want[:, neurons].mean(axis=0)
@@ -293,7 +293,7 @@ def test_recorded_values_of_a_block_by_hand():
         "hook_attn_out", "hook_resid_mid", "mlp.hook_pre", "mlp.hook_pre_linear",
         "mlp.hook_post", "hook_mlp_out", "hook_resid_post",
     ]  # fmt: skip
-    out, v = capture(blk, x, sites, valid_lens=CAUSAL)
+    out, v = capture(blk, x, sites, mask=CAUSAL)
     v = {k: np.asarray(a, np.float64) for k, a in v.items()}
     xs = np.asarray(x, np.float64)
     tol = dict(rtol=0, atol=1e-5)
@@ -387,14 +387,14 @@ def test_moe_router_sites_by_hand():
 
 def test_capture_on_a_block_a_stack_and_a_charlm():
     blk, x = block_of(), stream()
-    out, v = capture(blk, x, ["hook_resid_pre", "hook_resid_post"], valid_lens=CAUSAL)
+    out, v = capture(blk, x, ["hook_resid_pre", "hook_resid_post"], mask=CAUSAL)
     np.testing.assert_array_equal(v["hook_resid_pre"], x)
     np.testing.assert_array_equal(v["hook_resid_post"], blk(x, CAUSAL))
     np.testing.assert_array_equal(out, blk(x, CAUSAL))
 
     stack = stack_of()
     sites = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"]
-    out, v = capture(stack, x, sites, valid_lens=CAUSAL)
+    out, v = capture(stack, x, sites, mask=CAUSAL)
     pre, post = (np.asarray(v[s]) for s in sites)
     assert pre.shape == post.shape == (2, T, D)
     np.testing.assert_array_equal(pre[0], x)

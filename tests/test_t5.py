@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from blocklab._validate import ConfigError
+from blocklab.nn.mask import Mask
 from blocklab.nn.relative_position import (
     RelativePositionBias,
     bucket_table,
@@ -511,13 +512,17 @@ def test_per_layer_tables_equal_a_loop_over_the_layers():
         h = m.token_emb.weight[_SRC]
         for i in range(2):
             bias = m.enc_rel_bias.block(i)(6, 6)
-            h = m.encoder.block(i)(h, key_mask=mask, score_bias=bias)
+            h = m.encoder.block(i)(h, Mask.padding(mask), score_bias=bias)
         enc = m.enc_norm(h)
         y = m.token_emb.weight[_TGT]
         for i in range(3):
             bias = m.dec_rel_bias.block(i)(4, 4)
             y = m.decoder.block(i)(
-                y, jnp.arange(1, 5), context=enc, context_mask=mask, score_bias=bias
+                y,
+                jnp.arange(1, 5),
+                context=enc,
+                cross_mask=Mask.padding(mask),
+                score_bias=bias,
             )
         return enc, m.logits(m.dec_norm(y))
 

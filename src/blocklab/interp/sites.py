@@ -81,8 +81,8 @@ def site_shapes(
     Computed by `jax.eval_shape` (nothing runs) and cached per model
     structure and input shapes. Stacked sites are keyed `blocks.*.<site>`
     with their leading layer axis. `kwargs` are forwarded to the model's
-    call (`positions`, `segment_ids`, `valid_lens`; an encoder–decoder's
-    `tgt_ids` and `src_mask`, a cross-attention stack's `context`: the
+    call (`positions`, a decoder's `segment_ids`, a layer's `mask`; an
+    encoder–decoder's `tgt_ids` and `src_mask`, a cross-attention stack's `context`: the
     cross-attention sites `blocks.*.ln_cross.*`, `blocks.*.cross_attn.*`,
     `blocks.*.hook_cross_attn_out`, `blocks.*.hook_resid_mid_cross` come
     with them).

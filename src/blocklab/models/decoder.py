@@ -26,10 +26,10 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
 from ..nn import init, parametrization
-from ..nn.attention import check_segment_ids
 from ..nn.block import TransformerBlock
-from ..nn.functional import causal_lengths, linear, rope_theta_bits, segment_positions
+from ..nn.functional import linear, rope_theta_bits, segment_positions
 from ..nn.hooks import Hooks, at, scope
+from ..nn.mask import Mask, check_segment_ids
 from ..nn.normalization import LayerNorm, RMSNorm, make_norm
 from ..nn.stack import Stack
 from . import decoding as _cache
@@ -198,9 +198,10 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         )
         T = ids.shape[-1]
         packed = {}
+        mask = Mask.causal()  # the one mask of every layer, built here
         if segment_ids is not None:
             seg = check_segment_ids("DecoderLM", segment_ids, ids.shape)
-            packed["segment_ids"] = seg
+            mask = mask & Mask.segments(seg)
         if positions is None:
             pos = jnp.arange(T) if segment_ids is None else segment_positions(seg)
         else:
@@ -214,7 +215,6 @@ class DecoderLM(eqx.Module, _cache.Decoding):
         if cfg.embed_scale is not None:
             h = h * jnp.asarray(cfg.embed_scale, h.dtype)
         h = at(hooks, "hook_embed", h)
-        valid_lens = causal_lengths(h.shape[:-1])
         if hooks is not None:
             packed["hooks"] = hooks
         if self.pos_emb is not None:
@@ -224,9 +224,9 @@ class DecoderLM(eqx.Module, _cache.Decoding):
                 f"DecoderLM: positions must lie in [0, max_len={cfg.max_len}).",
             )
             h = h + at(hooks, "hook_pos_embed", self.pos_emb.weight[pos])
-            h = self.stack(h, valid_lens, key=key, **packed)
+            h = self.stack(h, mask, key=key, **packed)
         else:
-            h = self.stack(h, valid_lens, positions=pos, key=key, **packed)
+            h = self.stack(h, mask, positions=pos, key=key, **packed)
         return self.norm(h, hooks=scope(hooks, "ln_final"))
 
     def __call__(

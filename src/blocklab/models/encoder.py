@@ -26,10 +26,10 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._validate import ConfigError, check_ids, check_key
 from ..nn import init
-from ..nn.attention import check_key_mask, check_segment_ids
 from ..nn.block import TransformerBlock
 from ..nn.functional import ACTIVATIONS, linear, rope_theta_bits, segment_positions
 from ..nn.hooks import Hooks, at, scope
+from ..nn.mask import Mask, check_key_mask, check_segment_ids
 from ..nn.normalization import LayerNorm, RMSNorm, make_norm
 from ..nn.patch_embed import ViTEmbedding
 from ..nn.relative_position import (
@@ -359,16 +359,17 @@ class EncoderModel(eqx.Module):
         h, pos = self._embed(ids, images, token_type_ids, positions, hooks)
         if self.emb_norm is not None:
             h = self.emb_norm(h, hooks=scope(hooks, "ln_embed"))
-        mask = padding_mask("EncoderModel", h.shape[:-1], key_mask, valid_lens)
+        # the one mask of every layer, built here (ModernBERT's local
+        # windows are the layers' own)
+        valid = padding_mask("EncoderModel", h.shape[:-1], key_mask, valid_lens)
+        mask = None if valid is None else Mask.padding(valid)
+        if segment_ids is not None:
+            mask = Mask.segments(segment_ids) & mask
         T = h.shape[-2]
         inputs = stack_bias_inputs(self.rel_bias, T, T)
-        if mask is not None:
-            inputs["key_mask"] = mask
         if self.cfg.positions == "rope":
             inputs["positions"] = pos
-        if segment_ids is not None:
-            inputs["segment_ids"] = segment_ids
-        h = self.stack(h, key=key, hooks=hooks, **inputs)
+        h = self.stack(h, mask, key=key, hooks=hooks, **inputs)
         if self.norm is not None:
             h = self.norm(h, hooks=scope(hooks, "ln_final"))
         return h

@@ -39,8 +39,9 @@ from .._validate import ConfigError, check_ids, check_int, check_key
 from ..nn import init
 from ..nn.audio_embed import AudioEmbedding
 from ..nn.block import TransformerBlock
-from ..nn.functional import causal_lengths, linear
+from ..nn.functional import linear
 from ..nn.hooks import Hooks, at, scope
+from ..nn.mask import Mask
 from ..nn.normalization import LayerNorm, RMSNorm, make_norm
 from ..nn.relative_position import (
     RelativePositionBias,
@@ -239,9 +240,8 @@ class EncoderDecoderLM(eqx.Module):
         h = at(hooks, "hook_embed", h)
         S = h.shape[-2]
         inputs = stack_bias_inputs(self.enc_rel_bias, S, S)
-        if mask is not None:
-            inputs["key_mask"] = mask
-        h = self.encoder(h, key=key, hooks=hooks, **inputs)
+        mask = None if mask is None else Mask.padding(mask)
+        h = self.encoder(h, mask, key=key, hooks=hooks, **inputs)
         return self.enc_norm(h, hooks=scope(hooks, "ln_final"))
 
     def _source(self, src, src_mask, src_lens):
@@ -327,10 +327,8 @@ class EncoderDecoderLM(eqx.Module):
         inputs = stack_bias_inputs(self.dec_rel_bias, T, T)
         inputs["context"] = enc
         if mask is not None:
-            inputs["context_mask"] = mask
-        h = self.decoder(
-            h, causal_lengths(h.shape[:-1]), key=key, hooks=hooks, **inputs
-        )
+            inputs["cross_mask"] = Mask.padding(mask)
+        h = self.decoder(h, Mask.causal(), key=key, hooks=hooks, **inputs)
         y = self.dec_norm(h, hooks=scope(hooks, "ln_final"))
         return self.logits(y, hooks=hooks)
 
@@ -436,7 +434,7 @@ class EncoderDecoderLM(eqx.Module):
         h = self._positions(h, start, hooks)
         inputs = stack_bias_inputs(self.dec_rel_bias, Tq, cache.max_len, offset=start)
         if cache.src_mask is not None:
-            inputs["context_mask"] = cache.src_mask
+            inputs["cross_mask"] = Mask.padding(cache.src_mask)
         h, layers = self.decoder.step(
             h, cache.layers, start, hooks=hooks, cross_kv=cache.cross, **inputs
         )

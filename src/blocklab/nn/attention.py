@@ -14,11 +14,10 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from .._validate import ConfigError, check_bool, check_int, check_key
 from . import attention_impls as impls
 from . import init
-from .attention_impls import ATTENTION_IMPLS, MaskRule, check_impl
+from .attention_impls import ATTENTION_IMPLS, check_impl
 from .config import QK_NORMS, BlockConfig, as_config, replace_static
 from .functional import (
     _check_int_array,
-    _lengths,
     _softmax_clamped,
     dense,
     dense_weight_first,
@@ -27,7 +26,8 @@ from .functional import (
     rope_theta_bits,
 )
 from .hooks import Hooks, at
-from .kv_cache import AttentionCache, check_per_sequence, check_start, write_cache
+from .kv_cache import AttentionCache, check_start, write_cache
+from .mask import Mask, as_mask
 from .normalization import RMSNorm, check_float_input
 
 __all__ = [
@@ -85,24 +85,27 @@ class MultiHeadAttention(eqx.Module):
       QK-norm, as Llama, OLMo 2 and Gemma 3 do.
     - Soft-capping (`attn_softcap` $c$, Gemma 2): the scaled logits become
       $c \tanh(s/c)$ before the mask.
-    - Masks: key $k$ is visible from query $q$ iff $k < L_q$ (`valid_lens`)
-      and, with a window $w \ge 1$, $q - w < k \le q$ (local, causal sliding
-      window attention as Gemma 3's local layers: the last $w$ positions,
-      itself included; with `window_mode="bidirectional"` instead
-      $|q - k| < w$, the $w - 1$ positions on each side and itself, which is
-      ModernBERT's local layers with $w$ = `local_attention // 2 + 1`), and,
-      with `segment_ids` (packed sequences), $\mathrm{seg}_q =
-      \mathrm{seg}_k$, and, with a boolean `key_mask` $m$, $m_k$. Without
-      `valid_lens` there is no causal mask: every query sees every key
-      (an encoder). Positions here are indices in the sequence. The mask is
-      a rule (`attention_impls.MaskRule`), evaluated per block by the
-      chunked kernel.
+    - Masks: one value, `blocklab.nn.mask.Mask`, built once by the model
+      and passed to every layer (the second positional argument): causal,
+      lengths $k < L_q$ (a plain integer array there is the chapter's
+      `valid_lens`), key padding $m_k$, segments (packed sequences,
+      $\mathrm{seg}_q = \mathrm{seg}_k$), chunks (Llama 4) and an offset
+      (the cache), combined with `&`. The layer's own window $w \ge 1$
+      joins it: $q - w < k \le q$ (local, causal sliding window attention
+      as Gemma 3's local layers: the last $w$ positions, itself included;
+      with `window_mode="bidirectional"` instead $|q - k| < w$, the $w - 1$
+      positions on each side and itself, which is ModernBERT's local layers
+      with $w$ = `local_attention // 2 + 1`). Without a mask there is no
+      causal mask: every query sees every key (an encoder). Positions here
+      are indices in the sequence. The reference path materializes the mask
+      (`Mask.visible`), the kernels take it as a rule (`Mask.rule`, an
+      `attention_impls.MaskRule`) evaluated per block.
     - Score bias: an additive `score_bias` $b$ `(H, Tq, Tk)` joins the
       logits after the scale and the soft-cap, $c\tanh(s\,q^\top k/c) + b$
       (T5's relative position bias; T5 also has `attn_scale=1`).
     - Cross-attention (`cross`): the queries come from `x`, the keys and
       values from a second sequence (an encoder's output) with its own
-      lengths or key mask; no RoPE and no window there.
+      mask (the encoder's padding); no RoPE and no window there.
 
     Implementations (`attention_impl`, `attention_impls`): `"reference"`
     (this docstring's maths with the full logits; `trace`, and so every
@@ -212,12 +215,6 @@ class MultiHeadAttention(eqx.Module):
         self.rope_theta = None if rope_theta is None else rope_theta_bits(rope_theta)
         self.window = None if window is None else jnp.asarray(window, jnp.int32)
 
-    def _window_right(self):
-        """The window's reach past the query: `None` (causal), or $w - 1$."""
-        if self.window is None or self.window_mode == "causal":
-            return None
-        return self.window - 1
-
     def _check_x(
         self, owner: str, x: Any, what: str = "a sequence x", T: str = "T"
     ) -> tuple[tuple[int, ...], int, int, int, int, int]:
@@ -235,27 +232,12 @@ class MultiHeadAttention(eqx.Module):
         H, KV, p = self.num_heads, self.num_kv_heads, self.head_dim
         return tuple(lead), length, H, KV, p, H // KV
 
-    def _visible(self, valid_lens, lead, T, segment_ids=None, key_mask=None):
-        """The `(..., Tq, Tk)` visibility mask, or None when every key is visible."""
-        visible = None
-        if valid_lens is not None:
-            lens = _lengths(valid_lens, (*lead, T), "MultiHeadAttention")
-            visible = jnp.arange(T) < lens[..., None]
-        if self.window is not None:
-            q, k = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-            w, r = self.window, self._window_right()
-            right = q if r is None else q + r
-            local = ((k <= right) & (k > q - w)) | (w <= 0)
-            visible = local if visible is None else visible & local
-        if segment_ids is not None:
-            seg = check_segment_ids("MultiHeadAttention", segment_ids, (*lead, T))
-            same = seg[..., :, None] == seg[..., None, :]
-            visible = same if visible is None else visible & same
-        if key_mask is not None:
-            m = check_key_mask("MultiHeadAttention", "key_mask", key_mask, (*lead, T))
-            m = m[..., None, :]
-            visible = m if visible is None else visible & m
-        return visible
+    def _mask(self, mask, owner="MultiHeadAttention") -> Mask | None:
+        """The call's mask (`as_mask`) with the layer's own window joined."""
+        mask = as_mask(mask, owner)
+        if self.window is None:
+            return mask
+        return Mask.sliding(self.window, self.window_mode) & mask
 
     def _bias_like(self, score_bias, logits_shape, grouped):
         """`score_bias` `(..., H, Tq, Tk)` in the layout of the reference
@@ -567,17 +549,12 @@ class MultiHeadAttention(eqx.Module):
             )
             return out, rows
         new = write_cache(cache, rows, start)
-        j = jnp.arange(L)
-        qpos = pos[..., :, None]  # (*lead, Tq, 1)
-        visible = j <= qpos
-        if self.window is not None:
-            w = self.window
-            visible = visible & ((j > qpos - w) | (w <= 0))
+        mask = self._mask(Mask.causal() & Mask.offset(start), owner)
         stat = jnp.promote_types(q.dtype, jnp.float32)
         impl = self._impl(impl, L, x.dtype, False, owner)
         if impl != "reference" and Tq > 1:
             B = int(np.prod(lead)) if lead else 1
-            rule = MaskRule(pos.reshape(B, Tq), (pos + 1).reshape(B, Tq), self.window)
+            rule = mask.rule(lead, Tq, L, owner)
             mixed, _ = self._kernel(
                 impl, q.reshape(B, KV, G, Tq, p),
                 jnp.swapaxes(new.k, -1, -2).reshape(B, KV, L, p),
@@ -592,18 +569,17 @@ class MultiHeadAttention(eqx.Module):
         logits = self._capped(self._scaled(raw))
         if score_bias is not None:
             logits = logits + self._bias_like(score_bias, logits.shape, True)
-        weights = _softmax_clamped(logits, visible[..., None, None, :, :])
+        visible = mask.visible(lead, Tq, L, owner)[..., None, None, :, :]
+        weights = _softmax_clamped(logits, visible)
         mixed = jnp.einsum("...gqk,...kp->...gqp", weights.astype(new.v.dtype), new.v)
         return self._heads_out(mixed, x.dtype, hooks), new
 
     def trace(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
-        key_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
@@ -618,7 +594,10 @@ class MultiHeadAttention(eqx.Module):
         `hook_pattern` (or `hook_attn_scores`).
         """
         lead, T, H, KV, p, G = self._check_x("MultiHeadAttention", x)
-        visible = self._visible(valid_lens, lead, T, segment_ids, key_mask)
+        mask = self._mask(mask)
+        visible = (
+            None if mask is None else mask.visible(lead, T, T, "MultiHeadAttention")
+        )
         score_bias = check_score_bias(
             "MultiHeadAttention", score_bias, tuple(lead), H, T, T
         )
@@ -682,11 +661,9 @@ class MultiHeadAttention(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
-        key_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         key: PRNGKeyArray | None = None,
         impl: str | None = None,
@@ -697,25 +674,20 @@ class MultiHeadAttention(eqx.Module):
         Args:
             x: `(T, num_hiddens)`, or a batch `(..., T, num_hiddens)`; a
                 floating dtype (integer input is refused).
-            valid_lens: `None`, or integer lengths broadcastable to
-                `x.shape[:-1]` = `(..., T)`: key $k$ is visible from query $q$
-                iff $k < L_q$. A scalar (the same for every query); `(T,)`
-                one per query (`jnp.arange(1, T + 1)` is causal); `(B, 1)` one
-                per sequence of a batch; `(1, T)` or `(B, T)` per query.
-                Float, bool and negative lengths are refused, and so is a
-                1-D array on a batch with `B == T` (per query or per
-                sequence? write `(1, T)` or `(B, 1)`; `functional._lengths`).
+            mask: a `blocklab.nn.mask.Mask` (causal, lengths, key
+                padding, segments, window, chunks, combined with `&`; the
+                layer's own `window` joins it), `None` (every key visible),
+                or the chapter's `valid_lens`: integer lengths broadcastable
+                to `x.shape[:-1]` = `(..., T)`, key $k$ visible from query
+                $q$ iff $k < L_q$ (`Mask.lengths`). A scalar (the same for
+                every query); `(T,)` one per query (`jnp.arange(1, T + 1)`
+                is causal); `(B, 1)` one per sequence of a batch; `(1, T)`
+                or `(B, T)` per query. Float, bool and negative lengths are
+                refused, and so is a 1-D array on a batch with `B == T`
+                (per query or per sequence? write `(1, T)` or `(B, 1)`;
+                `functional._lengths`).
             positions: integer positions for RoPE, broadcastable to
                 `(..., T)`; default `arange(T)` (ignored without RoPE).
-            segment_ids: packed sequences: integers of shape `(T,)` or
-                `x.shape[:-1]` (any shape broadcasting to it whose last axis
-                is `T`); query $q$ sees key $k$ only if
-                $\\mathrm{seg}_q = \\mathrm{seg}_k$ (and the other rules: pass
-                causal `valid_lens` for a language model). RoPE positions are
-                the caller's (`functional.segment_positions`).
-            key_mask: booleans `(T,)` or broadcasting to `x.shape[:-1]`
-                (padding of an encoder's batch): key $k$ is visible only
-                where `key_mask[..., k]` is True.
             score_bias: an additive bias on the scores, `(H, T, T)` or
                 `(..., H, T, T)` broadcasting to the batch (T5's relative
                 positions), added after the scale and the soft-cap.
@@ -744,29 +716,14 @@ class MultiHeadAttention(eqx.Module):
             hooks is not None and hooks.wants_any(_REFERENCE_SITES)
         ):
             return self.trace(
-                x, valid_lens, positions=positions, segment_ids=segment_ids,
-                key_mask=key_mask, score_bias=score_bias, key=key, hooks=hooks,
+                x, mask, positions=positions, score_bias=score_bias, key=key,
+                hooks=hooks,
             ).output  # fmt: skip
-
-        def rows(a):
-            return impls.as_rows(a, lead, T)
-
-        lens = None
-        if valid_lens is not None:
-            lens = rows(_lengths(valid_lens, (*lead, T), owner))
-        seg = None
-        if segment_ids is not None:
-            seg = rows(check_segment_ids(owner, segment_ids, (*lead, T)))
-        kval = None
-        if key_mask is not None:
-            kval = rows(check_key_mask(owner, "key_mask", key_mask, (*lead, T)))
         bias = self._kernel_bias(
             check_score_bias(owner, score_bias, lead, H, T, T), lead, T, T
         )
-        rule = MaskRule(
-            rows(jnp.arange(T)), lens, self.window, seg, seg,
-            self._window_right(), kval,
-        )  # fmt: skip
+        mask = self._mask(mask, owner)
+        rule = (Mask() if mask is None else mask).rule(lead, T, T, owner)
         # the reference path's non-finite guard (see the class docstring)
         row_ok = jnp.all(jnp.isfinite(x), axis=-1)
         x = jnp.where(row_ok[..., None], x, jnp.zeros((), x.dtype))
@@ -774,7 +731,8 @@ class MultiHeadAttention(eqx.Module):
         B = rule.q_index.shape[0]
         q = q.reshape(B, KV, G, T, p)
         k, v = k.reshape(B, KV, T, p), v.reshape(B, KV, T, p)
-        mixed, sees_bad = self._kernel(impl, q, k, v, rule, ~rows(row_ok), bias)
+        k_bad = ~impls.as_rows(row_ok, lead, T)
+        mixed, sees_bad = self._kernel(impl, q, k, v, rule, k_bad, bias)
         mixed = jnp.transpose(mixed, (0, 3, 1, 2, 4)).reshape(*lead, T, H, p)
         mixed = at(hooks, "hook_z", mixed).reshape(*lead, T, H * p)
         out = dense(self.W_o, mixed.astype(v.dtype))
@@ -839,9 +797,8 @@ class MultiHeadAttention(eqx.Module):
         self,
         x: Float[Array, "*batch Tq d"],
         context: Float[Array, "*cbatch Tk dc"] | None = None,
+        mask: Mask | None = None,
         *,
-        context_lens: ArrayLike | None = None,
-        context_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         kv: AttentionCache | None = None,
         key: PRNGKeyArray | None = None,
@@ -854,19 +811,19 @@ class MultiHeadAttention(eqx.Module):
         A_i = \mathrm{softmax}_{\text{mask}}\big(s\, Q_i K_{g(i)}^\top +
         b_i\big),\quad Q = x W_q^\top,\; K = c\, W_k^\top,\; V = c\,
         W_v^\top$$
-        for the encoder states $c$ `(Tk, d)`. Key $j$ is visible from every
-        query iff $j < L$ (`context_lens`) and `context_mask[j]`; no causal
-        mask, no window, no RoPE. A query with no visible key attends
-        uniformly. Every `attention_impl` computes it (the reference maths
-        when a site of the scores or the pattern is wanted).
+        for the encoder states $c$ `(Tk, d)`. Key $j$ is visible from query
+        $i$ as `mask` says (an encoder's padding: `Mask.padding(m)` with
+        `m` `(..., Tk)`); no causal mask, no window, no RoPE. A query with
+        no visible key attends uniformly. Every `attention_impl` computes
+        it (the reference maths when a site of the scores or the pattern is
+        wanted).
 
         Args:
             x: `(Tq, num_hiddens)` queries' stream, or a batch `(..., Tq, d)`.
             context: `(Tk, num_hiddens)` encoder states (`(..., Tk, d)` with
                 the batch of `x`); not needed with `kv`.
-            context_lens: valid encoder lengths, a scalar or one per sequence
-                (shape `x.shape[:-2]`).
-            context_mask: booleans `(Tk,)` or `(..., Tk)`, True = visible.
+            mask: a `Mask` over the encoder's keys (`Mask.padding`), or
+                `None` (every key visible).
             score_bias: additive `(H, Tq, Tk)` (or with the batch's axes).
             kv: `cross_kv(context)` computed before (decoding reuses it).
             key: attention dropout (reference path only).
@@ -896,17 +853,8 @@ class MultiHeadAttention(eqx.Module):
                 f"{type(kv).__name__} {getattr(getattr(kv, 'v', None), 'shape', '')}."
             )
         Tk = kv.v.shape[-2]
-        visible = None  # (*lead, 1, Tk)
-        if context_lens is not None:
-            lens = check_per_sequence(
-                owner, "context_lens", context_lens, lead,
-                f"{lead} (one length per sequence)",
-            )  # fmt: skip
-            visible = (jnp.arange(Tk) < jnp.asarray(lens)[..., None])[..., None, :]
-        if context_mask is not None:
-            m = check_key_mask(owner, "context_mask", context_mask, (*lead, Tk))
-            m = m[..., None, :]
-            visible = m if visible is None else visible & m
+        mask = as_mask(mask, owner)
+        visible = None if mask is None else mask.visible(lead, Tq, Tk, owner)
         score_bias = check_score_bias(owner, score_bias, lead, H, Tq, Tk)
         dropout_on = key is not None and self.dropout > 0
         impl = self._impl(impl, Tk, x.dtype, dropout_on, owner)
@@ -926,11 +874,7 @@ class MultiHeadAttention(eqx.Module):
         )
         if not reference:
             B = int(np.prod(lead)) if lead else 1
-            vis_rows = (
-                None if visible is None
-                else jnp.broadcast_to(visible[..., 0, :], (*lead, Tk)).reshape(B, Tk)
-            )  # fmt: skip
-            rule = MaskRule(jnp.zeros((B, Tq), jnp.int32), k_valid=vis_rows)
+            rule = (Mask() if mask is None else mask).rule(lead, Tq, Tk, owner)
             mixed, _ = self._kernel(
                 impl, q.reshape(B, KV, G, Tq, p),
                 jnp.swapaxes(kv.k, -1, -2).reshape(B, KV, Tk, p),
@@ -1000,47 +944,6 @@ def with_attention_impl(model: Any, impl: str) -> Any:
     return out
 
 
-def check_segment_ids(owner: str, segment_ids, shape) -> Array:
-    """`segment_ids` checked (integers; shape `(T,)` or broadcasting to
-    `shape` = `(..., T)` with last axis `T`), broadcast to `shape`, and
-    renumbered by runs: a segment is a maximal run of equal ids, so an id
-    used again after another (`[0, 0, 1, 1, 0, 0]`) starts a new segment,
-    as its positions restart (`functional.segment_positions`); the runs are
-    numbered 0, 1, 2, ... along the last axis."""
-    if (
-        isinstance(segment_ids, (bool, np.bool_))
-        or not hasattr(segment_ids, "dtype")
-        and not isinstance(segment_ids, (list, tuple, int, np.integer))
-    ):
-        raise ConfigError(
-            f"{owner}: segment_ids must be an integer array of shape (T,) or "
-            f"x.shape[:-1] = {tuple(shape)}, got {type(segment_ids).__name__}."
-        )
-    seg = segment_ids if hasattr(segment_ids, "dtype") else np.asarray(segment_ids)
-    if not jnp.issubdtype(seg.dtype, jnp.integer):
-        raise ConfigError(
-            f"{owner}: segment_ids must have an integer dtype, got dtype "
-            f"{seg.dtype}; convert it with .astype(int)."
-        )
-    try:
-        ok = (
-            seg.ndim >= 1
-            and seg.shape[-1] == shape[-1]
-            and (np.broadcast_shapes(seg.shape, tuple(shape)) == tuple(shape))
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"{owner}: segment_ids must have shape (T,) = ({shape[-1]},) or "
-            f"x.shape[:-1] = {tuple(shape)}, got shape {tuple(seg.shape)}."
-        )
-    seg = jnp.broadcast_to(jnp.asarray(seg), tuple(shape))
-    change = seg[..., 1:] != seg[..., :-1]
-    starts = jnp.concatenate([jnp.zeros_like(change[..., :1]), change], axis=-1)
-    return jnp.cumsum(starts, axis=-1, dtype=jnp.int32)
-
-
 #: The sites only the reference maths has (`trace`).
 _REFERENCE_SITES = ("hook_attn_scores", "hook_pattern")
 
@@ -1070,31 +973,6 @@ def _positions(positions, shape) -> Array:
             f"{tuple(pos.shape)}."
         )
     return pos
-
-
-def check_key_mask(owner: str, name: str, mask, shape) -> Array:
-    """A boolean key mask checked (bool dtype; shape `(T,)` or broadcasting
-    to `shape` = `(..., T)` with last axis `T`) and broadcast to `shape`."""
-    arr = mask if hasattr(mask, "dtype") else np.asarray(mask)
-    if arr.dtype != np.bool_:
-        raise ConfigError(
-            f"{owner}: {name} must be a boolean array (True = visible key) of "
-            f"shape (T,) = ({shape[-1]},) or {tuple(shape)}, got dtype {arr.dtype}."
-        )
-    try:
-        ok = (
-            arr.ndim >= 1
-            and arr.shape[-1] == shape[-1]
-            and np.broadcast_shapes(arr.shape, tuple(shape)) == tuple(shape)
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"{owner}: {name} must have shape (T,) = ({shape[-1]},) or a shape "
-            f"broadcasting to {tuple(shape)}, got shape {tuple(arr.shape)}."
-        )
-    return jnp.broadcast_to(jnp.asarray(arr), tuple(shape))
 
 
 def check_score_bias(owner: str, bias, lead, H: int, Tq: int, Tk: int):

@@ -11,10 +11,12 @@ $$\text{visible}(i, j) = [j < L_i] \wedge [w \le 0 \vee (n_i - w < j \le n_i + r
 \wedge [\mathrm{seg}^q_i = \mathrm{seg}^k_j] \wedge m_j$$
 where $L_i$ are the `valid_lens`, $n_i$ the query's index on the key axis,
 $w$ the window, $r$ its reach to the right ($0$: the causal window;
-$w - 1$: the bidirectional one, $|n_i - j| < w$) and $m_j$ a boolean key
-mask; each factor is left out when its data is `None`. A query with
-no visible key attends uniformly to every key (the reference's `MASK_VALUE`
-semantics), i.e. returns the mean of the values.
+$w - 1$: the bidirectional one, $|n_i - j| < w$), $m_j$ a boolean key
+mask, and, with a chunk $C$ (chunked attention),
+$\lfloor n_i / C \rfloor = \lfloor j / C \rfloor$; each factor is left out
+when its data is `None`. A query with no visible key attends uniformly to
+every key (the reference's `MASK_VALUE` semantics), i.e. returns the mean of
+the values.
 
 - `"reference"` is `MultiHeadAttention.trace` itself (full logits and weights).
 - `"fused"`: `jax.nn.dot_product_attention` with the rule as a boolean mask
@@ -114,6 +116,8 @@ class MaskRule(NamedTuple):
             (`None`: 0, the causal window); `window - 1` is the
             bidirectional window $|n_i - j| < w$.
         k_valid: `(B, Tk)` bool, a key mask (padding): visible only where True.
+        chunk: int scalar $C$ (chunked attention, Llama 4): visible iff
+            $\lfloor n_i / C \rfloor = \lfloor j / C \rfloor$.
     """
 
     q_index: Array
@@ -123,6 +127,7 @@ class MaskRule(NamedTuple):
     k_seg: Array | None = None
     window_right: Array | None = None
     k_valid: Array | None = None
+    chunk: Array | None = None
 
     def block(self, q_sl, kj, num_keys, k_sl=(None, None)):
         """`(B, bq, bk)` visibility of the queries `q_sl` (a slice of this
@@ -143,6 +148,8 @@ class MaskRule(NamedTuple):
             vis = vis & (qseg[..., None] == kseg[:, None, :])
         if kval is not None:
             vis = vis & kval[:, None, :]
+        if self.chunk is not None:
+            vis = vis & (qi[..., None] // self.chunk == k // self.chunk)
         return vis
 
     def full(self, num_keys):
@@ -477,6 +484,7 @@ def chunked_attention(
         None if rule.k_seg is None else _pad(rule.k_seg, 1, Tkp, -2),
         rule.window_right,
         None if rule.k_valid is None else _pad(rule.k_valid, 1, Tkp, False),
+        rule.chunk,
     )
     if bias is not None:
         bias = _pad(_pad(bias, 3, Tqp), 4, Tkp)

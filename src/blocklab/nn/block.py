@@ -18,6 +18,7 @@ from .config import PLACEMENTS, BlockConfig, as_config
 from .ffn import FeedForward
 from .functional import dropout
 from .hooks import Hooks, at, scope
+from .mask import Mask
 from .normalization import LayerNorm, RMSNorm, check_float_input, make_norm
 
 __all__ = ["TransformerBlock", "BlockTrace", "BlockConfig", "PLACEMENTS"]
@@ -71,8 +72,9 @@ class TransformerBlock(eqx.Module):
     $c$ (`cross_attn`, never RoPE nor window), under the same placement with
     its own norm `norm_cross` (`out_norm_cross` in `"sandwich"`):
     pre-norm reads $x \leftarrow x + F_\times(N_\times(x))$.
-    Without a causal `valid_lens` the self-attention is bidirectional (an
-    encoder's block): every query sees every (unmasked) key.
+    Without a causal mask (`Mask.causal()`, or causal `valid_lens`) the
+    self-attention is bidirectional (an encoder's block): every query sees
+    every (unmasked) key.
 
     The defaults (pre-norm, RMSNorm, SwiGLU, no bias) are the modern open-weights
     block; `norm="layer", act="gelu", placement="post", bias=True` is the 2017
@@ -127,7 +129,7 @@ class TransformerBlock(eqx.Module):
                 for the factories).
             num_heads: attention (query) heads $H$.
             attn_factory: `attn_factory(key=...)` returns the attention module,
-                called as `attn(x, valid_lens, key=...)` (and `positions=` when
+                called as `attn(x, mask, key=...)` (and `positions=` when
                 the block is given positions); replaces the default.
             ffn_factory: `ffn_factory(key=...)` returns the FFN module, called as
                 `ffn(x, key=...)`, or `ffn.trace(x, key=...)` when it has a
@@ -235,10 +237,9 @@ class TransformerBlock(eqx.Module):
     def trace(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
         **inputs: Any,
@@ -251,15 +252,14 @@ class TransformerBlock(eqx.Module):
         `attention_impl` (`__call__` uses the chosen implementation).
         """
         return self._run(
-            x, valid_lens, positions, segment_ids, key, traced=True, hooks=hooks,
-            **inputs,
+            x, mask, positions, key, traced=True, hooks=hooks, **inputs
         )  # fmt: skip
 
-    def _cross_inputs(self, owner, context, context_lens, context_mask, kv=None):
+    def _cross_inputs(self, owner, context, cross_mask, kv=None):
         """The cross-attention's keywords, checked against the block's kind."""
         given = context is not None or kv is not None
         if self.cross_attn is None:
-            if given or context_lens is not None or context_mask is not None:
+            if given or cross_mask is not None:
                 raise ConfigError(
                     f"{owner}: context (encoder states) was given to a block "
                     "without cross-attention; build it with cross_attention=True."
@@ -271,15 +271,11 @@ class TransformerBlock(eqx.Module):
                 "and needs the encoder states: pass context=(..., Tk, "
                 f"num_hiddens={self.num_hiddens}) (or its cached kv when decoding)."
             )
-        return dict(
-            context=context, context_lens=context_lens, context_mask=context_mask,
-            kv=kv,
-        )  # fmt: skip
+        return dict(context=context, mask=cross_mask, kv=kv)
 
     def _run(
-        self, x, valid_lens, positions, segment_ids, key, traced, hooks=None, *,
-        key_mask=None, score_bias=None, context=None, context_lens=None,
-        context_mask=None,
+        self, x, mask, positions, key, traced, hooks=None, *, score_bias=None,
+        context=None, cross_mask=None,
     ):  # fmt: skip
         check_float_input(x, "TransformerBlock")  # also refuses a Python list
         if x.ndim < 2 or x.shape[-1] != self.num_hiddens:
@@ -288,9 +284,7 @@ class TransformerBlock(eqx.Module):
                 f"num_hiddens={self.num_hiddens}) (or a batch (..., T, "
                 f"num_hiddens)), got x.shape={tuple(x.shape)}."
             )
-        cross = self._cross_inputs(
-            "TransformerBlock", context, context_lens, context_mask
-        )
+        cross = self._cross_inputs("TransformerBlock", context, cross_mask)
         if key is None:
             k_attn = k_drop1 = k_drop2 = k_ffn = k_cross = k_drop_x = None
         else:
@@ -301,10 +295,6 @@ class TransformerBlock(eqx.Module):
             k_cross, k_drop_x = jax.random.fold_in(key, 4), jax.random.fold_in(key, 5)
         attn_trace = ffn_trace = cross_out = None
         extra = {} if positions is None else {"positions": positions}
-        if segment_ids is not None:
-            extra["segment_ids"] = segment_ids
-        if key_mask is not None:
-            extra["key_mask"] = key_mask
         if score_bias is not None:
             extra["score_bias"] = score_bias
 
@@ -314,11 +304,9 @@ class TransformerBlock(eqx.Module):
         def attend(y):
             nonlocal attn_trace
             if traced and hasattr(self.attention, "trace"):
-                attn_trace = self.attention.trace(
-                    y, valid_lens, key=k_attn, **attn_extra
-                )
+                attn_trace = self.attention.trace(y, mask, key=k_attn, **attn_extra)
                 return attn_trace.output
-            return self.attention(y, valid_lens, key=k_attn, **attn_extra)
+            return self.attention(y, mask, key=k_attn, **attn_extra)
 
         def feed(y):
             nonlocal ffn_trace
@@ -350,17 +338,14 @@ class TransformerBlock(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
-        key_mask: ArrayLike | None = None,
         score_bias: ArrayLike | None = None,
         context: Float[Array, "*cbatch Tk dc"] | None = None,
-        context_lens: ArrayLike | None = None,
-        context_mask: ArrayLike | None = None,
+        cross_mask: Mask | None = None,
     ) -> Float[Array, "*batch T d"]:
         r"""Apply the block to one sequence, or to each of a batch.
 
@@ -369,7 +354,9 @@ class TransformerBlock(eqx.Module):
                 floating dtype. A batch gives the same values as `jax.vmap`,
                 computed as one matrix product per projection
                 (`blocklab.nn.functional.linear`).
-            valid_lens: `None`, or integer lengths broadcastable to
+            mask: the self-attention's `Mask` (causal, lengths, key padding,
+                segments, chunks, ...; `blocklab.nn.mask`), `None`, or the
+                chapter's `valid_lens`: integer lengths broadcastable to
                 `x.shape[:-1]` = `(..., T)`: a scalar, `(T,)` per-query lengths
                 (`jnp.arange(1, T + 1)` is causal), `(B, 1)` per sequence,
                 `(1, T)` or `(B, T)` per query; a 1-D array on a batch with
@@ -378,19 +365,14 @@ class TransformerBlock(eqx.Module):
                 positions never leak.
             positions: integer positions for RoPE (default `arange(T)`),
                 forwarded to the attention only when given.
-            segment_ids: packed sequences (`(T,)` or `x.shape[:-1]`
-                integers): a token attends only within its segment; forwarded
-                to the attention only when given.
             key: enables dropout; `None` is deterministic (evaluation).
-            key_mask: a boolean key mask `(T,)` or `(..., T)` (padding of an
-                encoder's batch), forwarded to the self-attention.
             score_bias: additive `(H, T, T)` (or with the batch's axes)
                 scores of the self-attention (T5's relative positions).
             context: the encoder states `(..., Tk, num_hiddens)` the
                 cross-attention reads (needed by, and only by, a block with
                 `cross_attention=True`).
-            context_lens, context_mask: the encoder's valid lengths (one per
-                sequence) or key mask `(..., Tk)`.
+            cross_mask: the cross-attention's `Mask` over the encoder's
+                keys (`Mask.padding(m)`, `m` `(..., Tk)`), or `None`.
             hooks: records and edits the block's activation sites
                 (`blocklab.nn.hooks`, `blocklab.interp`; TransformerLens's
                 names): `hook_resid_pre` (the input), `ln1.hook_normalized`,
@@ -413,9 +395,8 @@ class TransformerBlock(eqx.Module):
             The shape and dtype of `x`.
         """
         out = self._run(
-            x, valid_lens, positions, segment_ids, key, traced=False, hooks=hooks,
-            key_mask=key_mask, score_bias=score_bias, context=context,
-            context_lens=context_lens, context_mask=context_mask,
+            x, mask, positions, key, traced=False, hooks=hooks,
+            score_bias=score_bias, context=context, cross_mask=cross_mask,
         )  # fmt: skip
         return out.output
 
@@ -429,8 +410,7 @@ class TransformerBlock(eqx.Module):
         hooks: Hooks | None = None,
         score_bias: ArrayLike | None = None,
         cross_kv: Any = None,
-        context_lens: ArrayLike | None = None,
-        context_mask: ArrayLike | None = None,
+        cross_mask: Mask | None = None,
     ) -> tuple[Float[Array, "*batch Tq d"], Any]:
         """Apply the block to new tokens against the attention's key/value cache.
 
@@ -453,7 +433,7 @@ class TransformerBlock(eqx.Module):
                 indices, `(H, Tq, max_len)` or with the batch's axes.
             cross_kv: a cross-attention block's cached encoder keys and
                 values (`cross_attn.cross_kv(context)`, computed once).
-            context_lens, context_mask: the encoder's lengths or key mask.
+            cross_mask: the cross-attention's `Mask` (the encoder's padding).
 
         Returns:
             `(output, new_cache)`: the shape and dtype of `x`, and the cache
@@ -470,9 +450,7 @@ class TransformerBlock(eqx.Module):
         if score_bias is not None:
             attn_extra["score_bias"] = score_bias
         ffn_extra = _hooks_for(self.ffn, hooks, "mlp")
-        cross = self._cross_inputs(
-            "TransformerBlock.step", None, context_lens, context_mask, cross_kv
-        )
+        cross = self._cross_inputs("TransformerBlock.step", None, cross_mask, cross_kv)
 
         def attend(y):
             out, written = self.attention.step(

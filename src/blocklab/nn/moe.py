@@ -394,10 +394,10 @@ def _is_moe_trace(tr: Any) -> bool:
     return isinstance(tr, MoETrace)
 
 
-def _block_moe_trace(block: Any, h: Array, valid_lens: Any, positions: Any, key: Any):
+def _block_moe_trace(block: Any, h: Array, mask: Any, positions: Any, key: Any):
     """One block's output and its FFN's `MoETrace` (`BlockTrace.ffn_trace`)."""
     extra = {} if positions is None else {"positions": positions}
-    tr = block.trace(h, valid_lens, key=key, **extra)
+    tr = block.trace(h, mask, key=key, **extra)
     ffn_trace = getattr(tr, "ffn_trace", None)
     if not _is_moe_trace(ffn_trace):
         raise ConfigError(
@@ -415,7 +415,7 @@ def _stats_of(tr: MoETrace) -> MoEStats:
 def stack_moe_stats(
     stack: Any,
     x: Float[Array, "*batch T d"],
-    valid_lens: Any = None,
+    mask: Any = None,
     *,
     positions: Any = None,
     key: PRNGKeyArray | None = None,
@@ -430,11 +430,11 @@ def stack_moe_stats(
     """
 
     def collect(block, h, k):
-        out, tr = _block_moe_trace(block, h, valid_lens, positions, k)
+        out, tr = _block_moe_trace(block, h, mask, positions, k)
         return out, _stats_of(tr)
 
     extra = {} if positions is None else {"positions": positions}
-    return stack.scan(x, valid_lens, key=key, collect=collect, **extra)
+    return stack.scan(x, mask, key=key, collect=collect, **extra)
 
 
 class _Sink:
@@ -454,10 +454,8 @@ class _RecordingStack(eqx.Module):
     stack: Any
     sink: _Sink = eqx.field(static=True)
 
-    def __call__(self, x, valid_lens=None, *, positions=None, key=None):
-        h, stats = stack_moe_stats(
-            self.stack, x, valid_lens, positions=positions, key=key
-        )
+    def __call__(self, x, mask=None, *, positions=None, key=None):
+        h, stats = stack_moe_stats(self.stack, x, mask, positions=positions, key=key)
         self.sink.items.append(stats)
         return h
 

@@ -16,6 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from .._validate import ConfigError, check_key
 from .hooks import Hooks
 from .kv_cache import write_cache
+from .mask import Mask
 from .remat import NamedSites, check_remat, nested_groups, parse_remat
 
 __all__ = ["PerLayer", "Stack"]
@@ -103,7 +104,7 @@ class Stack(eqx.Module):
     ):
         """Args:
         make_block: `make_block(key)` returns one block, called as
-            `block(x, valid_lens, key=...)`.
+            `block(x, mask, key=...)`.
         num_blks: depth N >= 1.
         remat: what the backward pass keeps (`blocklab.nn.remat`): `False`
             or `"none"` keeps every activation; `True` or `"full"`
@@ -185,10 +186,9 @@ class Stack(eqx.Module):
     def scan(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         collect: Callable[[Any, Array, Array | None], Any] | None = None,
         hooks: Hooks | None = None,
@@ -198,10 +198,10 @@ class Stack(eqx.Module):
         """Run the stack, optionally collecting per-block values out of the scan.
 
         Args:
-            x, valid_lens, positions, segment_ids, key, hooks: as for `__call__`.
+            x, mask, positions, key, hooks: as for `__call__`.
             layer_inputs, inputs: as for `__call__`.
             collect: `collect(block, h, key) -> (h_next, stats)`, applied instead
-                of `block(h, valid_lens, key=key)`; `stats` (any pytree) is
+                of `block(h, mask, key=key)`; `stats` (any pytree) is
                 stacked over the blocks. `None` collects nothing. Not with
                 `hooks` or `layer_inputs`.
 
@@ -211,8 +211,6 @@ class Stack(eqx.Module):
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         keys = None if key is None else jax.random.split(key, self.num_blks)
         extra = {} if positions is None else {"positions": positions}
-        if segment_ids is not None:
-            extra["segment_ids"] = segment_ids
         extra.update({k: v for k, v in inputs.items() if v is not None})
         if hooks is not None and collect is not None:
             raise ConfigError("Stack.scan: pass collect or hooks, not both.")
@@ -235,10 +233,10 @@ class Stack(eqx.Module):
             if hooks is not None or named:
                 mine = None if hooks is None else hooks.stacked(i)
                 mine = NamedSites(mine, seen) if named else mine
-                out = blk(h, valid_lens, key=k, hooks=mine, **kw)
+                out = blk(h, mask, key=k, hooks=mine, **kw)
                 return out, (None if hooks is None else mine.values)
             if collect is None:
-                return blk(h, valid_lens, key=k, **kw), None
+                return blk(h, mask, key=k, **kw), None
             return collect(blk, h, k)
 
         h, stats = _remat_scan(
@@ -259,10 +257,9 @@ class Stack(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch T d"],
-        valid_lens: Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
+        mask: Mask | Int[ArrayLike, ""] | Int[ArrayLike, "*#batch #T"] | None = None,
         *,
         positions: Int[ArrayLike, "*#batch #T"] | None = None,
-        segment_ids: Int[ArrayLike, "*#batch T"] | None = None,
         key: PRNGKeyArray | None = None,
         hooks: Hooks | None = None,
         layer_inputs: Mapping[str, Any] | None = None,
@@ -270,10 +267,11 @@ class Stack(eqx.Module):
     ) -> Float[Array, "*batch T d"]:
         """Apply the N blocks in order to a sequence `x` of shape `(T, d)` (or a batch).
 
-        `valid_lens` is passed to every block, and `positions` (RoPE) and
-        `segment_ids` (packed sequences) too when given, and so are the
-        other block inputs given as keywords (`inputs`, e.g. `key_mask`,
-        `score_bias`, an encoder's `context`: the same for every block,
+        `mask` (a `blocklab.nn.mask.Mask`, built once by the model, or the
+        chapter's `valid_lens`) is passed to every block, and `positions`
+        (RoPE) too when given, and so are the other block inputs given as
+        keywords (`inputs`, e.g. `score_bias`, an encoder's `context` and
+        its `cross_mask`: the same for every block,
         not scanned over). `layer_inputs` maps block keywords to inputs
         that differ per block, scanned with the blocks: a pytree whose
         arrays have a leading axis of size N (block i gets slice i), or a
@@ -284,8 +282,8 @@ class Stack(eqx.Module):
         out of the scan stacked over the blocks, `(N, ...)`.
         """
         return self.scan(
-            x, valid_lens, positions=positions, segment_ids=segment_ids, key=key,
-            hooks=hooks, layer_inputs=layer_inputs, **inputs,
+            x, mask, positions=positions, key=key, hooks=hooks,
+            layer_inputs=layer_inputs, **inputs,
         )[0]  # fmt: skip
 
     def step(
@@ -318,7 +316,7 @@ class Stack(eqx.Module):
             layer_inputs: keywords of `TransformerBlock.step` that differ per
                 block, scanned with them (as for `__call__`).
             inputs: other keywords of `TransformerBlock.step`, the same for
-                every block (`context_lens`, `score_bias`, ...).
+                every block (`cross_mask`, `score_bias`, ...).
 
         Returns:
             `(h_N, new_caches)`, the caches stacked as they came in.
