@@ -39,7 +39,7 @@ from ..nn.remat import with_remat
 from . import mesh_training, placement
 from .hyperparams import check_values, climbs
 from .loop import run_chunks
-from .run_config import RunConfig, run_with
+from .run_config import RunConfig, _run_with
 from .sources import HostSource
 from .step import (
     TrainState,
@@ -210,7 +210,7 @@ def _train(
     owner: str,
 ) -> TrainResult:
     """`train_model` with the caller's name (`owner`) in its messages."""
-    run = run_with(owner, run, {})
+    run = _run_with(owner, run, {})
     batch_size, precision = run.batch_size, run.precision
     steps_per_call, progress = run.steps_per_call, run.progress
     mesh, rules, microbatches, remat = run.mesh, run.rules, run.microbatches, run.remat
@@ -388,7 +388,7 @@ def train_lm(
             f"train_lm: data must be a token dataset (TimeMachine, TokenDataset), "
             f"got {type(data).__name__}; use blocklab.train_model for other sources."
         )
-    run = run_with("train_lm", run, options)
+    run = _run_with("train_lm", run, options)
     return _train(
         model, data, optimizer, num_steps, key=key, loss_fn=None, state=state,
         run=run, owner="train_lm",

@@ -143,7 +143,7 @@ def _check_run(owner: str, run: Any) -> RunConfig:
     return run
 
 
-def run_with(owner: str, run: Any, options: Mapping[str, Any]) -> RunConfig:
+def _run_with(owner: str, run: Any, options: Mapping[str, Any]) -> RunConfig:
     """`dataclasses.replace(run, **options)`, refusing a name that is no field."""
     run = _check_run(owner, run)
     fields = [f.name for f in dataclasses.fields(RunConfig)]

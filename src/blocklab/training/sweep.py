@@ -109,7 +109,7 @@ from .member_axis import (
 from .mesh_training import shard_step, state_shardings
 from .placement import auto_mesh, on_mesh
 from .run import TrainResult
-from .run_config import RunConfig, SweepConfig, run_with
+from .run_config import RunConfig, SweepConfig, _run_with
 from .sources import HostSource
 from .step import (
     TrainState,
@@ -522,7 +522,7 @@ def train_sweep(
             axes besides `"members"`.
     """
     owner = "train_sweep"
-    run = run_with(owner, run, {})
+    run = _run_with(owner, run, {})
     if not isinstance(sweep, SweepConfig):
         raise ConfigError(
             f"{owner}: sweep must be a blocklab.SweepConfig (e.g. SweepConfig("
