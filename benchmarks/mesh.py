@@ -2,7 +2,8 @@
 
 1. **FSDP overhead.** The training step of a Llama-like `DecoderLM` (AdamW,
    float32) at one global batch, timed on 1 device (`train_model` without a
-   mesh) and on 8 devices under `rules="fsdp"` (`train_model(mesh=...)`:
+   mesh) and on 8 devices under `rules="fsdp"` (`train_model(...,
+   run=RunConfig(mesh=...))`:
    parameters and Adam state split 8 ways, gathered per use, gradients
    reduce-scattered), in the same process, alternately. On a CPU the 8
    devices are simulated (`--xla_force_host_platform_device_count=8`, the
