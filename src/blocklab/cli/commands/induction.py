@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     if args.seeds is not None:
-        check_seeds("blocklab induction", "--seeds", args.seeds)
+        check_seeds(args.seeds, name="--seeds", _owner="blocklab induction")
     check_int("blocklab induction", "--steps", args.steps, min=1, optional=True)
 
 

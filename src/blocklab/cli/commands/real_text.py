@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     owner = "blocklab real-text"
     if args.seeds is not None:
-        check_seeds(owner, "--seeds", args.seeds)
+        check_seeds(args.seeds, name="--seeds", _owner=owner)
     check_int(owner, "--steps", args.steps, min=1, optional=True)
     if args.prompt is not None:
         study.RealTextProtocol("check", 1, prompt=args.prompt)
