@@ -308,6 +308,19 @@ def as_mask(mask: Any, owner: str = "mask") -> Mask | None:
     )
 
 
+def _fits_last_axis(arr, shape) -> bool:
+    """Whether `arr` is `(T,)` or broadcasts to `shape` = `(..., T)` with its
+    last axis `T` (the shape rule of segment ids and key masks)."""
+    try:
+        return bool(
+            arr.ndim >= 1
+            and arr.shape[-1] == shape[-1]
+            and np.broadcast_shapes(arr.shape, tuple(shape)) == tuple(shape)
+        )
+    except ValueError:
+        return False
+
+
 def check_segment_ids(owner: str, ids, shape) -> Array:
     """Segment ids checked (integers; shape `(T,)` or broadcasting to
     `shape` = `(..., T)` with last axis `T`), broadcast to `shape`, and
@@ -330,15 +343,7 @@ def check_segment_ids(owner: str, ids, shape) -> Array:
             f"{owner}: segment_ids must have an integer dtype, got dtype "
             f"{seg.dtype}; convert it with .astype(int)."
         )
-    try:
-        ok = (
-            seg.ndim >= 1
-            and seg.shape[-1] == shape[-1]
-            and (np.broadcast_shapes(seg.shape, tuple(shape)) == tuple(shape))
-        )
-    except ValueError:
-        ok = False
-    if not ok:
+    if not _fits_last_axis(seg, shape):
         raise ConfigError(
             f"{owner}: segment_ids must have shape (T,) = ({shape[-1]},) or "
             f"x.shape[:-1] = {tuple(shape)}, got shape {tuple(seg.shape)}."
@@ -358,15 +363,7 @@ def check_key_mask(owner: str, name: str, mask, shape) -> Array:
             f"{owner}: {name} must be a boolean array (True = visible key) of "
             f"shape (T,) = ({shape[-1]},) or {tuple(shape)}, got dtype {arr.dtype}."
         )
-    try:
-        ok = (
-            arr.ndim >= 1
-            and arr.shape[-1] == shape[-1]
-            and np.broadcast_shapes(arr.shape, tuple(shape)) == tuple(shape)
-        )
-    except ValueError:
-        ok = False
-    if not ok:
+    if not _fits_last_axis(arr, shape):
         raise ConfigError(
             f"{owner}: {name} must have shape (T,) = ({shape[-1]},) or a shape "
             f"broadcasting to {tuple(shape)}, got shape {tuple(arr.shape)}."
