@@ -243,16 +243,7 @@ def capture_generate(
             f"{_OWNER}: prompt must be token ids, got a {type(prompt).__name__}; "
             "tokenize it first."
         )
-    prompt = jnp.asarray(prompt)
-    if not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ConfigError(
-            f"{_OWNER}: prompt must be integer token ids, got dtype {prompt.dtype}."
-        )
-    if prompt.ndim not in (1, 2) or prompt.shape[-1] < 1:
-        raise ConfigError(
-            f"{_OWNER}: prompt must be one prompt (T,) or a batch (B, T) of equal "
-            f"length with T >= 1, got shape {tuple(prompt.shape)}."
-        )
+    prompt = _cache._prompt_ids(_OWNER, "prompt", prompt, batch=" of equal length")
     prompt = check_ids(_OWNER, "prompt", prompt, vocab, what="vocab_size")
     T = prompt.shape[-1]
     S = check_int(_OWNER, "max_new_tokens", max_new_tokens, min=0)

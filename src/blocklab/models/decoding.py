@@ -108,6 +108,23 @@ def model_limits(model: Any) -> tuple[int, int]:
     return int(cfg.vocab_size), int(cfg.max_len)
 
 
+def _prompt_ids(owner: str, name: str, prompt: Any, *, batch: str = "") -> Array:
+    """`prompt` as an array of integer token ids of shape `(T,)` or `(B, T)`
+    with `T >= 1`, refused as `owner`'s argument `name` otherwise; `batch`
+    is said after `(B, T)` in the message (`generate`, `capture_generate`)."""
+    ids = jnp.asarray(prompt)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ConfigError(
+            f"{owner}: {name} must be integer token ids, got dtype {ids.dtype}."
+        )
+    if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
+        raise ConfigError(
+            f"{owner}: {name} must be one prompt (T,) or a batch (B, T){batch} "
+            f"with T >= 1, got shape {tuple(ids.shape)}."
+        )
+    return ids
+
+
 def _embed(
     model: Any, ids: Array, positions: Array, hooks: Hooks | None = None
 ) -> Array:

@@ -178,16 +178,7 @@ def generate(
             f"EncoderDecoderLM, got {type(model).__name__}."
         )
     vocab, max_len = _cache.model_limits(model)
-    ids = jnp.asarray(inputs)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ConfigError(
-            f"{_OWNER}: ids must be integer token ids, got dtype {ids.dtype}."
-        )
-    if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
-        raise ConfigError(
-            f"{_OWNER}: ids must be one prompt (T,) or a batch (B, T) with T >= 1, "
-            f"got shape {tuple(ids.shape)}."
-        )
+    ids = _cache._prompt_ids(_OWNER, "ids", inputs)
     T = ids.shape[-1]
     max_new = check_int(_OWNER, "max_new_tokens", max_new_tokens, min=0)
     if T > max_len:
