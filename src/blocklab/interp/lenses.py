@@ -120,6 +120,14 @@ def _resid_spec(model: Any, inputs: Any, owner: str, kwargs=None):
     return spec
 
 
+def _lens_args(owner: str, model: Any, ids: Any, k: Any, kwargs):
+    """The checks every lens starts with, in order: the model has an
+    unembedding, `k >= 1`; returns `k` and the stacked stream's `_resid_spec`."""
+    _check_unembedding(model, owner)
+    k = check_int(owner, "k", k, min=1)
+    return k, _resid_spec(model, ids, owner, kwargs)
+
+
 def _check_target(owner: str, target: Any, lead: tuple[int, ...], vocab: int | None):
     if target is None:
         return None
@@ -223,9 +231,7 @@ def logit_lens(
         A `LensResult`, every field with a leading layer axis `L`.
     """
     owner = "logit_lens"
-    _check_unembedding(model, owner)
-    k = check_int(owner, "k", k, min=1)
-    spec = _resid_spec(model, ids, owner, kwargs)
+    k, spec = _lens_args(owner, model, ids, k, kwargs)
     target = _check_target(owner, target, tuple(spec.shape[1:-1]), _vocab(model))
     return _lens(model, ids, None, k, target, bool(logits), kwargs)
 
@@ -451,9 +457,7 @@ def jacobian_lens(
         A `LensResult`, every field with a leading layer axis `L`.
     """
     owner = "jacobian_lens"
-    _check_unembedding(model, owner)
-    k = check_int(owner, "k", k, min=1)
-    spec = _resid_spec(model, ids, owner, kwargs)
+    k, spec = _lens_args(owner, model, ids, k, kwargs)
     jac = _check_lens(owner, jac, spec.shape[0], spec.shape[-1])
     target = _check_target(owner, target, tuple(spec.shape[1:-1]), _vocab(model))
     return _lens(model, ids, jac, k, target, bool(logits), kwargs)
