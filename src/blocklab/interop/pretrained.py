@@ -170,13 +170,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
             "transformers' save_pretrained writes it) holds config.json and "
             "model.safetensors (or shards with model.safetensors.index.json)."
         )
-    try:
-        raw = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{owner}: {file} is not JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{owner}: {file} is not a JSON object.")
-    return _standardize(raw)
+    return _standardize(_json_object(owner, file, error=CheckpointError))
 
 
 def _standardize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -804,13 +798,17 @@ def _token_id(owner: str, where: str, name: str, value: Any, vocab: int) -> Any:
     return one(value)
 
 
-def _json_object(owner: str, file: Path, name: str) -> dict[str, Any]:
+def _json_object(
+    owner: str, file: Path, name: str | None = None, error: type = ConfigError
+) -> dict[str, Any]:
+    """The JSON object in `file`, or `error` naming `owner` (and `name`)."""
+    where = f"{owner}: {name}: " if name is not None else f"{owner}: "
     try:
         raw = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{owner}: {name}: {file} is not JSON: {err}") from None
+        raise error(f"{where}{file} is not JSON: {err}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{owner}: {name}: {file} is not a JSON object.")
+        raise error(f"{where}{file} is not a JSON object.")
     return raw
 
 
