@@ -620,7 +620,8 @@ def test_old_obscure_errors_name_the_argument_and_the_fix():
     with pytest.raises(
         ConfigError, match=r"train_sweep: model_keys must be int seeds .*float"
     ):
-        inspect.unwrap(key_data)(np.array([0.5, 1.0]), "train_sweep", "model_keys")
+        key = np.array([0.5, 1.0])
+        inspect.unwrap(key_data)(key, "model_keys", _owner="train_sweep")
 
 
 @pytest.mark.parametrize("jit", [jax.jit, eqx.filter_jit])
