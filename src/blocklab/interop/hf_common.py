@@ -1015,6 +1015,3 @@ def stack_rules(
         for n in (("weight", "bias") if biased else ("weight",))
     ]
 
-
-#: The former name of `Family` (kept while callers move; not exported).
-HFFamily = Family

@@ -33,7 +33,7 @@ import numpy as np
 from .._io import atomic_dir
 from .._validate import ConfigError, check_bool
 from ..nn.lora import LORA_TARGETS, LoRALinear, _add, lora_config, lora_layers
-from .hf_common import HFFamily, resolve_family
+from .hf_common import Family, resolve_family
 
 __all__ = ["save_adapter", "load_adapter"]
 
@@ -59,7 +59,7 @@ _OFF = {
 }
 
 
-def _modules(fam: HFFamily, cfg: Any) -> dict[str, tuple[str, str]]:
+def _modules(fam: Family, cfg: Any) -> dict[str, tuple[str, str]]:
     """Hugging Face module path within a layer (`"self_attn.q_proj"`) ->
     (blocklab target name, rule layout) for the adaptable modules."""
     by_tail = {tail: name for name, tail in LORA_TARGETS.items()}
@@ -75,7 +75,7 @@ def _modules(fam: HFFamily, cfg: Any) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _family(owner: str, model: Any, family: str | None) -> HFFamily:
+def _family(owner: str, model: Any, family: str | None) -> Family:
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "stack"):
         raise ConfigError(
