@@ -85,10 +85,7 @@ sampled = blocklab.generate(
     prompts,
     NEW,
     key=jax.random.key(0),
-    temperature=0.8,
-    top_k=20,
-    top_p=0.9,
-    eos_id=1,
+    config=blocklab.GenerationConfig(temperature=0.8, top_k=20, top_p=0.9, eos_id=1),
     lengths=lengths,
 )
 print("sampled (temperature 0.8, top-k 20, top-p 0.9, eos 1):")
