@@ -1014,4 +1014,3 @@ def stack_rules(
         for hf, ours, biased in layer
         for n in (("weight", "bias") if biased else ("weight",))
     ]
-
