@@ -314,7 +314,7 @@ def _generate(
     width = T + max_new
     col = jnp.arange(width)
     hooks = fresh(selection)
-    first, state = start(model, ids, lengths, max(width, 1), unroll, hooks)
+    first, state = start(model, ids, lengths, width, unroll, hooks)
     prefill = None if hooks is None else hooks.values
     out = jnp.where(col < lengths[:, None], jnp.pad(ids, ((0, 0), (0, max_new))), pad)
     out = out.astype(jnp.int32)
@@ -329,8 +329,6 @@ def _generate(
         )
         at = lengths[:, None] + jnp.arange(max_new)
         out = out.at[jnp.arange(B)[:, None], at].set(new)
-    elif selection is not None:
-        steps = {}
     if selection is None:
         return out
     return out, prefill, steps
